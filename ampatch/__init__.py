@@ -1,0 +1,229 @@
+"""ampatch: automatic mixed precision for PyTorch in the style of Apex's `amp`.
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+
+This module is the public API and nothing else; each function delegates to the current
+`Session` (see session.py). DESIGN.md is the contract.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import levels
+from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
+from .patching import disable_casts as _disable_casts
+from .policy import user as _user_policy
+from .session import Session
+from .telemetry import Report
+
+__version__ = "0.1.0"
+__all__ = [
+    "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "loss_scale",
+    "deinitialize", "disable_casts", "register_half_function", "register_float_function",
+    "register_promote_function", "register_bfloat16_function", "half_function", "float_function",
+    "promote_function", "bfloat16_function", "report",
+]
+
+logger = logging.getLogger("ampatch")
+logger.addHandler(logging.NullHandler())
+
+
+class _Current:
+    """Holds the one live session (a single reference, not scattered globals)."""
+
+    session: Session | None = None
+
+
+def _session(what: str) -> Session:
+    s = _Current.session
+    if s is None:
+        raise RuntimeError(f"amp.{what}() was called before amp.initialize(); call "
+                           "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first.")
+    return s
+
+
+def _as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:
+    if isinstance(x, (list, tuple)):
+        items, single = list(x), False
+    else:
+        items, single = [x], True
+    for item in items:
+        if what == "models" and isinstance(item, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            raise RuntimeError(f"amp.initialize got a model already wrapped in {type(item).__name__}; call "
+                               "amp.initialize on the bare model first, then wrap the model it returns.")
+        if not isinstance(item, kind):
+            raise TypeError(f"amp.initialize expects {what} to be {kind.__name__} objects (or a list of them), "
+                            f"got {type(item).__name__}.")
+    return items, single
+
+
+def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_level: str = "O1",
+               cast_model_type: Any = None, patch_torch_functions: Any = None, keep_batchnorm_fp32: Any = None,
+               master_weights: Any = None, loss_scale: Any = None, cast_model_outputs: Any = None,
+               num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
+               max_loss_scale: float = 2.0 ** 24, half_dtype: Any = None, allow_banned: bool = False,
+               patch_torch_functions_type: Any = None, process_group: Any = None) -> Any:
+    """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
+
+    Returns the models and optimizers in the shape they came in (only the models when no
+    optimizers are given). Calling it again first undoes the previous session.
+    """
+    model_list, single_model = _as_list(models, "models", nn.Module)
+    if optimizers is None:
+        opt_list, single_opt = [], True
+    else:
+        opt_list, single_opt = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    if patch_torch_functions_type is not None:
+        if half_dtype is not None and levels.parse_dtype(half_dtype, "half_dtype") != levels.parse_dtype(
+                patch_torch_functions_type, "patch_torch_functions_type"):
+            raise ValueError("half_dtype and patch_torch_functions_type (its ROCm Apex alias) disagree; pass one.")
+        half_dtype = patch_torch_functions_type
+    if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
+        raise ValueError(f"num_losses must be a positive int, got {num_losses!r}.")
+    if not isinstance(verbosity, int):
+        raise TypeError(f"verbosity must be an int (0 silences ampatch), got {verbosity!r}.")
+    for name, value in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{name} must be a positive number, got {value!r}.")
+    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+        raise ValueError(f"min_loss_scale={min_loss_scale} exceeds max_loss_scale={max_loss_scale}.")
+    device = next((p.device for m in model_list for p in m.parameters()), None)
+    props = levels.resolve(opt_level, device=device, enabled=enabled, half_dtype=half_dtype,
+                           cast_model_outputs=cast_model_outputs, cast_model_type=cast_model_type,
+                           patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
+                           master_weights=master_weights, loss_scale=loss_scale)
+    if not isinstance(allow_banned, bool):
+        raise TypeError(f"allow_banned must be True or False, got {allow_banned!r}.")
+    logger.setLevel(logging.ERROR if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG)
+
+    deinitialize()
+    session = Session(props, num_losses=num_losses, min_loss_scale=min_loss_scale,
+                      max_loss_scale=float(max_loss_scale), allow_banned=allow_banned,
+                      verbosity=verbosity, process_group=process_group)
+    try:
+        session.setup(model_list, opt_list)
+    except BaseException:
+        session.close()
+        raise
+    _Current.session = session
+
+    out_models = model_list[0] if single_model else model_list
+    if optimizers is None:
+        return out_models
+    return out_models, (opt_list[0] if single_opt else opt_list)
+
+
+def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
+               delay_unscale: bool = False, delay_overflow_check: bool = False):
+    """Context manager yielding `loss.float() * scale`; on exit grads are unscaled and checked,
+    and on overflow the optimizers' next `step()` is skipped."""
+    return _session("scale_loss").scale_loss(loss, optimizers, loss_id, model, delay_unscale,
+                                             delay_overflow_check)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The params `optimizer` steps (FP32 masters under O2/O5): clip these."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def state_dict(destination: dict | None = None) -> dict[str, dict[str, float | int]]:
+    """Loss-scaler state in Apex's format, plain Python numbers."""
+    sd = _session("state_dict").state_dict()
+    if destination is not None:
+        destination.update(sd)
+        return destination
+    return sd
+
+
+def load_state_dict(state_dict: dict) -> None:
+    """Restore the loss-scaler state saved by `state_dict()`."""
+    _session("load_state_dict").load_state_dict(state_dict)
+
+
+def loss_scale(loss_id: int = 0) -> float:
+    """The current loss scale of `loss_id` (for gradient-penalty recipes)."""
+    s = _session("loss_scale")
+    if not 0 <= loss_id < len(s.scalers):
+        raise ValueError(f"loss_id={loss_id} is out of range for num_losses={len(s.scalers)}.")
+    s.resolve_pending()
+    return s.scalers[loss_id].scale
+
+
+def deinitialize() -> None:
+    """Undo the session: torch's attributes back to the very same objects, models to their
+    original dtypes, optimizers to their own params and methods."""
+    session, _Current.session = _Current.session, None
+    if session is not None:
+        session.close()
+
+
+def report() -> Report:
+    """What the session did: casts per op, cache hits, loss scales, skipped steps, time."""
+    return _session("report").report()
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """No ampatch casting inside the block (this thread only)."""
+    with _disable_casts():
+        yield
+
+
+# ------------------------------------------------------------------ registration
+def _register(module: Any, name: str, kind: str) -> None:
+    _user_policy.register(module, name, kind)
+    if _Current.session is not None:
+        _Current.session.register_now(module, name, kind)
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Cast the floating args of module.name to the half dtype under O1/O4."""
+    _register(module, name, HALF)
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Run module.name in FP32 under O1/O4."""
+    _register(module, name, FLOAT)
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Cast the args of module.name to their widest floating dtype under O1/O4."""
+    _register(module, name, PROMOTE)
+
+
+def register_bfloat16_function(module: Any, name: str) -> None:
+    """Cast the floating args of module.name to bfloat16 under O1/O4."""
+    _register(module, name, BFLOAT16)
+
+
+def _decorator(kind: str) -> Callable[[Callable], Callable]:
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            s = _Current.session
+            if s is None or not s.properties.enabled or not s.properties.patch_torch_functions:
+                return fn(*args, **kwargs)
+            return s.decorated(kind, fn)(fn, None, args, kwargs)
+        return wrapper
+    return decorate
+
+
+half_function = _decorator(HALF)
+half_function.__doc__ = "Decorator: under O1/O4 the function's floating args are cast to half."
+float_function = _decorator(FLOAT)
+float_function.__doc__ = "Decorator: under O1/O4 the function runs in FP32."
+promote_function = _decorator(PROMOTE)
+promote_function.__doc__ = "Decorator: under O1/O4 the function's args are promoted to the widest type."
+bfloat16_function = _decorator(BFLOAT16)
+bfloat16_function.__doc__ = "Decorator: under O1/O4 the function's floating args are cast to bfloat16."

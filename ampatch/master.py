@@ -1,0 +1,294 @@
+"""One optimizer in a session: FP32 master weights, gradient unscaling, skip-on-overflow.
+
+Every optimizer gets an `OptimizerHandle`. Under O2/O5 the half parameters of the model
+are replaced, in the optimizer's param_groups, by FP32 masters made from the FP32 weights
+before the model was cast; FP32 parameters (batch norm, or every parameter at O1) are
+their own masters. Gradient flow per iteration:
+
+- `before_backward` (scale_loss entry): grads that are already unscaled are kept apart
+  (own-master grads are stashed and set to None; fresh model grads of a half param are
+  moved into its master), so the coming backward writes only the new, scaled part;
+- `after_backward` (scale_loss exit): the new grads are unscaled into the masters with one
+  fused kernel that also detects inf/NaN, then the stash is added back;
+- `step`: skipped on overflow (params and state untouched, master grads dropped);
+  otherwise the optimizer runs with casts disabled and masters are copied into the model
+  with foreach ops.
+Model grads of half params are None after they were moved into masters, so master grads
+never leak across steps whichever way the user zeroes.
+"""
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .patching import Patcher, disable_casts
+from .scaler import unscale_
+
+logger = logging.getLogger("ampatch")
+
+MASTERS_KEY = "ampatch_masters"
+
+
+def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
+    """A plain function (so LR schedulers can take `step.__func__`) calling func(inner, ...)."""
+    def method(opt_self: Any, *args: Any, **kwargs: Any) -> Any:
+        return func(inner, *args, **kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"{cls.__name__}.{name}"
+    method.__doc__ = getattr(inner, "__doc__", None)
+    return method
+
+
+class OptimizerHandle:
+    """The session's view of one optimizer; see the module docstring for the flow."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int, session: Any,
+                 cast_param_ids: set[int] | None) -> None:
+        self.optimizer = optimizer
+        self.index = index
+        self.session = session
+        self.use_masters = cast_param_ids is not None
+        self.model_of: dict[int, torch.Tensor] = {}   # id(master) -> half model param
+        self.master_of: dict[int, torch.Tensor] = {}  # id(model param) -> master
+        self.skip_next = False
+        self.pending_scaled = False  # a delay_unscale block left scaled grads
+        self.steps = 0
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_check: list[Callable[[], None]] = []
+        if self.use_masters:
+            for group in optimizer.param_groups:
+                group["params"] = [self._make_master(p) if id(p) in cast_param_ids else p
+                                   for p in group["params"]]
+
+    # ------------------------------------------------------------------ masters
+    def _make_master(self, p: torch.Tensor) -> torch.Tensor:
+        if id(p) in self.master_of:
+            return self.master_of[id(p)]
+        master = nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
+        self.model_of[id(master)] = p
+        self.master_of[id(p)] = master
+        state = self.optimizer.state
+        if p in state:  # state made before initialize now belongs to the master, in FP32
+            state[master] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v)
+                             for k, v in state.pop(p).items()}
+        return master
+
+    def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(model param, master) for every half param with a separate FP32 master."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                mp = self.model_of.get(id(p))
+                if mp is not None:
+                    yield mp, p
+
+    def params(self) -> Iterator[torch.Tensor]:
+        """What the optimizer steps: masters where they exist."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def copy_masters_to_model(self) -> None:
+        pairs = list(self.pairs())
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([mp for mp, _ in pairs], [m for _, m in pairs])
+
+    def resync_from_model(self) -> None:
+        """After `model.load_state_dict`: masters that no longer match the model take its values."""
+        with torch.no_grad():
+            for mp, m in self.pairs():
+                if not torch.equal(mp, m.to(mp.dtype)):
+                    m.copy_(mp)
+
+    def _move_model_grads(self, pairs: list, inv_scale: float, found_inf: torch.Tensor | None,
+                          check: bool) -> torch.Tensor | None:
+        """Model grads -> FP32 master grads (unscaled, added to what is there); model grads -> None."""
+        model_grads, masters = [], []
+        for mp, m in pairs:
+            if mp.grad is not None:
+                model_grads.append(mp.grad)
+                masters.append(m)
+                mp.grad = None
+        if not masters:
+            return found_inf
+        new = [torch.empty_like(m) for m in masters]
+        torch._foreach_copy_(new, model_grads)
+        if check:
+            found_inf = unscale_(new, inv_scale, found_inf)
+        elif inv_scale != 1.0:
+            torch._foreach_mul_(new, inv_scale)
+        existing = [(m.grad, n) for m, n in zip(masters, new) if m.grad is not None]
+        for m, n in zip(masters, new):
+            if m.grad is None:
+                m.grad = n
+        if existing:
+            torch._foreach_add_([g for g, _ in existing], [n for _, n in existing])
+        return found_inf
+
+    # ------------------------------------------------------------------ scale_loss
+    def before_backward(self) -> None:
+        """Keep already-unscaled grads apart from the coming scaled backward."""
+        if self.pending_scaled:
+            return
+        stash = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                mp = self.model_of.get(id(p))
+                if mp is None:
+                    if p.grad is not None:
+                        stash.append((p, p.grad))
+                        p.grad = None
+                elif mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
+                    self._move_model_grads([(mp, p)], 1.0, None, check=False)
+        self._stash = stash
+
+    def after_backward(self, scale: float, found_inf: torch.Tensor | None, delay_unscale: bool) -> torch.Tensor | None:
+        """Unscale the new grads (into masters), check them, add the stash back."""
+        if delay_unscale:
+            self.pending_scaled = True
+            return found_inf
+        self.pending_scaled = False
+        inv = 1.0 / scale
+        own = []
+        for p in self.params():
+            if id(p) not in self.model_of and p.grad is not None:
+                own.append(p.grad)
+        if own:
+            found_inf = unscale_(own, inv, found_inf)
+        found_inf = self._move_model_grads(list(self.pairs()), inv, found_inf, check=True)
+        self.restore_stash()
+        if found_inf is None:
+            found_inf = torch.zeros(())
+        return found_inf
+
+    def restore_stash(self) -> None:
+        """Add the grads kept apart in before_backward back onto the params."""
+        stash, self._stash = self._stash, []
+        add_to, add_from = [], []
+        for p, g in stash:
+            if p.grad is None:
+                p.grad = g
+            else:
+                add_to.append(p.grad)
+                add_from.append(g)
+        if add_to:
+            torch._foreach_add_(add_to, add_from)
+
+    def defer(self, check: Callable[[], None]) -> None:
+        """Run an overflow verdict later (delay_overflow_check): at step() or the next scale_loss."""
+        self._pending_check.append(check)
+
+    def resolve(self) -> None:
+        checks, self._pending_check = self._pending_check, []
+        for check in checks:
+            check()
+
+    # ------------------------------------------------------------------ patched methods
+    def install(self, patcher: Patcher) -> None:
+        """Patch step/zero_grad/add_param_group/state_dict/load_state_dict as bound methods."""
+        opt = self.optimizer
+        for name in ("step", "zero_grad", "add_param_group", "state_dict", "load_state_dict"):
+            inner = getattr(opt, name)  # bound: the class method or an instance override
+            method = _forwarding_method(getattr(self, "_" + name), inner, name, type(opt))
+            patcher.patch(opt, name, types.MethodType(method, opt))
+
+    def _step(self, inner: Callable, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+        session = self.session
+        if closure is not None and (self.use_masters or session.scaling_active(self)):
+            raise NotImplementedError(
+                "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "
+                "backward bypasses scale_loss. Call backward inside `with amp.scale_loss(...)` before "
+                "step(), or use a level without scaling (O0, O3, O4).")
+        if self.pending_scaled:
+            raise RuntimeError("scale_loss(..., delay_unscale=True) left scaled gradients before step(); the "
+                               "last scale_loss of an iteration must use delay_unscale=False.")
+        self.resolve()
+        self.steps += 1
+        if self.skip_next:
+            self.skip_next = False
+            for _, m in self.pairs():
+                m.grad = None
+            session.on_step(self, skipped=True)
+            return None
+        if self.use_masters:
+            self._move_model_grads(list(self.pairs()), 1.0, None, check=False)
+        with disable_casts():
+            out = inner(closure, *args, **kwargs) if closure is not None else inner(*args, **kwargs)
+        if self.use_masters:
+            self.copy_masters_to_model()
+            for _, m in self.pairs():
+                m.grad = None
+        session.on_step(self, skipped=False)
+        return out
+
+    def _zero_grad(self, inner: Callable, set_to_none: bool = True) -> None:
+        inner(set_to_none)
+        for mp, _ in self.pairs():
+            if set_to_none or mp.grad is None:
+                mp.grad = None
+            else:
+                mp.grad.detach_().zero_()
+        self._stash = []
+        self.pending_scaled = False
+
+    def _add_param_group(self, inner: Callable, group: dict) -> None:
+        if self.use_masters:
+            params = group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            group = dict(group, params=[self._make_master(p) if p.dtype in (torch.float16, torch.bfloat16)
+                                        else p for p in params])
+        return inner(group)
+
+    def _state_dict(self, inner: Callable) -> dict:
+        sd = inner()
+        if self.use_masters:
+            sd[MASTERS_KEY] = [p.detach() if id(p) in self.model_of else None for p in self.params()]
+        return sd
+
+    def _load_state_dict(self, inner: Callable, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop(MASTERS_KEY, None)
+        inner(state_dict)
+        if masters is None or not self.use_masters:
+            if masters is not None:
+                logger.warning("ampatch: the optimizer checkpoint carries FP32 master weights but this "
+                               "session has none (opt level %s); they are not used.", self.session.properties.opt_level)
+            return
+        params = list(self.params())
+        if len(masters) != len(params):
+            raise ValueError(f"optimizer checkpoint has {len(masters)} master entries for {len(params)} params; "
+                             "it was saved from a different model or optimizer.")
+        with torch.no_grad():
+            for p, saved in zip(params, masters):
+                if saved is not None and id(p) in self.model_of:
+                    p.copy_(saved)
+        self.copy_masters_to_model()
+
+    # ------------------------------------------------------------------ undo
+    def unswap(self) -> dict[int, torch.Tensor]:
+        """Put the model params back into param_groups (state re-keyed); returns masters by model param id."""
+        if not self.use_masters:
+            return {}
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            new = []
+            for p in group["params"]:
+                mp = self.model_of.get(id(p))
+                if mp is not None and p in state:
+                    state[mp] = state.pop(p)
+                new.append(mp if mp is not None else p)
+            group["params"] = new
+        return dict(self.master_of)
+
+    def recast_state(self) -> None:
+        """Floating optimizer state follows its param's dtype (after the model was cast or restored)."""
+        for p, st in self.optimizer.state.items():
+            if isinstance(p, torch.Tensor):
+                for k, v in st.items():
+                    if torch.is_tensor(v) and v.is_floating_point() and k != "step" and v.dtype != p.dtype:
+                        st[k] = v.to(p.dtype)

@@ -1,0 +1,307 @@
+"""One object holding everything an `initialize` call set up, and undoing all of it.
+
+The module-level API in `ampatch/__init__.py` delegates to the current `Session`; there is
+at most one, and a new `initialize` closes the previous one first (Apex's once-only
+`initialize` and global `_amp_state` are what this replaces).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import policy
+from .cache import CastCache
+from .levels import Properties
+from .master import OptimizerHandle
+from .model import ModelHandle, params_to_cast
+from .patching import (BANNED, BFLOAT16, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
+                       WrapContext, make_wrapper, resolve_owner, wrap)
+from .policy import user as user_policy
+from .rnn import patch_rnn_modules
+from .scaler import LossScaler, overflowed
+from .telemetry import Report, Telemetry, peak_memory_bytes
+
+logger = logging.getLogger("ampatch")
+
+REPORT_ENV = "AMPATCH_REPORT"
+_LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE))
+
+
+class Session:
+    """The state of one `initialize`: properties, patches, cache, scalers, handles, telemetry."""
+
+    def __init__(self, properties: Properties, *, num_losses: int = 1, min_loss_scale: float | None = None,
+                 max_loss_scale: float = 2.0 ** 24, allow_banned: bool = False, verbosity: int = 1,
+                 process_group: Any = None) -> None:
+        self.properties = properties
+        self.verbosity = verbosity
+        self.allow_banned = allow_banned
+        self.process_group = process_group
+        self.patcher = Patcher()
+        self.cache = CastCache()
+        self.telemetry = Telemetry(record=bool(os.environ.get(REPORT_ENV)))
+        self.scalers = [LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
+                        for _ in range(num_losses)]
+        self.models: list[ModelHandle] = []
+        self.optimizers: list[OptimizerHandle] = []
+        self.closed = False
+        self._wrap_ctx: WrapContext | None = None
+        self._decorated: dict[tuple[str, Any], Any] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Cast models, make masters, patch optimizers and (O1/O4) torch itself."""
+        props = self.properties
+        if not props.enabled:
+            return
+        if props.casts_model:
+            keep_bn = props.keep_batchnorm_fp32
+            cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)}
+            for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
+                self.optimizers.append(OptimizerHandle(opt, i, self, cast_ids if props.master_weights else None))
+            for m in models:
+                handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, self.patcher)
+                handle.on_load(self._resync_masters)
+                self.models.append(handle)
+            for h in self.optimizers:
+                h.recast_state()
+        else:
+            self.optimizers = [OptimizerHandle(opt, i, self, None) for i, opt in enumerate(optimizers)]
+        for h in self.optimizers:
+            h.install(self.patcher)
+        if props.patch_torch_functions:
+            self._patch_torch()
+        if self.telemetry.record:
+            atexit.register(self._write_report, os.environ[REPORT_ENV])
+        logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
+
+    def _context(self) -> WrapContext:
+        if self._wrap_ctx is None:
+            timer = self.telemetry.add_wrapper_time if self.telemetry.record else None
+            self._wrap_ctx = WrapContext(Caster(self.cache.cast), self.properties.half_dtype,
+                                         self.telemetry.counters, self.allow_banned, timer)
+        return self._wrap_ctx
+
+    def _patch_torch(self) -> None:
+        ctx = self._context()
+        registered = {(id(owner), name) for owner, name, _ in user_policy.REGISTERED}
+        for path, lists in policy.NAMESPACES:
+            owner = resolve_owner(path)
+            for attr, kind in _LIST_KINDS:
+                for name in getattr(lists, attr, ()):
+                    if (id(owner), name) not in registered:
+                        self._patch_one(owner, name, kind, ctx)
+            for name, message in getattr(lists, "BANNED", {}).items():
+                if (id(owner), name) not in registered:
+                    self._patch_one(owner, name, BANNED, ctx, message)
+        for owner, name, kind in user_policy.REGISTERED:
+            self._patch_one(owner, name, kind, ctx)
+        patch_rnn_modules(self.patcher, ctx.caster, self.properties.half_dtype)
+        logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
+
+    def _patch_one(self, owner: Any, name: str, kind: str, ctx: WrapContext, message: str = "") -> None:
+        if not hasattr(owner, name):
+            logger.debug("ampatch: %s has no %s on this torch; not patched", owner, name)
+            return
+        if (owner, name) in self.patcher:
+            return
+        self.patcher.patch(owner, name, wrap(kind, name, getattr(owner, name), ctx, message))
+
+    def decorated(self, kind: str, fn: Any) -> Any:
+        """The cast wrapper for a function decorated with `amp.half_function` & co., made once."""
+        key = (kind, fn)
+        wrapper = self._decorated.get(key)
+        if wrapper is None:
+            wrapper = self._decorated[key] = make_wrapper(kind, getattr(fn, "__name__", "function"), fn,
+                                                          self._context())
+        return wrapper
+
+    def register_now(self, owner: Any, name: str, kind: str) -> None:
+        """A registration made while this session patches torch takes effect at once."""
+        if self.properties.enabled and self.properties.patch_torch_functions and not self.closed:
+            if (owner, name) in self.patcher:
+                logger.info("ampatch: %s was patched already; the new registration applies from the next "
+                            "initialize.", name)
+                return
+            self._patch_one(owner, name, kind, self._context())
+
+    # ------------------------------------------------------------------ training loop
+    def handle(self, optimizer: torch.optim.Optimizer) -> OptimizerHandle:
+        for h in self.optimizers:
+            if h.optimizer is optimizer:
+                return h
+        raise RuntimeError("scale_loss got an optimizer that was not passed to amp.initialize; pass every "
+                           "optimizer to initialize (they come back patched).")
+
+    def scaling_active(self, handle: OptimizerHandle, scaler: LossScaler | None = None) -> bool:
+        """Whether scale_loss must unscale/check: a non-identity scale, or master weights."""
+        if handle.use_masters:
+            return True
+        scalers = [scaler] if scaler is not None else self.scalers
+        return any(not s.is_identity for s in scalers)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
+                   delay_unscale: bool = False, delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
+        if not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
+            raise ValueError(f"loss_id={loss_id!r} is out of range: initialize(num_losses={len(self.scalers)}) "
+                             f"gives loss ids 0..{len(self.scalers) - 1}.")
+        opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+        if not self.properties.enabled:
+            yield loss
+            return
+        handles = [self.handle(o) for o in opts]
+        if loss_id == 0:
+            self.telemetry.on_loss(loss)
+        scaler = self.scalers[loss_id]
+        start = time.perf_counter()
+        if not any(self.scaling_active(h, scaler) for h in handles):
+            try:
+                yield loss if loss.dtype == torch.float32 else loss.float()
+            finally:
+                self.cache.clear()
+            return
+        for h in handles:
+            h.resolve()
+            h.before_backward()
+        scale = scaler.scale
+        self.telemetry.scale_loss_time += time.perf_counter() - start
+        try:
+            yield loss.float() * scale
+        except BaseException:
+            for h in handles:
+                h.restore_stash()
+            raise
+        start = time.perf_counter()
+        try:
+            found_inf = None
+            for h in handles:
+                found_inf = h.after_backward(scale, found_inf, delay_unscale)
+            if not delay_unscale:
+                verdict = _Verdict(self, scaler, loss_id, handles, found_inf)
+                if delay_overflow_check:
+                    for h in handles:
+                        h.defer(verdict)
+                else:
+                    verdict()
+        finally:
+            self.cache.clear()
+            self.telemetry.scale_loss_time += time.perf_counter() - start
+
+    def on_step(self, handle: OptimizerHandle, skipped: bool) -> None:
+        """Called by every patched optimizer.step(): the params changed, so the casts are stale."""
+        self.cache.clear()
+        if handle.index == 0:
+            self.telemetry.on_step(handle.steps - 1, skipped)
+        elif skipped:
+            self.telemetry.skipped.append(handle.steps - 1)
+
+    def _resync_masters(self) -> None:
+        for h in self.optimizers:
+            h.resync_from_model()
+
+    @property
+    def iteration(self) -> int:
+        return self.optimizers[0].steps if self.optimizers else 0
+
+    # ------------------------------------------------------------------ state
+    def resolve_pending(self) -> None:
+        for h in self.optimizers:
+            h.resolve()
+
+    def state_dict(self) -> dict[str, dict[str, float | int]]:
+        self.resolve_pending()
+        return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}.")
+        names = {f"loss_scaler{i}": s for i, s in enumerate(self.scalers)}
+        unknown = [k for k in state_dict if not (k.startswith("loss_scaler") and k[11:].isdigit())]
+        if unknown:
+            raise ValueError(f"unknown keys {unknown} in the amp state dict; expected 'loss_scaler0', ...")
+        if len(state_dict) != len(self.scalers):
+            logger.warning("ampatch: the state dict has %d loss scalers, this session uses %d (num_losses); "
+                           "loading the ones that match.", len(state_dict), len(self.scalers))
+        for key, value in state_dict.items():
+            if key in names:
+                names[key].load_state_dict(value)
+
+    def report(self) -> Report:
+        self.resolve_pending()
+        props, t = self.properties, self.telemetry
+        return Report(
+            opt_level=props.opt_level,
+            half_dtype=str(props.half_dtype).removeprefix("torch.") if props.opt_level != "O0" else None,
+            enabled=props.enabled,
+            casts=t.counters.snapshot(),
+            cache={"hits": self.cache.hits, "misses": self.cache.misses},
+            steps=t.steps,
+            skipped_steps=list(t.skipped),
+            loss_scale={f"loss_scaler{i}": s.scale for i, s in enumerate(self.scalers)},
+            loss_scale_history={f"loss_scaler{i}": [list(h) for h in s.history] for i, s in enumerate(self.scalers)},
+            time_s={"wrappers": t.wrapper_time, "scale_loss": t.scale_loss_time},
+            step_times_s=list(t.step_times),
+            losses=list(t.losses),
+            peak_memory_bytes=peak_memory_bytes(),
+        )
+
+    def _write_report(self, path: str) -> None:
+        try:
+            self.report().to_json(path)
+        except Exception:  # at interpreter exit: say why, never raise
+            logger.exception("ampatch: could not write the report to %s", path)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Undo everything: masters back out of optimizers, models to their dtypes, torch restored."""
+        if self.closed:
+            return
+        self.closed = True
+        masters: dict[int, torch.Tensor] = {}
+        for h in self.optimizers:
+            masters.update(h.unswap())
+        for m in self.models:
+            m.restore(masters)
+        if self.models:
+            for h in self.optimizers:
+                h.recast_state()
+        self.patcher.restore_all()
+        self.cache.clear()
+
+
+class _Verdict:
+    """The host-side overflow decision for one unscale; runs once even if deferred twice."""
+
+    def __init__(self, session: Session, scaler: LossScaler, loss_id: int,
+                 handles: Sequence[OptimizerHandle], found_inf: torch.Tensor | None) -> None:
+        self.session, self.scaler, self.loss_id = session, scaler, loss_id
+        self.handles, self.found_inf = handles, found_inf
+        self.done = False
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.found_inf is None:
+            overflow = False
+        else:
+            overflow = overflowed(self.found_inf, self.session.process_group)
+        before = self.scaler.scale
+        self.scaler.update(overflow, self.session.iteration)
+        if overflow:
+            for h in self.handles:
+                h.skip_next = True
+            if self.session.verbosity >= 1:
+                logger.info("ampatch: gradient overflow, skipping step; loss scaler %d scale %g -> %g",
+                            self.loss_id, before, self.scaler.scale)

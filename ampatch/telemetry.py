@@ -1,0 +1,105 @@
+"""Counters and `report()`: what a session did.
+
+Counting is cheap and always on (atomic counters per op). Timing of wrappers, per-step
+wall times and the loss curve cost a clock read or a host sync, so they are recorded only
+when asked for (`record=True`, which `AMPATCH_REPORT` turns on for the `ampatch` command).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .patching import Counters
+
+
+class Telemetry:
+    """Mutable counters of one session."""
+
+    def __init__(self, record: bool = False) -> None:
+        self.record = record
+        self.counters = Counters()
+        self.steps = 0
+        self.skipped: list[int] = []
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.wrapper_time = 0.0
+        self.scale_loss_time = 0.0
+        self._last_step: float | None = None
+        self._lock = threading.Lock()
+
+    def add_wrapper_time(self, seconds: float) -> None:
+        with self._lock:
+            self.wrapper_time += seconds
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        if self.record:
+            self.losses.append(float(loss.detach().float().mean()))
+
+    def on_step(self, iteration: int, skipped: bool) -> None:
+        self.steps += 1
+        if skipped:
+            self.skipped.append(iteration)
+        if self.record:
+            now = time.perf_counter()
+            if self._last_step is not None:
+                self.step_times.append(now - self._last_step)
+            self._last_step = now
+
+
+def peak_memory_bytes() -> int:
+    """CUDA peak allocation when CUDA was used, else the process's peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class Report:
+    """A snapshot of a session's telemetry; `str()` is a table, `to_dict()` is JSON-ready."""
+
+    opt_level: str
+    half_dtype: str | None
+    enabled: bool
+    casts: dict[str, dict[str, int]]
+    cache: dict[str, int]
+    steps: int
+    skipped_steps: list[int]
+    loss_scale: dict[str, float]
+    loss_scale_history: dict[str, list[list[float]]]
+    time_s: dict[str, float]
+    step_times_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f)
+
+    def __str__(self) -> str:
+        lines = [f"ampatch report: opt_level={self.opt_level} half_dtype={self.half_dtype} "
+                 f"enabled={self.enabled}",
+                 f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
+                 + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),
+                 f"  cast cache: {self.cache['hits']} hits, {self.cache['misses']} misses",
+                 f"  time in ampatch: wrappers {self.time_s['wrappers']:.3f}s, "
+                 f"scale_loss {self.time_s['scale_loss']:.3f}s"]
+        for name, scale in self.loss_scale.items():
+            changes = len(self.loss_scale_history.get(name, [])) - 1
+            lines.append(f"  {name}: scale {scale:g} ({changes} changes)")
+        if self.casts:
+            width = max(len(op) for op in self.casts)
+            lines.append(f"  {'op'.ljust(width)}  casts")
+            for op, per_dtype in sorted(self.casts.items(), key=lambda kv: -sum(kv[1].values())):
+                detail = ", ".join(f"{d}: {n}" for d, n in sorted(per_dtype.items()))
+                lines.append(f"  {op.ljust(width)}  {detail}")
+        return "\n".join(lines)

@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# Set up .venv (if needed) and run the whole test suite. Extra arguments go to pytest.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+exec "$VPY" -m pytest -q "$@"
