@@ -132,6 +132,16 @@ def widest(args: tuple, kwargs: dict) -> torch.dtype | None:
     return found
 
 
+def any_low(args: tuple, kwargs: dict) -> bool:
+    """Whether any tensor argument (or list element) is float16/bfloat16."""
+    for a in itertools.chain(args, kwargs.values()):
+        items = a if type(a) in (list, tuple) else (a,)
+        for t in items:
+            if isinstance(t, _Tensor) and t.dtype in _LOW:
+                return True
+    return False
+
+
 class Caster:
     """Casts argument structures: tensors, and lists/tuples of tensors, one level deep.
 
@@ -251,8 +261,7 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
             return new_args, new_kwargs
     elif kind == BANNED:
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            low = widest(args, kwargs)
-            if low in _LOW:
+            if any_low(args, kwargs):  # FP32 inputs are safe: nothing to protect, as in Apex
                 raise NotImplementedError(banned_message)
             return args, kwargs
     else:

@@ -1,0 +1,34 @@
+"""Shared fixtures: every test starts and ends without an ampatch session."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ampatch as amp
+
+# Creating the first optimizer imports torch._dynamo, which rebinds torch.manual_seed;
+# do it once here so identity snapshots taken by tests are stable.
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+HALF_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _no_session():
+    amp.deinitialize()
+    yield
+    amp.deinitialize()
+
+
+@pytest.fixture(params=HALF_DTYPES, ids=["bf16", "fp16"])
+def half(request) -> torch.dtype:
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
