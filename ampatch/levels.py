@@ -32,7 +32,7 @@ class Properties:
     cast_model_type: torch.dtype | None
     patch_torch_functions: bool
     keep_batchnorm_fp32: bool | None
-    master_weights: bool
+    master_weights: bool | None  # None at O1/O4 as in the table: the FP32 model is its own master
     loss_scale: float | str
     cast_model_outputs: torch.dtype | None = None
 
@@ -224,7 +224,7 @@ def _build(level: str, device, half, outputs, overrides: dict, enabled: bool) ->
         cast_model_type=props["cast_model_type"],
         patch_torch_functions=bool(props["patch_torch_functions"]),
         keep_batchnorm_fp32=props["keep_batchnorm_fp32"],
-        master_weights=bool(props["master_weights"]),
+        master_weights=props["master_weights"],
         loss_scale=props["loss_scale"], cast_model_outputs=outputs,
     )
 

@@ -7,7 +7,11 @@ model back to its original dtypes (from the FP32 masters where they exist).
 """
 from __future__ import annotations
 
+import collections
+import copy
+import itertools
 import logging
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,7 +58,10 @@ def cast_tree(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
     if isinstance(x, (str, bytes, np.ndarray)) or x is None:
         return x
     if isinstance(x, dict):
-        return type(x)((k, cast_tree(v, dtype, only_low)) for k, v in x.items())
+        items = [(k, cast_tree(v, dtype, only_low)) for k, v in x.items()]
+        if isinstance(x, collections.defaultdict):  # its first constructor argument is the factory
+            return type(x)(x.default_factory, items)
+        return type(x)(items)
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
         return type(x)(*(cast_tree(v, dtype, only_low) for v in x))
     if isinstance(x, (list, tuple)):
@@ -79,31 +86,23 @@ class ModelHandle:
                 if t.is_floating_point():
                     self.original_dtypes.setdefault(id(t), (t, t.dtype))
             m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+        self._on_load_hook = _LoadHook(self._on_load)
         self._wrap_forward(patcher, output_dtype)
         self._hooks.append(model._register_state_dict_hook(_fp32_state_dict))
-        self._hooks.append(model.register_load_state_dict_post_hook(self._after_load))
+        self._hooks.append(model.register_load_state_dict_post_hook(self._on_load_hook))
 
     def _wrap_forward(self, patcher, output_dtype: torch.dtype | None) -> None:
-        model, dtype = self.model, self.dtype
+        model = self.model
         inner = model.forward  # bound method (or an instance attribute someone set)
-
-        only_low = output_dtype is None
-        output_dtype = output_dtype or torch.float32
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            out = inner(*cast_tree(args, dtype), **cast_tree(kwargs, dtype))
-            return cast_tree(out, output_dtype, only_low)
-
-        forward.__wrapped__ = inner  # type: ignore[attr-defined]
-        patcher.patch(model, "forward", forward)
+        patcher.patch(model, "forward", _CastForward(inner, self.dtype, output_dtype))
+        # nn.DataParallel copies the instance __dict__ into each replica: give each replica a
+        # forward bound to itself, or every replica would run the original's weights (Apex's
+        # O2 + DataParallel device-mismatch bug).
+        patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
 
     def on_load(self, callback: Callable[[], None]) -> None:
         """Run `callback` after every `model.load_state_dict` (masters re-sync from it)."""
         self._on_load.append(callback)
-
-    def _after_load(self, module: nn.Module, incompatible: Any) -> None:
-        for cb in self._on_load:
-            cb()
 
     def restore(self, masters: dict[int, torch.Tensor]) -> None:
         """Back to the original dtypes; FP32 masters (by id of model param) give exact values."""
@@ -117,9 +116,86 @@ class ModelHandle:
                     t.grad = None
 
 
+def wrap_outputs(model: nn.Module, output_dtype: torch.dtype, patcher) -> None:
+    """`cast_model_outputs` at a level that leaves the model alone (O0/O1/O4), as in Apex:
+    floating outputs are cast to `output_dtype`, inputs pass untouched."""
+    patcher.patch(model, "forward", _CastForward(model.forward, None, output_dtype))
+    patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
+
+
+class _CastForward:
+    """`model.forward` under O2/O3/O5: floating inputs to half, half outputs to FP32 (or
+    `cast_model_outputs`); with `dtype=None` (see `wrap_outputs`) only the outputs are cast.
+
+    A plain object rather than a closure so the model stays copyable and picklable:
+    `copy.deepcopy(model)` (EMA copies) rebinds `__wrapped__`, a bound method, to the copy,
+    so the copy runs its own weights; pickling stores it as `getattr(model, "forward")`,
+    which resolves to the class's forward while the model is being rebuilt.
+    """
+
+    def __init__(self, inner: Callable[..., Any], dtype: torch.dtype | None,
+                 output_dtype: torch.dtype | None) -> None:
+        self.__wrapped__ = inner
+        self.dtype = dtype  # None: inputs pass as they are (outputs-only wrapper)
+        self.only_low = output_dtype is None
+        self.output_dtype = output_dtype or torch.float32
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dtype is not None:
+            args, kwargs = cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
+        return cast_tree(self.__wrapped__(*args, **kwargs), self.output_dtype, self.only_low)
+
+    def bound_to(self, replica: nn.Module) -> "_CastForward":
+        """The same wrapper around `replica`'s own forward."""
+        inner = self.__wrapped__
+        if isinstance(inner, types.MethodType):
+            inner = types.MethodType(inner.__func__, replica)
+        clone = copy.copy(self)
+        clone.__wrapped__ = inner
+        return clone
+
+
+class _Replicate:
+    """`model._replicate_for_data_parallel` of a cast model: the replica's forward wrapper is
+    rebound to the replica."""
+
+    def __init__(self, inner: Callable[[], nn.Module]) -> None:
+        self.inner = inner
+
+    def __call__(self) -> nn.Module:
+        replica = self.inner()
+        forward = replica.__dict__.get("forward")
+        if isinstance(forward, _CastForward):
+            replica.__dict__["forward"] = forward.bound_to(replica)
+        replica.__dict__.pop("_replicate_for_data_parallel", None)
+        return replica
+
+
+class _LoadHook:
+    """`load_state_dict` post-hook: runs the session's callbacks (masters re-sync).
+
+    A copy of the model (deepcopy, pickle) has no masters and must not reach into the
+    session: it gets an inert hook.
+    """
+
+    def __init__(self, callbacks: list[Callable[[], None]]) -> None:
+        self.callbacks = callbacks
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        for cb in self.callbacks:
+            cb()
+
+    def __reduce__(self) -> tuple:
+        return (_LoadHook, ([],))
+
+
 def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
+    """This model's half tensors in the state dict to FP32 copies. `state_dict(keep_vars=True)`
+    asks for the live parameters and buffers themselves: those are left as they are."""
+    live = {id(t) for t in itertools.chain(module.parameters(), module.buffers())}
     for k, v in state_dict.items():
-        if isinstance(v, torch.Tensor) and v.dtype in _LOW:
+        if (k.startswith(prefix) and isinstance(v, torch.Tensor) and v.dtype in _LOW
+                and id(v) not in live):
             state_dict[k] = v.detach().float()
     return state_dict
 
