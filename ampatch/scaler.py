@@ -59,12 +59,26 @@ class LossScaler:
     def state_dict(self) -> dict[str, float | int]:
         return {"loss_scale": float(self.scale), "unskipped": int(self.unskipped)}
 
+    @staticmethod
+    def check_state(state: object) -> tuple[float, int]:
+        """Validate one saved scaler state; returns (loss_scale, unskipped). Raises before
+        anything is loaded, so a bad checkpoint leaves every scaler as it was."""
+        if not isinstance(state, dict):
+            raise TypeError(f"a loss scaler state is a dict with 'loss_scale' and 'unskipped', got "
+                            f"{type(state).__name__}.")
+        keys = {"loss_scale", "unskipped"}
+        if set(state) != keys:
+            unknown, missing = sorted(set(state) - keys), sorted(keys - set(state))
+            raise KeyError(f"loss scaler state: unknown keys {unknown}, missing keys {missing}; expected "
+                           "exactly 'loss_scale' and 'unskipped' (the format of amp.state_dict()).")
+        scale, unskipped = float(state["loss_scale"]), int(state["unskipped"])
+        if not (0.0 < scale < float("inf")) or unskipped < 0:
+            raise ValueError(f"loss scaler state {state!r}: loss_scale must be a finite positive number and "
+                             "unskipped a non-negative int.")
+        return scale, unskipped
+
     def load_state_dict(self, state: dict) -> None:
-        unknown = set(state) - {"loss_scale", "unskipped"}
-        if unknown:
-            raise KeyError(f"unknown loss scaler keys {sorted(unknown)}; expected 'loss_scale' and 'unskipped'.")
-        self.scale = float(state["loss_scale"])
-        self.unskipped = int(state["unskipped"])
+        self.scale, self.unskipped = self.check_state(state)
 
 
 def unscale_(grads: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.Tensor | None) -> torch.Tensor:
@@ -88,9 +102,14 @@ def unscale_(grads: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.T
     return found_inf
 
 
+def distributed(process_group=None) -> bool:
+    """torch.distributed is initialized and `process_group` (default: the world) has several ranks."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+
+
 def overflowed(found_inf: torch.Tensor, process_group=None) -> bool:
     """Host-side verdict; under torch.distributed every rank gets the same answer (MAX)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+    if distributed(process_group):
         flag = found_inf.clone()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
         return bool(flag.item())
