@@ -1,0 +1,151 @@
+"""Advice that mixed-precision guides give in prose, given by ampatch where it applies.
+
+- `dims_not_multiple_of_8(models)`: Linear and convolution layers whose feature or channel
+  counts are not multiples of 8, which half-precision matmul units (Tensor Cores) prefer;
+  `log_dims_tip` logs that list once, at `initialize`.
+- `explain_dtype_error(exc, op_name)`: when a dtype-mismatch error escapes a call under
+  mixed precision, the registration that fixes it; `attach_hint` adds it to the error, and
+  `hint_dtype_error` does both (for an `except` clause in a patched call).
+
+Pure helpers: nothing here patches anything or keeps session state.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+logger = logging.getLogger("ampatch")
+
+__all__ = ["dims_not_multiple_of_8", "log_dims_tip", "explain_dtype_error", "attach_hint", "hint_dtype_error",
+           "qualified_name"]
+
+_MULTIPLE = 8
+
+
+def _as_models(models: Any) -> list[nn.Module]:
+    return list(models) if isinstance(models, (list, tuple)) else [models]
+
+
+def dims_not_multiple_of_8(models: nn.Module | Iterable[nn.Module]) -> list[str]:
+    """One line per Linear/Conv layer with an in/out feature or channel count that is not a
+    multiple of 8, e.g. ``"fc (Linear): in_features=30"``; names are prefixed ``model1.``
+    and so on when several models are given. Uninitialized lazy layers are skipped."""
+    models = _as_models(models)
+    out = []
+    for i, model in enumerate(models):
+        prefix = f"model{i}." if len(models) > 1 else ""
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear):
+                dims = (("in_features", m.in_features), ("out_features", m.out_features))
+            elif isinstance(m, nn.modules.conv._ConvNd):
+                dims = (("in_channels", m.in_channels), ("out_channels", m.out_channels))
+            else:
+                continue
+            if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+                continue
+            bad = [f"{k}={v}" for k, v in dims if v % _MULTIPLE]
+            if bad:
+                out.append(f"{prefix}{name or '<model>'} ({type(m).__name__}): {', '.join(bad)}")
+    return out
+
+
+_logged: set[tuple[str, ...]] = set()
+
+
+def log_dims_tip(models: nn.Module | Iterable[nn.Module], verbosity: int = 1, opt_level: str = "O1",
+                 limit: int = 10) -> list[str]:
+    """Log (info, once per process for a given list) the layers `dims_not_multiple_of_8`
+    finds; nothing under O0 or at verbosity 0. Returns what it found."""
+    if verbosity < 1 or opt_level == "O0":
+        return []
+    found = dims_not_multiple_of_8(models)
+    key = tuple(found)
+    if found and key not in _logged:
+        _logged.add(key)
+        more = f"; and {len(found) - limit} more" if len(found) > limit else ""
+        logger.info("ampatch: tip: half-precision matmul units are fastest when feature and channel counts "
+                    "are multiples of 8; these layers are not (pad or resize them where you can; an input "
+                    "layer with 3 colour channels is expected): %s%s", "; ".join(found[:limit]), more)
+    return found
+
+
+# Messages of dtype-mismatch errors from torch (checked against torch 2.x CPU and CUDA).
+_MISMATCH = re.compile("|".join([
+    r"expected scalar type",
+    r"expected object of scalar type",
+    r"same dtype",                       # "must have the same dtype", "expected both inputs to have same dtype"
+    r"same scalar type",
+    r"to have the same type as",
+    r"type \(.*\) and \w+ type \(.*\) should be the same",
+    r"dtypes match",
+    r"self\.dtype to be equal to src\.dtype",
+    r"expected dtype \w+ for .* but got dtype",
+    r"type promoting not supported",
+    r"does not match weight dtype",
+    r"mixed dtype",
+]), re.IGNORECASE)
+_HALF_WORDS = re.compile(r"half|float16|bfloat16|mixed dtype", re.IGNORECASE)
+_TYPE_WORDS = re.compile(r"float|double|long\b|\bint\d*\b|short|byte|bool|complex", re.IGNORECASE)
+_HINTED = "_ampatch_hint"
+
+
+def explain_dtype_error(exc: BaseException, op_name: str | None = None) -> str | None:
+    """A hint naming the registration that fixes a mixed-precision dtype mismatch in
+    `op_name` (``"torch.index_put"``, ``"my_ext.fused_op"``), or None when `exc` is not such
+    an error: its message must match a dtype-mismatch pattern and, if it names types at all,
+    name a half type (a Long/Int or Float/Double mismatch is not mixed precision's doing)."""
+    if not isinstance(exc, (RuntimeError, ValueError, TypeError)) or getattr(exc, _HINTED, False):
+        return None
+    message = str(exc)
+    if not _MISMATCH.search(message) or (_TYPE_WORDS.search(message) and not _HALF_WORDS.search(message)):
+        return None
+    if op_name:
+        module, _, name = op_name.rpartition(".")
+        module = module or "module"
+        what = f"`{op_name}`"
+    else:
+        module, name, what = "module", "function_name", "the failing function"
+    return (f"ampatch: {what} got tensors of different float dtypes, which mixed precision (O1/O4) makes "
+            f"when it casts some ops to half. Before amp.initialize, register it: "
+            f"amp.register_promote_function({module}, \"{name}\") to cast its inputs to the widest dtype, or "
+            f"amp.register_float_function({module}, \"{name}\") to run it in FP32 "
+            f"(or run the code under `with amp.disable_casts():`).")
+
+
+def attach_hint(exc: BaseException, hint: str) -> None:
+    """Add `hint` to `exc`'s message once (as a note on Python 3.11+, else in its args)."""
+    if getattr(exc, _HINTED, False):
+        return
+    try:
+        setattr(exc, _HINTED, True)
+    except AttributeError:  # exceptions without a __dict__
+        return
+    if hasattr(exc, "add_note"):
+        exc.add_note(hint)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{hint}",) + exc.args[1:]
+    else:
+        exc.args = exc.args + (hint,)
+
+
+def hint_dtype_error(exc: BaseException, op_name: str | None = None) -> None:
+    """`attach_hint(exc, explain_dtype_error(exc, op_name))` when there is a hint; for
+    ``except (RuntimeError, ValueError, TypeError) as exc: hint_dtype_error(exc, name); raise``."""
+    hint = explain_dtype_error(exc, op_name)
+    if hint is not None:
+        attach_hint(exc, hint)
+
+
+def qualified_name(owner: Any, name: str) -> str:
+    """``"torch.nn.functional.linear"``, ``"torch.Tensor.index_put_"``: how a user names
+    `owner.name` in a registration."""
+    if isinstance(owner, type):
+        module = owner.__module__
+        prefix = owner.__qualname__ if module in ("builtins", None) else f"{module}.{owner.__qualname__}"
+    else:
+        prefix = getattr(owner, "__name__", None) or type(owner).__name__
+    return f"{prefix}.{name}"

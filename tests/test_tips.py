@@ -1,0 +1,129 @@
+"""ampatch.tips: the multiple-of-8 layer listing and the dtype-mismatch hint, checked
+against real torch error messages."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ampatch import tips
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3)
+        self.block = nn.Sequential(nn.Conv2d(16, 20, 1, groups=4), nn.ReLU(), nn.Conv1d(8, 8, 1))
+        self.fc = nn.Linear(30, 64)
+        self.head = nn.Linear(64, 10)
+        self.ok = nn.Linear(64, 64)
+        self.lazy = nn.LazyLinear(7)  # not initialized: no in_features yet
+
+
+def test_dims_not_multiple_of_8_lists_exactly_the_odd_layers() -> None:
+    assert tips.dims_not_multiple_of_8(Net()) == [
+        "stem (Conv2d): in_channels=3",
+        "block.0 (Conv2d): out_channels=20",
+        "fc (Linear): in_features=30",
+        "head (Linear): out_features=10",
+    ]
+    assert tips.dims_not_multiple_of_8(nn.Linear(5, 8)) == ["<model> (Linear): in_features=5"]
+    assert tips.dims_not_multiple_of_8([nn.Linear(8, 8), nn.Sequential(nn.ConvTranspose2d(8, 9, 2))]) == [
+        "model1.0 (ConvTranspose2d): out_channels=9"]
+    assert tips.dims_not_multiple_of_8(nn.Sequential(nn.Linear(16, 32), nn.Embedding(3, 5))) == []
+
+
+def test_log_dims_tip_logs_once_at_info(caplog) -> None:
+    model = nn.Linear(13, 8)  # a listing no other test logs
+    with caplog.at_level(logging.INFO, logger="ampatch"):
+        assert tips.log_dims_tip(model, verbosity=0) == []
+        assert tips.log_dims_tip(model, opt_level="O0") == []
+        assert not caplog.records
+        assert tips.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
+        assert tips.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
+    records = [r for r in caplog.records if "multiples of 8" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert "in_features=13" in records[0].getMessage()
+
+
+def _error(fn) -> BaseException:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - whatever torch raises
+        return exc
+    pytest.fail("expected a dtype error")
+
+
+f32 = torch.randn(4, 4)
+bf16 = f32.bfloat16()
+f16 = f32.half()
+MISMATCHES = {
+    "torch.mm": lambda: torch.mm(f32, bf16),
+    "torch.addmm": lambda: torch.addmm(f32, f32, bf16),
+    "torch.bmm": lambda: torch.bmm(f32[None], f16[None]),
+    "torch.dot": lambda: torch.dot(f32[0], bf16[0]),
+    "torch.mv": lambda: torch.mv(bf16, f32[0]),
+    "torch.index_put": lambda: f32.index_put((torch.tensor([0]),), bf16[0:1]),
+    "torch.Tensor.index_add": lambda: f32.index_add(0, torch.tensor([0]), bf16[0:1]),
+    "torch.Tensor.scatter_": lambda: f32.clone().scatter_(0, torch.tensor([[0]]), bf16[:1, :1]),
+    "torch.Tensor.masked_scatter": lambda: f32.masked_scatter(f32 > 0, bf16),
+    "torch.nn.functional.linear": lambda: F.linear(f16, f32),
+    "torch.nn.functional.conv2d": lambda: F.conv2d(torch.randn(1, 1, 4, 4).bfloat16(),
+                                                   torch.randn(1, 1, 3, 3).bfloat16(), torch.randn(1)),
+    "torch.nn.functional.bilinear": lambda: F.bilinear(f32, bf16, torch.randn(2, 4, 4)),
+    "torch.nn.functional.scaled_dot_product_attention":
+        lambda: F.scaled_dot_product_attention(f32[None], bf16[None], f32[None]),
+    "torch.nn.functional.cross_entropy": lambda: F.cross_entropy(bf16, torch.tensor([0, 1, 2, 3]), weight=f32[0]),
+    "torch.einsum": lambda: torch.einsum("ij,jk->ik", f32, bf16),
+    "torch.tensordot": lambda: torch.tensordot(f32, f16, 1),
+    "torch.lerp": lambda: torch.lerp(f32, bf16, 0.5),
+    "torch.nn.functional.prelu": lambda: F.prelu(bf16, f32[0, :1]),
+    "torch.nn.LSTM.forward": lambda: nn.LSTM(4, 4)(bf16[None]),
+}
+
+
+@pytest.mark.parametrize("op", list(MISMATCHES))
+def test_dtype_mismatch_errors_get_a_registration_hint(op: str) -> None:
+    exc = _error(MISMATCHES[op])
+    hint = tips.explain_dtype_error(exc, op)
+    assert hint is not None, f"{type(exc).__name__}: {exc}"
+    module, _, name = op.rpartition(".")
+    assert f'amp.register_promote_function({module}, "{name}")' in hint
+    assert f'amp.register_float_function({module}, "{name}")' in hint
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.mm(torch.randn(2, 3), torch.randn(2, 3)),                     # shape, not dtype
+    lambda: torch.randn(2).index_put_((torch.tensor([0]),), torch.tensor([1.0], dtype=torch.float64)),
+    lambda: torch.tensor([1, 2]).index_put_((torch.tensor([0]),), torch.tensor([1], dtype=torch.int32)),
+    lambda: F.embedding(torch.tensor([0.5]), torch.randn(3, 2)),                # not a float-mixing error
+], ids=["shape", "double", "int", "embedding"])
+def test_other_errors_get_no_hint(make) -> None:
+    assert tips.explain_dtype_error(_error(make), "torch.x") is None
+
+
+def test_hint_message_shapes_and_attach_once() -> None:
+    assert tips.explain_dtype_error(KeyError("expected scalar type Half"), "torch.mm") is None
+    generic = tips.explain_dtype_error(RuntimeError("expected scalar type Float but found Half"))
+    assert 'register_promote_function(module, "function_name")' in generic
+    bare = tips.explain_dtype_error(RuntimeError("mat1 and mat2 must have the same dtype, got Half"), "fused")
+    assert 'register_float_function(module, "fused")' in bare
+    assert tips.explain_dtype_error(RuntimeError("both inputs should have same dtype"), "torch.x")  # no types named
+    assert tips.explain_dtype_error(RuntimeError("expected scalar type Long but found Int"), "torch.x") is None
+
+    exc = _error(MISMATCHES["torch.mm"])
+    tips.hint_dtype_error(exc, "torch.mm")
+    tips.hint_dtype_error(exc, "torch.matmul")  # an outer patched call: no second hint
+    text = str(exc) + "".join(getattr(exc, "__notes__", []))
+    assert text.count("ampatch:") == 1 and '"mm"' in text and "matmul" not in text
+    assert tips.explain_dtype_error(exc, "torch.mm") is None
+
+
+def test_qualified_name() -> None:
+    assert tips.qualified_name(torch, "mm") == "torch.mm"
+    assert tips.qualified_name(torch.Tensor, "index_put_") == "torch.Tensor.index_put_"
+    assert tips.qualified_name(torch.nn.functional, "linear") == "torch.nn.functional.linear"
+    assert tips.qualified_name(torch.linalg, "matmul") == "torch.linalg.matmul"
