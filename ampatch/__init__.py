@@ -92,6 +92,8 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
         raise ValueError(f"num_losses must be a positive int, got {num_losses!r}.")
     if not isinstance(verbosity, int):
         raise TypeError(f"verbosity must be an int (0 silences ampatch), got {verbosity!r}.")
+    # before resolve(): its messages (a forced level dropping overrides) follow this call's verbosity
+    logger.setLevel(logging.ERROR if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG)
     for name, value in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"{name} must be a positive number, got {value!r}.")
@@ -104,7 +106,6 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
                            master_weights=master_weights, loss_scale=loss_scale)
     if not isinstance(allow_banned, bool):
         raise TypeError(f"allow_banned must be True or False, got {allow_banned!r}.")
-    logger.setLevel(logging.ERROR if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG)
 
     deinitialize()
     session = Session(props, num_losses=num_losses, min_loss_scale=min_loss_scale,
@@ -205,6 +206,12 @@ def register_promote_function(module: Any, name: str) -> None:
 def register_bfloat16_function(module: Any, name: str) -> None:
     """Cast the floating args of module.name to bfloat16 under O1/O4."""
     _register(module, name, BFLOAT16)
+
+
+def __getattr__(name: str) -> Any:
+    """Apex names ampatch does not have (amp.init, _amp_state, ...) fail with the ampatch way."""
+    from .compat import legacy_attribute
+    return legacy_attribute(name)
 
 
 def _decorator(kind: str) -> Callable[[Callable], Callable]:

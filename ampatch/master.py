@@ -15,6 +15,18 @@ their own masters. Gradient flow per iteration:
   with foreach ops.
 Model grads of half params are None after they were moved into masters, so master grads
 never leak across steps whichever way the user zeroes.
+
+`optimizer.step(closure)` works where ampatch has nothing to do around the backward (no
+master weights and a static loss scale of 1.0: O0, O3, O4, and O1 in bfloat16); with master
+weights or loss scaling it raises `NotImplementedError`, because the closure's backward
+would bypass `scale_loss`.
+
+Under torch.distributed (world size > 1) `before_backward` does not keep grads apart: it
+multiplies them by the coming scale and leaves them in `.grad` (master grads go back into
+the half model grads), because a `DistributedDataParallel` backward all-reduces whatever
+`.grad` holds; grads kept apart (micro-batches under `no_sync()`) would never be averaged
+across ranks. The first `scale_loss` also makes every rank's masters agree with the model
+that DDP's construction broadcast from rank 0.
 """
 from __future__ import annotations
 
@@ -27,7 +39,7 @@ import torch
 from torch import nn
 
 from .patching import Patcher, disable_casts
-from .scaler import unscale_
+from .scaler import distributed, overflowed, unscale_
 
 logger = logging.getLogger("ampatch")
 
@@ -60,6 +72,8 @@ class OptimizerHandle:
         self.pending_scaled = False  # a delay_unscale block left scaled grads
         self.steps = 0
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rescaled: tuple[float, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._masters_agreed = False
         self._pending_check: list[Callable[[], None]] = []
         if self.use_masters:
             for group in optimizer.param_groups:
@@ -92,8 +106,9 @@ class OptimizerHandle:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
-    def copy_masters_to_model(self) -> None:
-        pairs = list(self.pairs())
+    def copy_masters_to_model(self, pairs: list | None = None) -> None:
+        if pairs is None:
+            pairs = list(self.pairs())
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([mp for mp, _ in pairs], [m for _, m in pairs])
@@ -122,18 +137,29 @@ class OptimizerHandle:
             found_inf = unscale_(new, inv_scale, found_inf)
         elif inv_scale != 1.0:
             torch._foreach_mul_(new, inv_scale)
-        existing = [(m.grad, n) for m, n in zip(masters, new) if m.grad is not None]
+        add_to, add_from = [], []
         for m, n in zip(masters, new):
-            if m.grad is None:
+            g = m.grad
+            if g is None:
                 m.grad = n
-        if existing:
-            torch._foreach_add_([g for g, _ in existing], [n for _, n in existing])
+            else:
+                add_to.append(g)
+                add_from.append(n)
+        if add_to:
+            torch._foreach_add_(add_to, add_from)
         return found_inf
 
     # ------------------------------------------------------------------ scale_loss
-    def before_backward(self) -> None:
-        """Keep already-unscaled grads apart from the coming scaled backward."""
+    def before_backward(self, scale: float) -> None:
+        """Keep already-unscaled grads apart from the coming scaled backward (under
+        torch.distributed: scale them to `scale` in place instead, see the module docstring)."""
+        if self.use_masters and not self._masters_agreed:
+            self._masters_agreed = True
+            self._agree_masters()
         if self.pending_scaled:
+            return
+        if distributed():
+            self._rescale_in_place(scale)
             return
         stash = []
         for group in self.optimizer.param_groups:
@@ -147,27 +173,78 @@ class OptimizerHandle:
                     self._move_model_grads([(mp, p)], 1.0, None, check=False)
         self._stash = stash
 
+    def _rescale_in_place(self, scale: float) -> None:
+        """Existing (unscaled) grads times `scale`, left where the coming backward accumulates."""
+        own, pairs = [], []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                mp = self.model_of.get(id(p))
+                if mp is None:
+                    if p.grad is not None:
+                        own.append(p)
+                    continue
+                if mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
+                    self._move_model_grads([(mp, p)], 1.0, None, check=False)
+                if p.grad is not None:
+                    mp.grad = (p.grad * scale).to(mp.dtype)  # may overflow: then this unscale skips
+                    p.grad = None
+                    pairs.append((mp, p))
+        if own and scale != 1.0:
+            torch._foreach_mul_([p.grad for p in own], scale)
+        self._rescaled = (scale, own, pairs) if own or pairs else None
+
+    def _agree_masters(self) -> None:
+        """Under torch.distributed, once: if on any rank a master no longer rounds to its model
+        param (DDP broadcast rank 0's weights into the model after `initialize` made the masters
+        from each rank's own weights), every rank takes its masters from the model."""
+        pairs = list(self.pairs())
+        group = self.session.process_group
+        if not pairs or not distributed(group):
+            return
+        with torch.no_grad():
+            stale = any(not torch.equal(mp, m.to(mp.dtype)) for mp, m in pairs)
+            if overflowed(torch.full((), float(stale), device=pairs[0][1].device), group):  # MAX: any rank
+                torch._foreach_copy_([m for _, m in pairs], [mp for mp, _ in pairs])
+                logger.info("ampatch: FP32 master weights taken from the model on every rank (the ranks' "
+                            "weights differed when amp.initialize made them); seed every rank alike to keep "
+                            "the FP32 initial weights.")
+
     def after_backward(self, scale: float, found_inf: torch.Tensor | None, delay_unscale: bool) -> torch.Tensor | None:
         """Unscale the new grads (into masters), check them, add the stash back."""
         if delay_unscale:
             self.pending_scaled = True
             return found_inf
         self.pending_scaled = False
+        self._rescaled = None  # scaled like the new grads: unscaled and checked with them
         inv = 1.0 / scale
-        own = []
-        for p in self.params():
-            if id(p) not in self.model_of and p.grad is not None:
-                own.append(p.grad)
+        own, pairs = [], []  # one pass: own-master grads, and (model param, master) pairs
+        model_of = self.model_of
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                mp = model_of.get(id(p))
+                if mp is None:
+                    if p.grad is not None:
+                        own.append(p.grad)
+                else:
+                    pairs.append((mp, p))
         if own:
             found_inf = unscale_(own, inv, found_inf)
-        found_inf = self._move_model_grads(list(self.pairs()), inv, found_inf, check=True)
+        found_inf = self._move_model_grads(pairs, inv, found_inf, check=True)
         self.restore_stash()
         if found_inf is None:
             found_inf = torch.zeros(())
         return found_inf
 
     def restore_stash(self) -> None:
-        """Add the grads kept apart in before_backward back onto the params."""
+        """Add the grads kept apart in before_backward back onto the params (or, under
+        torch.distributed, unscale the grads it scaled in place)."""
+        if self._rescaled is not None:
+            scale, own, pairs = self._rescaled
+            self._rescaled = None
+            own_grads = [p.grad for p in own if p.grad is not None]
+            if own_grads:
+                torch._foreach_mul_(own_grads, 1.0 / scale)
+            self._move_model_grads(pairs, 1.0 / scale, None, check=False)
         stash, self._stash = self._stash, []
         add_to, add_from = [], []
         for p, g in stash:
@@ -215,13 +292,14 @@ class OptimizerHandle:
                 m.grad = None
             session.on_step(self, skipped=True)
             return None
-        if self.use_masters:
-            self._move_model_grads(list(self.pairs()), 1.0, None, check=False)
+        pairs = list(self.pairs()) if self.use_masters else None  # one walk for the whole step
+        if pairs:
+            self._move_model_grads(pairs, 1.0, None, check=False)
         with disable_casts():
             out = inner(closure, *args, **kwargs) if closure is not None else inner(*args, **kwargs)
-        if self.use_masters:
-            self.copy_masters_to_model()
-            for _, m in self.pairs():
+        if pairs:
+            self.copy_masters_to_model(pairs)
+            for _, m in pairs:
                 m.grad = None
         session.on_step(self, skipped=False)
         return out
@@ -234,6 +312,7 @@ class OptimizerHandle:
             else:
                 mp.grad.detach_().zero_()
         self._stash = []
+        self._rescaled = None
         self.pending_scaled = False
 
     def _add_param_group(self, inner: Callable, group: dict) -> None:

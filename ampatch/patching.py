@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import itertools
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import wrapt
+
+from .cache import CastCache
 
 logger = logging.getLogger("ampatch")
 
@@ -119,13 +123,14 @@ class Patcher:
 _Tensor = torch.Tensor
 _LOW = (torch.float16, torch.bfloat16)
 _CASTABLE_TO_HALF = (torch.float32, torch.float16, torch.bfloat16)
+_SEQ = (list, tuple)
 
 
 def widest(args: tuple, kwargs: dict) -> torch.dtype | None:
     """The promoted floating dtype over every floating tensor among args, kwargs and lists."""
     found = None
     for a in itertools.chain(args, kwargs.values()):
-        items = a if type(a) in (list, tuple) else (a,)
+        items = a if type(a) in _SEQ else (a,)
         for t in items:
             if isinstance(t, _Tensor) and t.is_floating_point():
                 found = t.dtype if found is None else torch.promote_types(found, t.dtype)
@@ -135,50 +140,79 @@ def widest(args: tuple, kwargs: dict) -> torch.dtype | None:
 def any_low(args: tuple, kwargs: dict) -> bool:
     """Whether any tensor argument (or list element) is float16/bfloat16."""
     for a in itertools.chain(args, kwargs.values()):
-        items = a if type(a) in (list, tuple) else (a,)
+        items = a if type(a) in _SEQ else (a,)
         for t in items:
             if isinstance(t, _Tensor) and t.dtype in _LOW:
                 return True
     return False
 
 
+def _plain_caster(cache_cast: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
+                  dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return cache_cast(t, dtype)
+    return cast
+
+
 class Caster:
     """Casts argument structures: tensors, and lists/tuples of tensors, one level deep.
 
     `cache_cast(t, dtype)` (the session's cast cache) does the actual conversion so that
-    parameters are cast once per iteration.
+    parameters are cast once per iteration. `for_dtype(dtype)` is the same bound to one
+    dtype (the cache's specialised closure when `cache_cast` is a `CastCache.cast`).
+    A list or tuple in which nothing needs a cast comes back as the very same object.
     """
 
-    __slots__ = ("cache_cast",)
+    __slots__ = ("cache_cast", "_cache", "_for_dtype")
 
     def __init__(self, cache_cast: Callable[[torch.Tensor, torch.dtype], torch.Tensor]) -> None:
         self.cache_cast = cache_cast
+        owner = getattr(cache_cast, "__self__", None)
+        self._cache = owner if isinstance(owner, CastCache) and cache_cast.__func__ is CastCache.cast else None
+        self._for_dtype: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    def for_dtype(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        fn = self._for_dtype.get(dtype)
+        if fn is None:
+            fn = self._cache.caster(dtype) if self._cache is not None else _plain_caster(self.cache_cast, dtype)
+            self._for_dtype[dtype] = fn
+        return fn
 
     def to_half(self, x: Any, dtype: torch.dtype) -> Any:
         """Floating non-double tensors to `dtype`; anything else unchanged."""
         if isinstance(x, _Tensor):
-            if x.dtype is not dtype and x.dtype in _CASTABLE_TO_HALF:
-                return self.cache_cast(x, dtype)
+            d = x.dtype
+            if d is not dtype and d in _CASTABLE_TO_HALF:
+                return self.for_dtype(dtype)(x)
             return x
-        if type(x) in (list, tuple):
-            return type(x)([self.to_half(y, dtype) for y in x])
+        if type(x) in _SEQ:
+            return _map_seq(x, lambda y: self.to_half(y, dtype))
         return x
 
     def to_float(self, x: Any, dtype: torch.dtype = torch.float32) -> Any:
         """float16/bfloat16 tensors to float32; double and non-float tensors unchanged."""
         if isinstance(x, _Tensor):
-            return self.cache_cast(x, torch.float32) if x.dtype in _LOW else x
-        if type(x) in (list, tuple):
-            return type(x)([self.to_float(y) for y in x])
+            return self.for_dtype(torch.float32)(x) if x.dtype in _LOW else x
+        if type(x) in _SEQ:
+            return _map_seq(x, self.to_float)
         return x
 
     def to_exact(self, x: Any, dtype: torch.dtype) -> Any:
         """Any floating tensor (double too) to `dtype`: used for promotion."""
         if isinstance(x, _Tensor):
-            return self.cache_cast(x, dtype) if x.dtype is not dtype and x.is_floating_point() else x
-        if type(x) in (list, tuple):
-            return type(x)([self.to_exact(y, dtype) for y in x])
+            return self.for_dtype(dtype)(x) if x.dtype is not dtype and x.is_floating_point() else x
+        if type(x) in _SEQ:
+            return _map_seq(x, lambda y: self.to_exact(y, dtype))
         return x
+
+
+def _map_seq(x: list | tuple, fn: Callable[[Any], Any]) -> Any:
+    """`type(x)(fn(y) for y in x)`, or `x` itself when fn changed nothing."""
+    new = [fn(y) for y in x]
+    for a, b in zip(new, x):
+        if a is not b:
+            return type(x)(new)
+    return x
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -214,11 +248,75 @@ class WrapContext:
     timer: Any = None  # a callable(seconds) when timing telemetry is on
 
 
+def _seq_needs(x: list | tuple, needs: frozenset) -> bool:
+    """Whether a tensor in `x` (nested lists/tuples too) has a dtype in `needs`."""
+    for y in x:
+        if isinstance(y, _Tensor):
+            if y.dtype in needs:
+                return True
+        elif type(y) in _SEQ and _seq_needs(y, needs):
+            return True
+    return False
+
+
+def _cast_wrapper(original: Any, tick: Any, needs: frozenset, cast: Callable[[torch.Tensor], torch.Tensor],
+                  seq: Callable[[Any], Any]) -> Callable:
+    """The hot-path wrapper of a HALF or FLOAT op: a tensor whose dtype is in `needs` goes
+    through `cast`; a list/tuple (or any other argument) through `seq`. One cheap pass
+    decides whether anything needs a cast; when nothing does, the call goes straight to
+    `wrapped` with the caller's own args (no tuple, list or dict is built). An empty kwargs
+    dict is never passed on: `f(*args, **{})` costs a torch builtin about 0.25 us."""
+    switch = _switch
+    seq_needs = _seq_needs
+
+    def convert_call(instance: Any, args: tuple, kwargs: dict) -> Any:
+        out = [] if instance is None else [seq(instance)]  # `seq` converts any one argument
+        for a in args:
+            if isinstance(a, _Tensor):
+                if a.dtype in needs:
+                    a = cast(a)
+            elif type(a) in _SEQ and seq_needs(a, needs):
+                a = seq(a)
+            out.append(a)
+        if kwargs:
+            return original(*out, **{k: (cast(v) if v.dtype in needs else v) if isinstance(v, _Tensor)
+                                     else seq(v) if type(v) in _SEQ else v for k, v in kwargs.items()})
+        return original(*out)
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if not switch.enabled:
+            return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+        next(tick)
+        for a in args:
+            if isinstance(a, _Tensor):
+                if a.dtype in needs:
+                    return convert_call(instance, args, kwargs)
+            elif type(a) in _SEQ and seq_needs(a, needs):
+                return convert_call(instance, args, kwargs)
+        if instance is not None:
+            if isinstance(instance, _Tensor):
+                if instance.dtype in needs:
+                    return convert_call(instance, args, kwargs)
+            elif type(instance) in _SEQ and seq_needs(instance, needs):
+                return convert_call(instance, args, kwargs)
+        if kwargs:
+            for v in kwargs.values():
+                if isinstance(v, _Tensor):
+                    if v.dtype in needs:
+                        return convert_call(instance, args, kwargs)
+                elif type(v) in _SEQ and seq_needs(v, needs):
+                    return convert_call(instance, args, kwargs)
+            return wrapped(*args, **kwargs)
+        return wrapped(*args)
+
+    return wrapper
+
+
 def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_message: str = "") -> Callable:
     """Build the wrapt wrapper function for one op of one kind.
 
     `original` is called unbound (`original(self, *args)`) for Tensor methods so that the
-    tensor itself is cast too.
+    tensor itself is cast too. With nothing to cast, the call goes to `wrapped` unchanged.
     """
     caster = ctx.caster
     if kind == BFLOAT16:
@@ -226,9 +324,13 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
     else:
         target = ctx.half_dtype
     switch = _switch
+    timer = ctx.timer
     if kind == HALF:
         tick = ctx.counters.counter(op, str(target).removeprefix("torch."))
         to_half = caster.to_half
+        if timer is None:
+            return _cast_wrapper(original, tick, frozenset(_CASTABLE_TO_HALF) - {target}, caster.for_dtype(target),
+                                 lambda x: to_half(x, target))
 
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             next(tick)
@@ -237,6 +339,8 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
     elif kind == FLOAT or (kind == BANNED and ctx.allow_banned):
         tick = ctx.counters.counter(op, "float32")
         to_float = caster.to_float
+        if timer is None:
+            return _cast_wrapper(original, tick, frozenset(_LOW), caster.for_dtype(torch.float32), to_float)
 
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             next(tick)
@@ -267,11 +371,46 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
     else:
         raise ValueError(f"unknown cast kind {kind!r}")
 
-    timer = ctx.timer
-    if timer is None:
+    if timer is None and kind in (PROMOTE, SEQUENCE_PROMOTE):
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             if not switch.enabled:
-                return wrapped(*args, **kwargs)
+                return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+            # Hot path: when every floating tensor argument has one dtype (an in-place op:
+            # self's dtype, floating or not), promotion changes nothing and counts nothing,
+            # so the call goes through untouched.
+            full = args if instance is None else (instance, *args)
+            first = full[0].dtype if in_place and full and isinstance(full[0], _Tensor) else None
+            for a in full:
+                if isinstance(a, _Tensor):
+                    d = a.dtype
+                    if d.is_floating_point:
+                        if first is None:
+                            first = d
+                        elif d is not first:
+                            break
+                elif type(a) in _SEQ:
+                    break
+            else:
+                for a in kwargs.values():
+                    if isinstance(a, _Tensor):
+                        d = a.dtype
+                        if d.is_floating_point:
+                            if first is None:
+                                first = d
+                            elif d is not first:
+                                break
+                    elif type(a) in _SEQ:
+                        break
+                else:
+                    return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+            if instance is not None:
+                args = (instance,) + args
+            args, kwargs = convert(args, kwargs)
+            return original(*args, **kwargs)
+    elif timer is None:
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            if not switch.enabled:
+                return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
             if instance is not None:
                 args = (instance,) + args
             args, kwargs = convert(args, kwargs)
@@ -294,6 +433,60 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
     return wrapper
 
 
-def wrap(kind: str, op: str, original: Any, ctx: WrapContext, banned_message: str = "") -> wrapt.FunctionWrapper:
-    """A wrapt FunctionWrapper around `original` (keeps its name, docs and identity checks)."""
-    return wrapt.FunctionWrapper(original, make_wrapper(kind, op, original, ctx, banned_message))
+class _ModuleFunctionWrapper(wrapt.FunctionWrapper):
+    """A `wrapt.FunctionWrapper` for a plain Python function that is a module attribute.
+
+    wrapt labels a Python function's binding "function" and, on every call of an unbound
+    wrapper, looks up a `__self__` such a function never has (an AttributeError raised and
+    cleared per call, about half of wrapt's cost). A module attribute is never bound, so the
+    "builtin" binding, which wrapt gives C functions, behaves the same and skips the lookup.
+    """
+
+    def __init__(self, wrapped: Any, wrapper: Callable) -> None:
+        super(wrapt.FunctionWrapper, self).__init__(wrapped, None, wrapper, None, "builtin")
+
+
+class _MethodWrapper(wrapt.FunctionWrapper):
+    """A `wrapt.FunctionWrapper` for an instance method of a class (`torch.Tensor.softmax`).
+
+    wrapt binds on every attribute access (`x.softmax` builds a bound method and a
+    BoundFunctionWrapper); here the wrapper has the "builtin" binding and `__get__` returns a
+    plain bound method of the wrapper, so `x.softmax(-1)` calls the wrapper with `instance`
+    None and `x` as the first argument, exactly how the unbound original takes it (and how
+    `torch.Tensor.softmax(x, -1)` calls it). Only for plain functions and method descriptors
+    found in the class itself or its bases: never for static or class methods.
+    """
+
+    def __init__(self, wrapped: Any, wrapper: Callable) -> None:
+        super(wrapt.FunctionWrapper, self).__init__(wrapped, None, wrapper, None, "builtin")
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
+
+
+def wrap(kind: str, op: str, original: Any, ctx: WrapContext, banned_message: str = "",
+         owner: Any = None) -> wrapt.FunctionWrapper:
+    """A wrapt FunctionWrapper around `original` (keeps its name, docs and identity checks).
+
+    `owner` is where it will be set (as attribute `op`): a Python function in a module, or an
+    instance method of a class, gets a wrapper that skips wrapt's per-call binding work."""
+    wrapper = make_wrapper(kind, op, original, ctx, banned_message)
+    cls = None
+    if isinstance(owner, types.ModuleType) and inspect.isfunction(original):
+        cls = _ModuleFunctionWrapper
+    elif isinstance(owner, type):
+        try:
+            raw = inspect.getattr_static(owner, op)
+        except AttributeError:
+            raw = None
+        if raw is original and (inspect.isfunction(raw) or inspect.ismethoddescriptor(raw)) \
+                and not isinstance(raw, (staticmethod, classmethod)):
+            cls = _MethodWrapper
+    if cls is not None:
+        try:
+            return cls(original, wrapper)
+        except TypeError:  # a wrapt whose base constructor differs: the generic wrapper is fine
+            pass
+    return wrapt.FunctionWrapper(original, wrapper)

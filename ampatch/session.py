@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import policy
+from . import policy, tips
 from .cache import CastCache
 from .levels import Properties
 from .master import OptimizerHandle
-from .model import ModelHandle, params_to_cast
+from .model import ModelHandle, params_to_cast, wrap_outputs
 from .patching import (BANNED, BFLOAT16, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
                        WrapContext, make_wrapper, resolve_owner, wrap)
 from .policy import user as user_policy
@@ -62,6 +62,7 @@ class Session:
         props = self.properties
         if not props.enabled:
             return
+        tips.log_dims_tip(models, self.verbosity, props.opt_level)
         if props.casts_model:
             keep_bn = props.keep_batchnorm_fp32
             cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)}
@@ -75,6 +76,9 @@ class Session:
                 h.recast_state()
         else:
             self.optimizers = [OptimizerHandle(opt, i, self, None) for i, opt in enumerate(optimizers)]
+            if props.cast_model_outputs is not None:  # O0/O1/O4: only the outputs are cast (Apex)
+                for m in models:
+                    wrap_outputs(m, props.cast_model_outputs, self.patcher)
         for h in self.optimizers:
             h.install(self.patcher)
         if props.patch_torch_functions:
@@ -113,7 +117,7 @@ class Session:
             return
         if (owner, name) in self.patcher:
             return
-        self.patcher.patch(owner, name, wrap(kind, name, getattr(owner, name), ctx, message))
+        self.patcher.patch(owner, name, wrap(kind, name, getattr(owner, name), ctx, message, owner))
 
     def decorated(self, kind: str, fn: Any) -> Any:
         """The cast wrapper for a function decorated with `amp.half_function` & co., made once."""
@@ -172,9 +176,10 @@ class Session:
                 self.cache.clear()
             return
         for h in handles:
-            h.resolve()
-            h.before_backward()
+            h.resolve()  # a deferred verdict may still change the scale
         scale = scaler.scale
+        for h in handles:
+            h.before_backward(scale)
         self.telemetry.scale_loss_time += time.perf_counter() - start
         try:
             yield loss.float() * scale
@@ -201,10 +206,11 @@ class Session:
     def on_step(self, handle: OptimizerHandle, skipped: bool) -> None:
         """Called by every patched optimizer.step(): the params changed, so the casts are stale."""
         self.cache.clear()
+        iteration = handle.steps - 1
         if handle.index == 0:
-            self.telemetry.on_step(handle.steps - 1, skipped)
-        elif skipped:
-            self.telemetry.skipped.append(handle.steps - 1)
+            self.telemetry.on_step(iteration, skipped)
+        elif skipped and iteration not in self.telemetry.skipped[-len(self.optimizers):]:
+            self.telemetry.skipped.append(iteration)  # an iteration is listed once, however many skipped
 
     def _resync_masters(self) -> None:
         for h in self.optimizers:
@@ -230,6 +236,9 @@ class Session:
         unknown = [k for k in state_dict if not (k.startswith("loss_scaler") and k[11:].isdigit())]
         if unknown:
             raise ValueError(f"unknown keys {unknown} in the amp state dict; expected 'loss_scaler0', ...")
+        for key, value in state_dict.items():  # all checked before any is loaded
+            if key in names:
+                LossScaler.check_state(value)
         if len(state_dict) != len(self.scalers):
             logger.warning("ampatch: the state dict has %d loss scalers, this session uses %d (num_losses); "
                            "loading the ones that match.", len(state_dict), len(self.scalers))

@@ -1,0 +1,62 @@
+"""Smoke test of scripts/bench.py: it runs (quick, restricted sections) and its JSON carries
+the ratio keys the README table and issue 8's targets are read from. No timing assertions:
+ratios from a few rounds on a shared machine are noise."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+
+
+def _run(tmp_path: Path, only: str) -> dict:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--only", only, "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "targets (issue 8)" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_bench_quick_mlp_and_micro(tmp_path: Path) -> None:
+    data = _run(tmp_path, "mlp,micro")
+    ratios = data["ratios"]
+    for key in ("mlp.O1/autocast", "mlp.O2/autocast", "mlp.O2/O3", "mlp.autocast/fp32",
+                "micro.linear.O1/autocast", "micro.add.O1-unpatched_us", "micro.nocast.O1-unpatched_us",
+                "micro.unscale.ampatch/GradScaler", "micro.unscale.ampatch_exit/GradScaler_full"):
+        assert key in ratios, key
+        assert _finite(ratios[key]), (key, ratios[key])
+    assert ratios["mlp.O1/autocast"] > 0
+    for key in ("mlp.O1/autocast", "mlp.O2/autocast", "micro.linear.O1/autocast", "micro.add.O1-unpatched_us",
+                "micro.unscale.ampatch/GradScaler"):
+        target = data["targets"][key]
+        assert set(target) == {"limit", "value", "met", "what"}
+        assert isinstance(target["met"], bool)
+    assert data["meta"]["quick"] is True
+    assert set(data["results"]["mlp"]["median_step_ms"]) == {"fp32", "autocast", "O1", "O2", "O3"}
+
+
+def test_bench_quick_memory(tmp_path: Path) -> None:
+    if not Path("/proc/self/status").exists():
+        pytest.skip("the CPU memory measure reads /proc")
+    data = _run(tmp_path, "memory")
+    ratio = data["ratios"]["memory.cnn.O2/O0"]
+    assert _finite(ratio) and 0 < ratio < 2
+    mem = data["results"]["memory"]
+    assert mem["peak_bytes"]["O0"] > mem["persistent_bytes"]["O0"] > 0
+
+
+def test_bench_rejects_unknown_section() -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), "--only", "nope"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 2
+    assert "unknown section" in proc.stderr
