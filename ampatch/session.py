@@ -22,7 +22,7 @@ from .cache import CastCache
 from .levels import Properties
 from .master import OptimizerHandle
 from .model import ModelHandle, params_to_cast, wrap_outputs
-from .patching import (BANNED, BFLOAT16, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
+from .patching import (BANNED, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
                        WrapContext, make_wrapper, resolve_owner, wrap)
 from .policy import user as user_policy
 from .rnn import patch_rnn_modules

@@ -13,6 +13,16 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """The suite runs tiny ops: one intra-op thread avoids waits on a thread barrier
+    (tens of ms per half matmul on a shared 2-core machine). Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _no_session():
     amp.deinitialize()

@@ -17,15 +17,6 @@ STEPS, SAVE_AFTER, POISON_AT = 6, 3, 1
 CHECKING = ("O1", "O2", "O5")  # levels that skip on overflow by default (the others would go NaN)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # With 2 OpenMP threads on a shared, loaded machine every half-precision matmul waits
-    # ~20 ms on a thread barrier; with one thread it takes microseconds.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make(seed: int):
     """A model with FP32 batch norm under O2/O5 (buffers included) and Adam (state with a step count)."""

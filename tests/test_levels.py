@@ -19,14 +19,6 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread avoids oversubscribing a shared CPU (restored after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def expected_row(level: str, half: torch.dtype) -> dict:
     """The DESIGN.md table with "half" resolved and the bfloat16 loss-scale default applied."""

@@ -31,15 +31,6 @@ CONFIG_IDS = LEVELS + ["O0-static128", "O3-dynamic", "O4-dynamic"]
 TOL = {"O0": 1e-5, "O1": 1e-2, "O2": 1e-2, "O3": 1e-2, "O4": 6e-2, "O5": 6e-2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # With 2 OpenMP threads on a shared, loaded machine every half-precision matmul waits
-    # ~20 ms on a thread barrier; with one thread it takes microseconds.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def adam(params) -> torch.optim.Adam:
     # eps representable in float16: with the default 1e-8, pure-half O3 Adam divides by zero

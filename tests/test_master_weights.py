@@ -19,14 +19,6 @@ MASTER_LEVELS = [("O2", F16), ("O2", BF16), ("O5", BF16)]
 MASTER_IDS = ["O2-fp16", "O2-bf16", "O5"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread avoids oversubscribing a shared CPU (restored after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class SignSGD(torch.optim.Optimizer):
     """A user optimizer with its own state."""

@@ -25,14 +25,6 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread avoids oversubscribing a shared CPU (restored after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 # (level, half_dtype): every valid combination; O4/O5 exist only in bfloat16
 COMBOS = [("O0", F16), ("O0", BF16), ("O1", F16), ("O1", BF16), ("O2", F16), ("O2", BF16),
           ("O3", F16), ("O3", BF16), ("O4", BF16), ("O5", BF16)]

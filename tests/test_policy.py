@@ -6,7 +6,6 @@ fails or mis-types without a wrapper) while each NATIVELY_PROMOTING entry is not
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from ampatch.patching import resolve_owner
 from ampatch.policy import NAMESPACES, torch_ops, vf
 
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
@@ -30,13 +30,6 @@ INPLACE_DUNDERS = frozenset({
 })
 
 
-def owner_of(path: str) -> Any:
-    """"torch.nn.functional" -> module, "torch.Tensor" -> class."""
-    try:
-        return importlib.import_module(path)
-    except ImportError:
-        module, _, attr = path.rpartition(".")
-        return getattr(importlib.import_module(module), attr)
 
 
 def is_inplace(name: str) -> bool:
@@ -75,7 +68,7 @@ def test_namespaces_shape() -> None:
 
 @pytest.mark.parametrize(("path", "name"), entries(*ALL_LISTS))
 def test_listed_name_exists(path: str, name: str) -> None:
-    owner = owner_of(path)
+    owner = resolve_owner(path)
     assert hasattr(owner, name), f"{path}.{name} does not exist on torch {torch.__version__}"
     assert callable(getattr(owner, name)), f"{path}.{name} is not callable"
 
@@ -332,7 +325,7 @@ def _split(result: Any) -> tuple[tuple, tuple]:
 
 
 def call(path: str, name: str, first: torch.dtype, second: torch.dtype) -> Outcome:
-    fn = getattr(owner_of(path), name)
+    fn = getattr(resolve_owner(path), name)
     args = EXAMPLES[f"{path}:{name}"](factory(first), factory(second))
     kwargs: dict = {}
     if args and isinstance(args[-1], K):
