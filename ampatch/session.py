@@ -32,6 +32,7 @@ from .telemetry import Report, Telemetry, peak_memory_bytes
 logger = logging.getLogger("ampatch")
 
 REPORT_ENV = "AMPATCH_REPORT"
+TIME_ENV = "AMPATCH_TIME_WRAPPERS"  # time every wrapper's own work (two clock reads per call)
 _LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE))
 
 
@@ -47,7 +48,8 @@ class Session:
         self.process_group = process_group
         self.patcher = Patcher()
         self.cache = CastCache()
-        self.telemetry = Telemetry(record=bool(os.environ.get(REPORT_ENV)))
+        self.telemetry = Telemetry(record=bool(os.environ.get(REPORT_ENV)),
+                                   time_wrappers=os.environ.get(TIME_ENV, "") not in ("", "0"))
         self.scalers = [LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
                         for _ in range(num_losses)]
         self.models: list[ModelHandle] = []
@@ -89,7 +91,7 @@ class Session:
 
     def _context(self) -> WrapContext:
         if self._wrap_ctx is None:
-            timer = self.telemetry.add_wrapper_time if self.telemetry.record else None
+            timer = self.telemetry.add_wrapper_time if self.telemetry.time_wrappers else None
             self._wrap_ctx = WrapContext(Caster(self.cache.cast), self.properties.half_dtype,
                                          self.telemetry.counters, self.allow_banned, timer)
         return self._wrap_ctx
@@ -259,7 +261,7 @@ class Session:
             skipped_steps=list(t.skipped),
             loss_scale={f"loss_scaler{i}": s.scale for i, s in enumerate(self.scalers)},
             loss_scale_history={f"loss_scaler{i}": [list(h) for h in s.history] for i, s in enumerate(self.scalers)},
-            time_s={"wrappers": t.wrapper_time, "scale_loss": t.scale_loss_time},
+            time_s={"wrappers": t.wrapper_time if t.time_wrappers else None, "scale_loss": t.scale_loss_time},
             step_times_s=list(t.step_times),
             losses=list(t.losses),
             peak_memory_bytes=peak_memory_bytes(),

@@ -1,8 +1,10 @@
 """Counters and `report()`: what a session did.
 
-Counting is cheap and always on (atomic counters per op). Timing of wrappers, per-step
-wall times and the loss curve cost a clock read or a host sync, so they are recorded only
-when asked for (`record=True`, which `AMPATCH_REPORT` turns on for the `ampatch` command).
+Counting is cheap and always on (atomic counters per op). Per-step wall times and the loss
+curve cost a clock read and a host sync per step, so they are recorded only when asked for
+(`record=True`, which `AMPATCH_REPORT` turns on for the `ampatch` command). Timing every
+wrapper costs two clock reads per patched call, so it has its own switch
+(`time_wrappers=True`, `AMPATCH_TIME_WRAPPERS=1`); otherwise the report says "not measured".
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from .patching import Counters
 class Telemetry:
     """Mutable counters of one session."""
 
-    def __init__(self, record: bool = False) -> None:
+    def __init__(self, record: bool = False, time_wrappers: bool = False) -> None:
         self.record = record
+        self.time_wrappers = time_wrappers
         self.counters = Counters()
         self.steps = 0
         self.skipped: list[int] = []
@@ -60,6 +63,10 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _seconds(value: float | None) -> str:
+    return "not measured (AMPATCH_TIME_WRAPPERS=1)" if value is None else f"{value:.3f}s"
+
+
 @dataclass
 class Report:
     """A snapshot of a session's telemetry; `str()` is a table, `to_dict()` is JSON-ready."""
@@ -73,7 +80,7 @@ class Report:
     skipped_steps: list[int]
     loss_scale: dict[str, float]
     loss_scale_history: dict[str, list[list[float]]]
-    time_s: dict[str, float]
+    time_s: dict[str, float | None]  # "wrappers" is None unless AMPATCH_TIME_WRAPPERS=1
     step_times_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
@@ -91,8 +98,8 @@ class Report:
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
                  + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),
                  f"  cast cache: {self.cache['hits']} hits, {self.cache['misses']} misses",
-                 f"  time in ampatch: wrappers {self.time_s['wrappers']:.3f}s, "
-                 f"scale_loss {self.time_s['scale_loss']:.3f}s"]
+                 f"  time in ampatch: wrappers {_seconds(self.time_s['wrappers'])}, "
+                 f"scale_loss {_seconds(self.time_s['scale_loss'])}"]
         for name, scale in self.loss_scale.items():
             changes = len(self.loss_scale_history.get(name, [])) - 1
             lines.append(f"  {name}: scale {scale:g} ({changes} changes)")

@@ -449,3 +449,15 @@ def test_calls_before_initialize_raise():
             pass
     with pytest.raises(RuntimeError, match="initialize"):
         amp.report()
+
+
+def test_wrapper_timing_is_opt_in(monkeypatch):
+    lin = nn.Linear(4, 4)
+    amp.initialize(lin, opt_level="O4", verbosity=0)
+    lin(torch.randn(2, 4))
+    assert amp.report().time_s["wrappers"] is None
+    assert "not measured" in str(amp.report())
+    monkeypatch.setenv("AMPATCH_TIME_WRAPPERS", "1")
+    amp.initialize(lin, opt_level="O4", verbosity=0)
+    assert lin(torch.randn(2, 4)).dtype == torch.bfloat16
+    assert amp.report().time_s["wrappers"] > 0

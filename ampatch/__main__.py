@@ -1,0 +1,5 @@
+"""``python -m ampatch``: the ``ampatch`` command."""
+
+from ampatch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Shared pieces of the built-in workloads: arguments, corpus, and the amp training loop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+from importlib import resources
+
+import torch
+
+import ampatch as amp
+
+log = logging.getLogger("ampatch.workloads")
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def parse_args(name: str, argv: Sequence[str] | None, default_steps: int) -> argparse.Namespace:
+    """The command line every workload accepts."""
+    p = argparse.ArgumentParser(prog=f"python -m ampatch.workloads.{name}",
+                                description=f"ampatch built-in workload '{name}'.")
+    p.add_argument("--steps", type=int, default=default_steps, help="optimizer steps to train")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+    p.add_argument("--opt-level", default="O1", help="amp opt level (O0-O5)")
+    p.add_argument("--half-dtype", choices=("bfloat16", "float16"), default=None,
+                   help="half type (default: ampatch's auto choice)")
+    p.add_argument("--log-every", type=int, default=0, help="log the loss every N steps")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    return args
+
+
+def load_corpus() -> str:
+    """The text shipped in ``ampatch/workloads/data/corpus.txt``."""
+    return resources.files("ampatch.workloads").joinpath("data/corpus.txt").read_text("ascii")
+
+
+def encode_corpus() -> tuple[torch.Tensor, int]:
+    """The corpus as a tensor of character ids, and the vocabulary size."""
+    text = load_corpus()
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), len(vocab)
+
+
+def text_batches(ids: torch.Tensor, steps: int, batch: int, seq: int, seed: int) -> list[Batch]:
+    """Random windows of the corpus: inputs and next-character targets, fixed by ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq - 1, (steps, batch), generator=gen)
+    offsets = torch.arange(seq + 1)
+    windows = ids[starts[..., None] + offsets]          # (steps, batch, seq + 1)
+    return [(w[:, :-1], w[:, 1:]) for w in windows]
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch],
+          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+          args: argparse.Namespace) -> float:
+    """The standard amp loop; returns the last loss."""
+    half = getattr(torch, args.half_dtype) if args.half_dtype else None
+    model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, half_dtype=half)
+    model.train()
+    for step, (x, y) in enumerate(batches, start=1):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        if args.log_every and (step % args.log_every == 0 or step == len(batches)):
+            log.info("step %d/%d loss %.4f", step, len(batches), loss.item())
+    return loss.item()
+
+
+def run(name: str, argv: Sequence[str] | None, default_steps: int,
+        build: Callable[[argparse.Namespace], tuple[torch.nn.Module, torch.optim.Optimizer,
+                                                    list[Batch], Callable]]) -> int:
+    """Parse arguments, build model/optimizer/data from the seed, train; the exit code."""
+    args = parse_args(name, argv, default_steps)
+    if args.log_every:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    torch.manual_seed(args.seed)
+    model, optimizer, batches, loss_fn = build(args)
+    train(model, optimizer, batches, loss_fn, args)
+    return 0

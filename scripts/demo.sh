@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up .venv (if needed) and compare all opt levels on the built-in workload.
+# Extra arguments go to `ampatch compare`, e.g.:
+#   scripts/demo.sh --levels O0,O4,O5 --steps 50 --plot out/curves.png
+#   scripts/demo.sh -- python examples/train.py
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+exec "$VPY" -m ampatch compare "$@"

@@ -1,0 +1,197 @@
+"""The ``ampatch`` command: compare, run, failed rows, argument errors.
+
+Most tests run ``python -m ampatch`` in a subprocess, as a user would; the table and plot
+helpers are also checked in-process on hand-made reports, which needs no torch in children.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ampatch import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+AMP_SCRIPT = textwrap.dedent("""\
+    import os, sys
+    import torch
+    import ampatch as amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen)
+    for step in range(5):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        if step == 2 and os.environ.get("AMPATCH_OPT_LEVEL") == "O2":
+            raise RuntimeError("boom at O2")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            f.write(amp.report().to_dict()["opt_level"])
+""")
+
+FAKE_REPORT_SCRIPT = textwrap.dedent("""\
+    # Writes a report like ampatch's without importing torch: fast children for CLI tests.
+    import json, math, os
+    level = os.environ["AMPATCH_OPT_LEVEL"]
+    losses = [2 * math.exp(-i / 4) + (0.0 if level == "O0" else 0.01) for i in range(10)]
+    report = {"opt_level": level, "half_dtype": "bfloat16", "enabled": True, "casts": {},
+              "cache": {"hits": 0, "misses": 0}, "steps": 10, "skipped_steps": [],
+              "loss_scale": {"loss_scaler0": 1.0},
+              "loss_scale_history": {"loss_scaler0": [[0, 1.0]]},
+              "time_s": {"wrappers": 0.0, "scale_loss": 0.0},
+              "step_times_s": [0.02 if level == "O0" else 0.01] * 9, "losses": losses,
+              "peak_memory_bytes": 100 * 2**20}
+    with open(os.environ["AMPATCH_REPORT"], "w") as f:
+        json.dump(report, f)
+""")
+
+
+def ampatch(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m ampatch ARGS`` with this checkout importable and no inherited AMPATCH_*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "ampatch", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow
+def test_compare_default_workload(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    proc = ampatch("compare", "--levels", "O0,O4,O5", "--steps", "4", "--json", str(out),
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["workload"] == "lm" and data["steps"] == 4
+    assert [r["level"] for r in data["rows"]] == ["O0", "O4", "O5"]
+    for row in data["rows"]:
+        assert row["ok"] and row["error"] is None
+        assert row["report"]["opt_level"] == row["level"]
+        assert row["report"]["steps"] == 4 and len(row["losses"]) == 4
+        assert row["median_step_ms"] > 0 and row["peak_memory_mib"] > 0
+        assert math.isfinite(row["final_loss"]) and math.isfinite(row["max_loss_dev_vs_O0"])
+        assert row["skipped_steps"] == [] and row["final_loss_scale"] == 1.0
+        assert "loss_scaler0" in row["loss_scale_history"]
+    o0, o4, _ = data["rows"]
+    assert o0["half_dtype"] is None and o4["half_dtype"] == "bfloat16"
+    assert o0["speedup_vs_O0"] == 1.0 and o0["max_loss_dev_vs_O0"] == 0.0
+    assert o4["max_loss_dev_vs_O0"] < 0.5          # bfloat16 follows the fp32 curve
+    table = proc.stdout.splitlines()
+    assert any(line.startswith("level") for line in table)
+    assert sum(line.split()[:1] in (["O0"], ["O4"], ["O5"]) for line in table) == 3
+    assert proc.stderr.count("running") == 3 and "[3/3] O5 ok" in proc.stderr
+
+
+@pytest.mark.slow
+def test_compare_user_script_with_a_failing_level(tmp_path: Path) -> None:
+    script = write(tmp_path / "train.py", AMP_SCRIPT)
+    out, png = tmp_path / "out.json", tmp_path / "curves.png"
+    proc = ampatch("compare", "--levels", "O0,O2,O4", "--json", str(out), "--plot", str(png),
+                   "--", "python", str(script), cwd=tmp_path)
+    assert proc.returncode == 1
+    rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["O0", "O2", "O4"]
+    assert not rows["O2"]["ok"] and rows["O2"]["error"] == "RuntimeError: boom at O2"
+    assert rows["O0"]["ok"] and rows["O4"]["ok"]
+    assert len(rows["O0"]["losses"]) == len(rows["O4"]["losses"]) == 5
+    assert "O2     FAILED: RuntimeError: boom at O2" in proc.stdout
+    assert "Traceback" not in proc.stdout
+    pytest.importorskip("matplotlib")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_run_forces_the_level_and_passes_the_exit_code(tmp_path: Path) -> None:
+    script = write(tmp_path / "train.py", AMP_SCRIPT)
+    seen, report = tmp_path / "seen.txt", tmp_path / "report.json"
+    proc = ampatch("run", "--opt-level", "O3", "--report", str(report), "--",
+                   "python", str(script), str(seen), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert seen.read_text() == "O3"                       # the script asked for O1
+    assert json.loads(report.read_text())["opt_level"] == "O3"
+    failing = ampatch("run", "--opt-level", "O2", "--", "python", str(script), cwd=tmp_path)
+    assert failing.returncode == 1 and "boom at O2" in failing.stderr
+
+
+def test_apex_alias(tmp_path: Path) -> None:
+    script = write(tmp_path / "apex_train.py",
+                   "from apex import amp\nassert callable(amp.initialize)\n")
+    proc = ampatch("run", "--opt-level", "O1", "--apex-alias", "--", "python", str(script),
+                   cwd=tmp_path)
+    try:
+        from ampatch.compat import install_apex_alias  # noqa: F401
+    except ImportError:   # not written yet: the command says so in one line
+        assert proc.returncode == 2 and proc.stderr.startswith("ampatch: error: --apex-alias")
+    else:
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
+    script = write(tmp_path / "plain.py", "print('no amp here')\n")
+    proc = ampatch("compare", "--levels", "O1", "--", "python", str(script), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "FAILED: script never called amp.initialize" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compare", "--levels", "O0,O9"], "unknown opt level 'O9'"),
+    (["compare", "--steps", "0"], "positive integer"),
+    (["run", "--opt-level", "O2"], "missing command after '--'"),
+    (["compare", "--", "python", "does_not_exist.py"], "script not found"),
+    (["run", "--opt-level", "O1", "--", "python", "does_not_exist.py"], "script not found"),
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str],
+                                            message: str) -> None:
+    proc = ampatch(*args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("ampatch: error:") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_table_without_matplotlib_still_prints_then_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    script = write(tmp_path / "fake.py", FAKE_REPORT_SCRIPT)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)   # import now fails
+    code = cli.main(["compare", "--levels", "O0,O1", "--plot", str(tmp_path / "p.png"),
+                     "--", sys.executable, str(script)])
+    out, err = capsys.readouterr()
+    assert code == 1 and not (tmp_path / "p.png").exists()
+    assert "pip install matplotlib" in err
+    o1 = next(line for line in out.splitlines() if line.startswith("O1")).split()
+    assert o1[3] == "2.00x" and o1[6] == "0.01"     # speed-up and max deviation from O0
+
+
+def test_summary_of_hand_made_reports() -> None:
+    base = {"opt_level": "O0", "losses": [3.0, 2.0, 1.0], "step_times_s": [0.5, 0.2, 0.2, 0.2, 0.2],
+            "peak_memory_bytes": 2**30, "loss_scale": {"loss_scaler0": 1.0}}
+    half = dict(base, opt_level="O1", losses=[3.0, 2.5, float("nan")],
+                step_times_s=[0.5, 0.1, 0.1, 0.1, 0.1], skipped_steps=[1],
+                loss_scale={"loss_scaler0": 32768.0})
+    rows = cli.summarize_all([{"level": "O0", "ok": True, "report": base},
+                              {"level": "O1", "ok": True, "report": half},
+                              {"level": "O2", "ok": False, "error": "boom", "report": None}])
+    o0, o1, _ = rows
+    assert o0["median_step_ms"] == pytest.approx(200) and o1["speedup_vs_O0"] == pytest.approx(2)
+    assert o0["peak_memory_mib"] == 1024 and o0["final_loss"] == pytest.approx(2.0)
+    assert o1["max_loss_dev_vs_O0"] == math.inf           # a NaN loss is an infinite deviation
+    table = cli.format_table(rows, "title")
+    assert "O2     FAILED: boom" in table and "32768" in table and "mean of the last" in table
