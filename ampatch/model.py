@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .tips import hint_dtype_error
+
 logger = logging.getLogger("ampatch")
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -143,7 +145,12 @@ class _CastForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.dtype is not None:
             args, kwargs = cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
-        return cast_tree(self.__wrapped__(*args, **kwargs), self.output_dtype, self.only_low)
+        try:
+            out = self.__wrapped__(*args, **kwargs)
+        except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an FP32 constant meets half
+            hint_dtype_error(exc)
+            raise
+        return cast_tree(out, self.output_dtype, self.only_low)
 
     def bound_to(self, replica: nn.Module) -> "_CastForward":
         """The same wrapper around `replica`'s own forward."""

@@ -23,6 +23,7 @@ import torch
 import wrapt
 
 from .cache import CastCache
+from .tips import hint_dtype_error
 
 logger = logging.getLogger("ampatch")
 
@@ -466,13 +467,28 @@ class _MethodWrapper(wrapt.FunctionWrapper):
         return types.MethodType(self, instance)
 
 
+def with_dtype_hint(wrapper: Callable, name: str) -> Callable:
+    """`wrapper`, plus the registration hint of `tips` on a dtype-mismatch error that escapes
+    it. Used for user code (registered and decorated functions), where such errors happen;
+    the built-in ops cast so that they cannot, and keep their hot path free of the extra call."""
+    def hinted(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return wrapper(wrapped, instance, args, kwargs)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            hint_dtype_error(exc, name)
+            raise
+    return hinted
+
+
 def wrap(kind: str, op: str, original: Any, ctx: WrapContext, banned_message: str = "",
-         owner: Any = None) -> wrapt.FunctionWrapper:
+         owner: Any = None, hint_name: str | None = None) -> wrapt.FunctionWrapper:
     """A wrapt FunctionWrapper around `original` (keeps its name, docs and identity checks).
 
     `owner` is where it will be set (as attribute `op`): a Python function in a module, or an
     instance method of a class, gets a wrapper that skips wrapt's per-call binding work."""
     wrapper = make_wrapper(kind, op, original, ctx, banned_message)
+    if hint_name is not None:
+        wrapper = with_dtype_hint(wrapper, hint_name)
     cls = None
     if isinstance(owner, types.ModuleType) and inspect.isfunction(original):
         cls = _ModuleFunctionWrapper

@@ -23,7 +23,7 @@ from .levels import Properties
 from .master import OptimizerHandle
 from .model import ModelHandle, params_to_cast, wrap_outputs
 from .patching import (BANNED, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
-                       WrapContext, make_wrapper, resolve_owner, wrap)
+                       WrapContext, make_wrapper, resolve_owner, with_dtype_hint, wrap)
 from .policy import user as user_policy
 from .rnn import patch_rnn_modules
 from .scaler import LossScaler, overflowed
@@ -109,25 +109,28 @@ class Session:
                 if (id(owner), name) not in registered:
                     self._patch_one(owner, name, BANNED, ctx, message)
         for owner, name, kind in user_policy.REGISTERED:
-            self._patch_one(owner, name, kind, ctx)
+            self._patch_one(owner, name, kind, ctx, user=True)
         patch_rnn_modules(self.patcher, ctx.caster, self.properties.half_dtype)
         logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
 
-    def _patch_one(self, owner: Any, name: str, kind: str, ctx: WrapContext, message: str = "") -> None:
+    def _patch_one(self, owner: Any, name: str, kind: str, ctx: WrapContext, message: str = "",
+                   user: bool = False) -> None:
         if not hasattr(owner, name):
             logger.debug("ampatch: %s has no %s on this torch; not patched", owner, name)
             return
         if (owner, name) in self.patcher:
             return
-        self.patcher.patch(owner, name, wrap(kind, name, getattr(owner, name), ctx, message, owner))
+        hint = tips.qualified_name(owner, name) if user else None
+        self.patcher.patch(owner, name, wrap(kind, name, getattr(owner, name), ctx, message, owner, hint))
 
     def decorated(self, kind: str, fn: Any) -> Any:
         """The cast wrapper for a function decorated with `amp.half_function` & co., made once."""
         key = (kind, fn)
         wrapper = self._decorated.get(key)
         if wrapper is None:
-            wrapper = self._decorated[key] = make_wrapper(kind, getattr(fn, "__name__", "function"), fn,
-                                                          self._context())
+            name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', 'function')}"
+            wrapper = self._decorated[key] = with_dtype_hint(
+                make_wrapper(kind, getattr(fn, "__name__", "function"), fn, self._context()), name)
         return wrapper
 
     def register_now(self, owner: Any, name: str, kind: str) -> None:
@@ -137,7 +140,7 @@ class Session:
                 logger.info("ampatch: %s was patched already; the new registration applies from the next "
                             "initialize.", name)
                 return
-            self._patch_one(owner, name, kind, self._context())
+            self._patch_one(owner, name, kind, self._context(), user=True)
 
     # ------------------------------------------------------------------ training loop
     def handle(self, optimizer: torch.optim.Optimizer) -> OptimizerHandle:

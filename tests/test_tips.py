@@ -127,3 +127,60 @@ def test_qualified_name() -> None:
     assert tips.qualified_name(torch.Tensor, "index_put_") == "torch.Tensor.index_put_"
     assert tips.qualified_name(torch.nn.functional, "linear") == "torch.nn.functional.linear"
     assert tips.qualified_name(torch.linalg, "matmul") == "torch.linalg.matmul"
+
+
+# ----------------------------------------------------------------- wired into the library
+class _UserOps:
+    @staticmethod
+    def mix(a):
+        buf = torch.zeros(2, 2)  # an FP32 buffer meets a half input in an unpatched op
+        buf[torch.tensor([0, 1])] = a
+        return buf
+
+
+def _notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", [])) + str(exc)
+
+
+def test_hint_on_dtype_error_in_registered_function():
+    import ampatch as amp
+    from ampatch.policy import user
+    amp.register_half_function(_UserOps, "mix")
+    try:
+        amp.initialize(torch.nn.Linear(2, 2), opt_level="O4", verbosity=0)
+        with pytest.raises(RuntimeError) as info:
+            _UserOps.mix(torch.ones(2, 2))
+        assert "register_float_function" in _notes(info.value) and "_UserOps.mix" in _notes(info.value)
+    finally:
+        user.REGISTERED[:] = [r for r in user.REGISTERED if r[0] is not _UserOps]
+
+
+def test_hint_on_dtype_error_in_decorated_function():
+    import ampatch as amp
+
+    @amp.half_function
+    def mix(a):
+        return _UserOps.mix(a)
+
+    amp.initialize(torch.nn.Linear(2, 2), opt_level="O4", verbosity=0)
+    with pytest.raises(RuntimeError) as info:
+        mix(torch.ones(2, 2))
+    assert "register_promote_function" in _notes(info.value)
+
+
+def test_hint_on_dtype_error_in_o2_forward():
+    import ampatch as amp
+
+    class WithConstant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.const = torch.ones(2, 2)  # a plain attribute: not cast with the model
+
+        def forward(self, x):
+            return self.lin(x) @ self.const
+
+    model = amp.initialize(WithConstant(), opt_level="O5", verbosity=0)
+    with pytest.raises(RuntimeError) as info:
+        model(torch.ones(1, 2))
+    assert "ampatch" in _notes(info.value)
