@@ -381,7 +381,7 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
             # so the call goes through untouched.
             full = args if instance is None else (instance, *args)
             first = full[0].dtype if in_place and full and isinstance(full[0], _Tensor) else None
-            for a in full:
+            for a in itertools.chain(full, kwargs.values()) if kwargs else full:
                 if isinstance(a, _Tensor):
                     d = a.dtype
                     if d.is_floating_point:
@@ -392,18 +392,7 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
                 elif type(a) in _SEQ:
                     break
             else:
-                for a in kwargs.values():
-                    if isinstance(a, _Tensor):
-                        d = a.dtype
-                        if d.is_floating_point:
-                            if first is None:
-                                first = d
-                            elif d is not first:
-                                break
-                    elif type(a) in _SEQ:
-                        break
-                else:
-                    return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+                return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
             if instance is not None:
                 args = (instance,) + args
             args, kwargs = convert(args, kwargs)
