@@ -17,6 +17,14 @@ logger = logging.getLogger("ampatch")
 _unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 
+class StateDictKeyError(KeyError, ValueError):
+    """An amp state dict with keys it should not have (or lacks some): a KeyError, and a
+    ValueError for callers that treat a bad checkpoint as a bad value."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
 class LossScaler:
     """One loss scale and its update rule."""
 
@@ -69,7 +77,7 @@ class LossScaler:
         keys = {"loss_scale", "unskipped"}
         if set(state) != keys:
             unknown, missing = sorted(set(state) - keys), sorted(keys - set(state))
-            raise KeyError(f"loss scaler state: unknown keys {unknown}, missing keys {missing}; expected "
+            raise StateDictKeyError(f"loss scaler state: unknown keys {unknown}, missing keys {missing}; expected "
                            "exactly 'loss_scale' and 'unskipped' (the format of amp.state_dict()).")
         scale, unskipped = float(state["loss_scale"]), int(state["unskipped"])
         if not (0.0 < scale < float("inf")) or unskipped < 0:

@@ -26,7 +26,7 @@ from .patching import (BANNED, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, P
                        WrapContext, make_wrapper, resolve_owner, with_dtype_hint, wrap)
 from .policy import user as user_policy
 from .rnn import patch_rnn_modules
-from .scaler import LossScaler, overflowed
+from .scaler import LossScaler, StateDictKeyError, overflowed
 from .telemetry import Report, Telemetry, peak_memory_bytes
 
 logger = logging.getLogger("ampatch")
@@ -240,7 +240,7 @@ class Session:
         names = {f"loss_scaler{i}": s for i, s in enumerate(self.scalers)}
         unknown = [k for k in state_dict if not (k.startswith("loss_scaler") and k[11:].isdigit())]
         if unknown:
-            raise ValueError(f"unknown keys {unknown} in the amp state dict; expected 'loss_scaler0', ...")
+            raise StateDictKeyError(f"unknown keys {unknown} in the amp state dict; expected 'loss_scaler0', ...")
         for key, value in state_dict.items():  # all checked before any is loaded
             if key in names:
                 LossScaler.check_state(value)
