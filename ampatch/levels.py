@@ -90,11 +90,18 @@ def parse_dtype(value: Any, what: str) -> torch.dtype | None:
     raise TypeError(f"{what} must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(value).__name__}.")
 
 
+class BadFlagString(ValueError, TypeError):
+    """A flag given as a string other than "True"/"False": a bad value of an accepted type,
+    or the wrong type for a flag; both exception types catch it."""
+
+
 def _parse_bool(value: Any, what: str) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
-    if isinstance(value, str) and value in ("True", "False"):
-        return value == "True"
+    if isinstance(value, str):
+        if value in ("True", "False"):
+            return value == "True"
+        raise BadFlagString(f"{what}={value!r}: use True or False (or the strings 'True' / 'False').")
     raise TypeError(f"{what} must be True, False, 'True', 'False' or None, got {value!r}.")
 
 
