@@ -63,14 +63,6 @@ LEVELS: dict[str, dict[str, Any]] = {
 }
 BFLOAT16_LEVELS = ("O4", "O5")
 PATCHING_LEVELS = ("O1", "O4")
-DESCRIPTIONS = {
-    "O0": "FP32 baseline",
-    "O1": "patch torch functions (casts per op)",
-    "O2": "half model, FP32 batchnorm, FP32 master weights",
-    "O3": "pure half",
-    "O4": "O1 in bfloat16",
-    "O5": "O2 in bfloat16",
-}
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
                 "half": torch.float16, "bfloat16": torch.bfloat16}

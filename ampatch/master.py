@@ -48,7 +48,7 @@ MASTERS_KEY = "ampatch_masters"
 
 def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
     """A plain function (so LR schedulers can take `step.__func__`) calling func(inner, ...)."""
-    def method(opt_self: Any, *args: Any, **kwargs: Any) -> Any:
+    def method(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         return func(inner, *args, **kwargs)
 
     method.__name__ = name

@@ -12,7 +12,7 @@ import copy
 import itertools
 import logging
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -205,15 +205,3 @@ def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_met
                 and id(v) not in live):
             state_dict[k] = v.detach().float()
     return state_dict
-
-
-def iter_params(models: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """Parameters of several models, each once."""
-    seen: set[int] = set()
-    out = []
-    for m in models:
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out

@@ -2,7 +2,7 @@
 patched attribute back exactly as it was.
 
 Policy (which op gets which wrapper) lives in `ampatch.policy`; this module only knows
-how to wrap. Whether casts run is a per-thread switch (`casts_enabled`), on by default in
+how to wrap. Whether casts run is a per-thread switch (`_switch.enabled`), on by default in
 every thread, so `disable_casts()` and the optimizer step affect only their own thread.
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ logger = logging.getLogger("ampatch")
 
 HALF, FLOAT, PROMOTE, SEQUENCE_PROMOTE, BANNED, BFLOAT16 = (
     "half", "float", "promote", "sequence_promote", "banned", "bfloat16")
-KINDS = (HALF, FLOAT, PROMOTE, SEQUENCE_PROMOTE, BANNED, BFLOAT16)
 
 
 class _Switch(threading.local):
@@ -39,11 +38,6 @@ class _Switch(threading.local):
 
 
 _switch = _Switch()
-
-
-def casts_enabled() -> bool:
-    """Whether patched functions cast in the calling thread."""
-    return _switch.enabled
 
 
 @contextlib.contextmanager
