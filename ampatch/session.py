@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -245,8 +246,10 @@ class Session:
             if key in names:
                 LossScaler.check_state(value)
         if len(state_dict) != len(self.scalers):
-            logger.warning("ampatch: the state dict has %d loss scalers, this session uses %d (num_losses); "
-                           "loading the ones that match.", len(state_dict), len(self.scalers))
+            message = (f"ampatch: the state dict has {len(state_dict)} loss scalers, this session uses "
+                       f"{len(self.scalers)} (num_losses); loading the ones that match.")
+            logger.warning(message)
+            warnings.warn(message, UserWarning, stacklevel=3)  # seen even where logging is not set up
         for key, value in state_dict.items():
             if key in names:
                 names[key].load_state_dict(value)

@@ -388,7 +388,7 @@ def test_load_state_dict_rejects_unknown_keys_and_warns_on_count_mismatch(caplog
     with caplog.at_level(logging.WARNING, logger="ampatch"):
         amp.load_state_dict({"loss_scaler0": good, "loss_scaler1": good})
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    with caplog.at_level(logging.WARNING, logger="ampatch"):
+    with caplog.at_level(logging.WARNING, logger="ampatch"), pytest.warns(UserWarning, match="num_losses"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 5}})
     assert any(r.levelno == logging.WARNING and "loss scaler" in r.getMessage() for r in caplog.records)
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 5}, "loss_scaler1": good}
