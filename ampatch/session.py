@@ -249,7 +249,8 @@ class Session:
             message = (f"ampatch: the state dict has {len(state_dict)} loss scalers, this session uses "
                        f"{len(self.scalers)} (num_losses); loading the ones that match.")
             logger.warning(message)
-            warnings.warn(message, UserWarning, stacklevel=3)  # seen even where logging is not set up
+            if self.verbosity >= 1:  # seen even where logging is not set up; verbosity=0 silences both
+                warnings.warn(message, UserWarning, stacklevel=3)
         for key, value in state_dict.items():
             if key in names:
                 names[key].load_state_dict(value)
