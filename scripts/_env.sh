@@ -1,5 +1,5 @@
 # Shared set-up for scripts/*.sh: create or reuse .venv, install torch (pinned to the CPU
-# build on this disk when torch is missing) and ampatch with its dev extra.
+# build on this disk when torch is missing) and ampatch with its extras (EXTRAS, default dev).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,4 +12,4 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   # A bare 'torch' would pull a multi-GB CUDA build; the pinned CPU build is what we test on.
   "$VPY" -m pip install --quiet "torch==2.13.0"
 fi
-"$VPY" -m pip install --quiet -e ".[dev]"
+"$VPY" -m pip install --quiet -e ".[${EXTRAS:-dev}]"
