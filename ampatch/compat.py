@@ -67,7 +67,7 @@ class _ApexFinder(importlib.abc.MetaPathFinder):
             return None
         top = ".".join(fullname.split(".")[:2])
         if top == "apex.amp":
-            hint = "Apex's amp internals are not provided; use the public amp API (see "Coming from Apex" in the README)"
+            hint = "Apex's amp internals are not provided; use the public amp API (see 'Coming from Apex' in the README)"
         else:
             hint = _REPLACEMENTS.get(top, "only apex.amp is provided (by ampatch)")
         raise ModuleNotFoundError(f"No module named {fullname!r}: 'apex' here is ampatch's alias for "
