@@ -113,11 +113,22 @@ class OptimizerHandle:
             with torch.no_grad():
                 torch._foreach_copy_([mp for mp, _ in pairs], [m for _, m in pairs])
 
-    def resync_from_model(self) -> None:
-        """After `model.load_state_dict`: masters that no longer match the model take its values."""
+    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None) -> None:
+        """After `model.load_state_dict`: a master takes the loaded tensor of its param (exact FP32
+        values from an FP32 checkpoint), unless that tensor only carries the model's half
+        precision and the master rounds to it already (an O2 `model.state_dict()` loaded after
+        the optimizer's masters: the masters are the better copy). A master that otherwise no
+        longer matches the model takes the model's values."""
+        incoming = incoming or {}
         with torch.no_grad():
             for mp, m in self.pairs():
-                if not torch.equal(mp, m.to(mp.dtype)):
+                src = incoming.get(id(mp))
+                if src is not None:
+                    src = src.to(m.device)
+                    rounded = src.to(mp.dtype)
+                    if not (torch.equal(rounded.to(src.dtype), src) and torch.equal(rounded, m.to(mp.dtype))):
+                        m.copy_(src)
+                elif not torch.equal(mp, m.to(mp.dtype)):
                     m.copy_(mp)
 
     def _move_model_grads(self, pairs: list, inv_scale: float, found_inf: torch.Tensor | None,

@@ -82,7 +82,7 @@ class ModelHandle:
         self.dtype = dtype
         self.original_dtypes: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
         self._hooks: list[Any] = []
-        self._on_load: list[Callable[[], None]] = []
+        self._on_load: list[Callable[[dict[int, torch.Tensor]], None]] = []
         for m in modules_to_cast(model, keep_batchnorm_fp32):
             for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
                 if t.is_floating_point():
@@ -91,6 +91,7 @@ class ModelHandle:
         self._on_load_hook = _LoadHook(self._on_load)
         self._wrap_forward(patcher, output_dtype)
         self._hooks.append(model._register_state_dict_hook(_fp32_state_dict))
+        self._hooks.append(model._register_load_state_dict_pre_hook(self._on_load_hook.pre, with_module=True))
         self._hooks.append(model.register_load_state_dict_post_hook(self._on_load_hook))
 
     def _wrap_forward(self, patcher, output_dtype: torch.dtype | None) -> None:
@@ -102,8 +103,9 @@ class ModelHandle:
         # O2 + DataParallel device-mismatch bug).
         patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
 
-    def on_load(self, callback: Callable[[], None]) -> None:
-        """Run `callback` after every `model.load_state_dict` (masters re-sync from it)."""
+    def on_load(self, callback: Callable[[dict[int, torch.Tensor]], None]) -> None:
+        """Run `callback(incoming)` after every `model.load_state_dict`; `incoming` maps
+        id(param) to the loaded tensor (masters re-sync from it, not from the rounded model)."""
         self._on_load.append(callback)
 
     def restore(self, masters: dict[int, torch.Tensor]) -> None:
@@ -179,18 +181,29 @@ class _Replicate:
 
 
 class _LoadHook:
-    """`load_state_dict` post-hook: runs the session's callbacks (masters re-sync).
+    """`load_state_dict` hooks: the pre-hook notes the incoming tensor of each parameter (the
+    FP32 values of a checkpoint, before they are rounded into the half model), the post-hook
+    hands them to the session's callbacks, so masters re-sync from the exact values.
 
     A copy of the model (deepcopy, pickle) has no masters and must not reach into the
     session: it gets an inert hook.
     """
 
-    def __init__(self, callbacks: list[Callable[[], None]]) -> None:
+    def __init__(self, callbacks: list[Callable[[dict[int, torch.Tensor]], None]]) -> None:
         self.callbacks = callbacks
+        self.incoming: dict[int, torch.Tensor] = {}
+
+    def pre(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        if self.callbacks:
+            for name, p in module.named_parameters():
+                t = state_dict.get(prefix + name)
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self.incoming[id(p)] = t
 
     def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        incoming, self.incoming = self.incoming, {}
         for cb in self.callbacks:
-            cb()
+            cb(incoming)
 
     def __reduce__(self) -> tuple:
         return (_LoadHook, ([],))

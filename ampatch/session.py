@@ -218,9 +218,9 @@ class Session:
         elif skipped and iteration not in self.telemetry.skipped[-len(self.optimizers):]:
             self.telemetry.skipped.append(iteration)  # an iteration is listed once, however many skipped
 
-    def _resync_masters(self) -> None:
+    def _resync_masters(self, incoming: dict[int, torch.Tensor]) -> None:
         for h in self.optimizers:
-            h.resync_from_model()
+            h.resync_from_model(incoming)
 
     @property
     def iteration(self) -> int:

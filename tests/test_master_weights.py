@@ -489,3 +489,22 @@ def test_o2_resume_is_bitwise(level, half):
         train_step(model, opt, x, y)
     assert all(torch.equal(a, b) for a, b in zip(ref_masters, amp.master_params(opt)))
     assert all(torch.equal(a, b) for a, b in zip(ref_params, model.parameters()))
+
+
+def test_fp32_checkpoint_loaded_after_initialize_gives_exact_masters():
+    """Fine-tuning from FP32 weights loaded after initialize: the masters take the exact FP32
+    values, not the half-rounded model values."""
+    torch.manual_seed(0)
+    pretrained = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    fp32 = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O5", verbosity=0)
+    model.load_state_dict(fp32)
+    masters = list(amp.master_params(opt))
+    assert torch.equal(masters[0], fp32["0.weight"])  # exact, not bf16-rounded
+    assert not torch.equal(fp32["0.weight"].bfloat16().float(), fp32["0.weight"])  # the test can fail
+    assert torch.equal(model[0].weight, fp32["0.weight"].bfloat16())
+    # the model's own (half-precision) state dict loaded back keeps the better masters
+    model.load_state_dict(model.state_dict())
+    assert torch.equal(list(amp.master_params(opt))[0], fp32["0.weight"])
