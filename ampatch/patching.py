@@ -101,7 +101,8 @@ class Patcher:
             rec = self._records.pop()
             del self._index[(id(rec.owner), rec.name)]
             current = vars(rec.owner).get(rec.name)
-            if current is not rec.patched:
+            if current is not rec.patched and not getattr(current, "_wrapped_by_lr_sched", False):
+                # (an LR scheduler wrapping a patched optimizer.step is expected, not news)
                 logger.warning("ampatch: %s.%s was replaced by someone else after ampatch patched it; "
                                "restoring the original anyway.", getattr(rec.owner, "__name__", rec.owner), rec.name)
             if rec.had_own:

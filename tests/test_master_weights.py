@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
+import warnings
 
 import pytest
 import torch
@@ -508,3 +510,27 @@ def test_fp32_checkpoint_loaded_after_initialize_gives_exact_masters():
     # the model's own (half-precision) state dict loaded back keeps the better masters
     model.load_state_dict(model.state_dict())
     assert torch.equal(list(amp.master_params(opt))[0], fp32["0.weight"])
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_lr_scheduler_works_and_deinitialize_is_quiet(level, caplog):
+    """Schedulers wrap `optimizer.step.__func__`: the patched step must be a bound method,
+    and undoing it under a scheduler's wrapper is expected (no warning)."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would raise
+        for _ in range(2):
+            opt.zero_grad()
+            with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as s:
+                s.backward()
+            opt.step()
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ampatch"):
+        amp.deinitialize()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "step" not in vars(opt)
