@@ -356,7 +356,9 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
                 return args, kwargs
             new_args = tuple([to_exact(a, dtype) for a in args])
             new_kwargs = {k: to_exact(v, dtype) for k, v in kwargs.items()} if kwargs else kwargs
-            if any(x is not y for x, y in zip(new_args, args)) or new_kwargs != kwargs:
+            # identity, never ==: comparing tensors with == is elementwise
+            if (any(x is not y for x, y in zip(new_args, args))
+                    or any(new_kwargs[k] is not v for k, v in kwargs.items())):
                 next(counters.counter(op, str(dtype).removeprefix("torch.")))
             return new_args, new_kwargs
     elif kind == BANNED:

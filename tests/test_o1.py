@@ -461,3 +461,11 @@ def test_wrapper_timing_is_opt_in(monkeypatch):
     amp.initialize(lin, opt_level="O4", verbosity=0)
     assert lin(torch.randn(2, 4)).dtype == torch.bfloat16
     assert amp.report().time_s["wrappers"] > 0
+
+
+def test_promote_casts_tensor_keyword_arguments(half):
+    o1(half)
+    x = torch.zeros(3, 2)
+    out = torch.index_add(x, 0, torch.tensor([0, 2]), source=torch.ones(2, 2, dtype=half))
+    assert out.dtype == torch.float32 and out[2, 0].item() == 1
+    assert amp.report().casts["index_add"] == {"float32": 1}
