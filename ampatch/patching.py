@@ -256,16 +256,21 @@ def _seq_needs(x: list | tuple, needs: frozenset) -> bool:
 
 
 def _cast_wrapper(original: Any, tick: Any, needs: frozenset, cast: Callable[[torch.Tensor], torch.Tensor],
-                  seq: Callable[[Any], Any]) -> Callable:
-    """The hot-path wrapper of a HALF or FLOAT op: a tensor whose dtype is in `needs` goes
-    through `cast`; a list/tuple (or any other argument) through `seq`. One cheap pass
-    decides whether anything needs a cast; when nothing does, the call goes straight to
-    `wrapped` with the caller's own args (no tuple, list or dict is built). An empty kwargs
-    dict is never passed on: `f(*args, **{})` costs a torch builtin about 0.25 us."""
+                  seq: Callable[[Any], Any], timer: Callable[[float], None] | None) -> Callable:
+    """The wrapper of a HALF or FLOAT op: a tensor whose dtype is in `needs` goes through
+    `cast`; a list/tuple (or any other argument) through `seq`. One cheap pass decides
+    whether anything needs a cast; when nothing does, the call goes straight to `wrapped`
+    with the caller's own args (no tuple, list or dict is built). An empty kwargs dict is
+    never passed on: `f(*args, **{})` costs a torch builtin about 0.25 us. With `timer`,
+    the time spent converting is reported to it."""
     switch = _switch
     seq_needs = _seq_needs
+    timed = timer is not None
+    perf = time.perf_counter
 
     def convert_call(instance: Any, args: tuple, kwargs: dict) -> Any:
+        if timed:
+            start = perf()
         out = [] if instance is None else [seq(instance)]  # `seq` converts any one argument
         for a in args:
             if isinstance(a, _Tensor):
@@ -274,10 +279,11 @@ def _cast_wrapper(original: Any, tick: Any, needs: frozenset, cast: Callable[[to
             elif type(a) in _SEQ and seq_needs(a, needs):
                 a = seq(a)
             out.append(a)
-        if kwargs:
-            return original(*out, **{k: (cast(v) if v.dtype in needs else v) if isinstance(v, _Tensor)
-                                     else seq(v) if type(v) in _SEQ else v for k, v in kwargs.items()})
-        return original(*out)
+        new_kwargs = {k: (cast(v) if v.dtype in needs else v) if isinstance(v, _Tensor)
+                      else seq(v) if type(v) in _SEQ else v for k, v in kwargs.items()} if kwargs else None
+        if timed:
+            timer(perf() - start)
+        return original(*out, **new_kwargs) if new_kwargs else original(*out)
 
     def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         if not switch.enabled:
@@ -324,25 +330,13 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
     if kind == HALF:
         tick = ctx.counters.counter(op, str(target).removeprefix("torch."))
         to_half = caster.to_half
-        if timer is None:
-            return _cast_wrapper(original, tick, frozenset(_CASTABLE_TO_HALF) - {target}, caster.for_dtype(target),
-                                 lambda x: to_half(x, target))
-
-        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            next(tick)
-            return (tuple([to_half(a, target) for a in args]),
-                    {k: to_half(v, target) for k, v in kwargs.items()} if kwargs else kwargs)
-    elif kind == FLOAT or (kind == BANNED and ctx.allow_banned):
+        return _cast_wrapper(original, tick, frozenset(_CASTABLE_TO_HALF) - {target}, caster.for_dtype(target),
+                             lambda x: to_half(x, target), timer)
+    if kind == FLOAT or (kind == BANNED and ctx.allow_banned):
         tick = ctx.counters.counter(op, "float32")
-        to_float = caster.to_float
-        if timer is None:
-            return _cast_wrapper(original, tick, frozenset(_LOW), caster.for_dtype(torch.float32), to_float)
-
-        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            next(tick)
-            return (tuple([to_float(a) for a in args]),
-                    {k: to_float(v) for k, v in kwargs.items()} if kwargs else kwargs)
-    elif kind in (PROMOTE, SEQUENCE_PROMOTE):
+        return _cast_wrapper(original, tick, frozenset(_LOW), caster.for_dtype(torch.float32), caster.to_float,
+                             timer)
+    if kind in (PROMOTE, SEQUENCE_PROMOTE):
         in_place = op.endswith("_") and not op.endswith("__")
         to_exact = caster.to_exact
         counters = ctx.counters
@@ -369,7 +363,17 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
     else:
         raise ValueError(f"unknown cast kind {kind!r}")
 
-    if timer is None and kind in (PROMOTE, SEQUENCE_PROMOTE):
+    if timer is not None:  # report the time spent converting (not the op itself)
+        untimed, perf = convert, time.perf_counter
+
+        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            start = perf()
+            try:
+                return untimed(args, kwargs)
+            finally:
+                timer(perf() - start)
+
+    if kind in (PROMOTE, SEQUENCE_PROMOTE):
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             if not switch.enabled:
                 return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
@@ -394,7 +398,7 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
                 args = (instance,) + args
             args, kwargs = convert(args, kwargs)
             return original(*args, **kwargs)
-    elif timer is None:
+    else:
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             if not switch.enabled:
                 return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
@@ -402,21 +406,6 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
                 args = (instance,) + args
             args, kwargs = convert(args, kwargs)
             return original(*args, **kwargs)
-    else:
-        perf = time.perf_counter
-
-        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-            if not switch.enabled:
-                return wrapped(*args, **kwargs)
-            start = perf()
-            if instance is not None:
-                args = (instance,) + args
-            args, kwargs = convert(args, kwargs)
-            mid = perf()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                timer(mid - start)
     return wrapper
 
 

@@ -461,6 +461,11 @@ def test_wrapper_timing_is_opt_in(monkeypatch):
     amp.initialize(lin, opt_level="O4", verbosity=0)
     assert lin(torch.randn(2, 4)).dtype == torch.bfloat16
     assert amp.report().time_s["wrappers"] > 0
+    h = torch.ones(3, dtype=torch.bfloat16)  # the timed paths cast like the untimed ones
+    assert torch.softmax(h, 0).dtype == torch.float32
+    assert torch.dot(h, torch.ones(3)).dtype == torch.float32
+    with pytest.raises(NotImplementedError):
+        F.binary_cross_entropy(torch.full((2,), 0.5, dtype=torch.bfloat16), torch.ones(2))
 
 
 def test_promote_casts_tensor_keyword_arguments(half):
