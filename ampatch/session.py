@@ -99,18 +99,16 @@ class Session:
 
     def _patch_torch(self) -> None:
         ctx = self._context()
-        registered = {(id(owner), name) for owner, name, _ in user_policy.REGISTERED}
+        # registrations first: they win, since an attribute is patched once
+        for owner, name, kind in user_policy.REGISTERED:
+            self._patch_one(owner, name, kind, ctx, user=True)
         for path, lists in policy.NAMESPACES:
             owner = resolve_owner(path)
             for attr, kind in _LIST_KINDS:
                 for name in getattr(lists, attr, ()):
-                    if (id(owner), name) not in registered:
-                        self._patch_one(owner, name, kind, ctx)
+                    self._patch_one(owner, name, kind, ctx)
             for name, message in getattr(lists, "BANNED", {}).items():
-                if (id(owner), name) not in registered:
-                    self._patch_one(owner, name, BANNED, ctx, message)
-        for owner, name, kind in user_policy.REGISTERED:
-            self._patch_one(owner, name, kind, ctx, user=True)
+                self._patch_one(owner, name, BANNED, ctx, message)
         patch_rnn_modules(self.patcher, ctx.caster, self.properties.half_dtype)
         logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
 
@@ -174,13 +172,13 @@ class Session:
         if loss_id == 0:
             self.telemetry.on_loss(loss)
         scaler = self.scalers[loss_id]
-        start = time.perf_counter()
         if not any(self.scaling_active(h, scaler) for h in handles):
             try:
                 yield loss if loss.dtype == torch.float32 else loss.float()
             finally:
                 self.cache.clear()
             return
+        start = time.perf_counter()
         for h in handles:
             h.resolve()  # a deferred verdict may still change the scale
         scale = scaler.scale
@@ -320,6 +318,6 @@ class _Verdict:
         if overflow:
             for h in self.handles:
                 h.skip_next = True
-            if self.session.verbosity >= 1:
+            if self.session.verbosity >= 1:  # the session's choice, whatever the logger's level
                 logger.info("ampatch: gradient overflow, skipping step; loss scaler %d scale %g -> %g",
                             self.loss_id, before, self.scaler.scale)

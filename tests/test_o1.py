@@ -474,3 +474,16 @@ def test_promote_casts_tensor_keyword_arguments(half):
     out = torch.index_add(x, 0, torch.tensor([0, 2]), source=torch.ones(2, 2, dtype=half))
     assert out.dtype == torch.float32 and out[2, 0].item() == 1
     assert amp.report().casts["index_add"] == {"float32": 1}
+
+
+def test_registration_overrides_the_builtin_policy(half):
+    from ampatch.policy import user
+    amp.register_half_function(torch, "exp")  # a built-in FLOAT op
+    try:
+        o1(half)
+        assert torch.exp(torch.ones(2)).dtype == half
+    finally:
+        user.REGISTERED[:] = [r for r in user.REGISTERED if r[1] != "exp"]
+    amp.deinitialize()
+    o1(half)
+    assert torch.exp(torch.ones(2, dtype=half)).dtype == torch.float32
