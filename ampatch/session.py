@@ -87,7 +87,7 @@ class Session:
         if props.patch_torch_functions:
             self._patch_torch()
         if self.telemetry.record:
-            atexit.register(self._write_report, os.environ[REPORT_ENV])
+            _ExitReport.track(self, os.environ[REPORT_ENV])
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
     def _context(self) -> WrapContext:
@@ -272,12 +272,6 @@ class Session:
             peak_memory_bytes=peak_memory_bytes(),
         )
 
-    def _write_report(self, path: str) -> None:
-        try:
-            self.report().to_json(path)
-        except Exception:  # at interpreter exit: say why, never raise
-            logger.exception("ampatch: could not write the report to %s", path)
-
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Undo everything: masters back out of optimizers, models to their dtypes, torch restored."""
@@ -321,3 +315,31 @@ class _Verdict:
             if self.session.verbosity >= 1:  # the session's choice, whatever the logger's level
                 logger.info("ampatch: gradient overflow, skipping step; loss scaler %d scale %g -> %g",
                             self.loss_id, before, self.scaler.scale)
+
+
+class _ExitReport:
+    """Writes the report of the newest recording session at interpreter exit.
+
+    One hook per process: a script that calls `initialize` several times reports its last
+    session (one exit hook per session would run newest-first and leave the oldest report).
+    """
+
+    session: Session | None = None
+    path = ""
+    registered = False
+
+    @classmethod
+    def track(cls, session: Session, path: str) -> None:
+        cls.session, cls.path = session, path
+        if not cls.registered:
+            atexit.register(cls.write)
+            cls.registered = True
+
+    @classmethod
+    def write(cls) -> None:
+        if cls.session is None:
+            return
+        try:
+            cls.session.report().to_json(cls.path)
+        except Exception:  # at interpreter exit: say why, never raise
+            logger.exception("ampatch: could not write the report to %s", cls.path)

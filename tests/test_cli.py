@@ -195,3 +195,23 @@ def test_summary_of_hand_made_reports() -> None:
     assert o1["max_loss_dev_vs_O0"] == math.inf           # a NaN loss is an infinite deviation
     table = cli.format_table(rows, "title")
     assert "O2     FAILED: boom" in table and "32768" in table and "mean of the last" in table
+
+
+def test_report_at_exit_is_the_last_session(tmp_path: Path) -> None:
+    """A script that initializes twice reports its last session, not the first one."""
+    script = write(tmp_path / "twice.py", textwrap.dedent("""
+        import torch, ampatch as amp
+        m = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(m.parameters(), 0.1)
+        amp.initialize(m, opt, opt_level="O1", verbosity=0)
+        m, opt = amp.initialize(m, opt, opt_level="O1", verbosity=0)
+        for _ in range(3):
+            with amp.scale_loss(m(torch.ones(1, 2)).float().sum(), opt) as s:
+                s.backward()
+            opt.step()
+    """))
+    report = tmp_path / "report.json"
+    env = {**os.environ, "AMPATCH_REPORT": str(report)}
+    env.pop("AMPATCH_OPT_LEVEL", None)
+    subprocess.run([sys.executable, str(script)], check=True, env=env, timeout=120, cwd=tmp_path)
+    assert json.loads(report.read_text())["steps"] == 3
