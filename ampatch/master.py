@@ -57,6 +57,12 @@ def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) ->
     return method
 
 
+def _cast_state(state: dict, dtype: torch.dtype) -> dict:
+    """One param's optimizer state with its floating tensors in `dtype` (`step` stays as is)."""
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+            for k, v in state.items()}
+
+
 class OptimizerHandle:
     """The session's view of one optimizer; see the module docstring for the flow."""
 
@@ -89,8 +95,7 @@ class OptimizerHandle:
         self.master_of[id(p)] = master
         state = self.optimizer.state
         if p in state:  # state made before initialize now belongs to the master, in FP32
-            state[master] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v)
-                             for k, v in state.pop(p).items()}
+            state[master] = _cast_state(state.pop(p), torch.float32)
         return master
 
     def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -172,7 +177,7 @@ class OptimizerHandle:
         if distributed():
             self._rescale_in_place(scale)
             return
-        stash = []
+        stash, fresh = [], []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 mp = self.model_of.get(id(p))
@@ -181,7 +186,9 @@ class OptimizerHandle:
                         stash.append((p, p.grad))
                         p.grad = None
                 elif mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
-                    self._move_model_grads([(mp, p)], 1.0, None, check=False)
+                    fresh.append((mp, p))
+        if fresh:
+            self._move_model_grads(fresh, 1.0, None, check=False)
         self._stash = stash
 
     def _rescale_in_place(self, scale: float) -> None:
@@ -287,7 +294,7 @@ class OptimizerHandle:
 
     def _step(self, inner: Callable, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
         session = self.session
-        if closure is not None and (self.use_masters or session.scaling_active(self)):
+        if closure is not None and session.scaling_active(self):
             raise NotImplementedError(
                 "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "
                 "backward bypasses scale_loss. Call backward inside `with amp.scale_loss(...)` before "
@@ -377,8 +384,7 @@ class OptimizerHandle:
 
     def recast_state(self) -> None:
         """Floating optimizer state follows its param's dtype (after the model was cast or restored)."""
-        for p, st in self.optimizer.state.items():
+        state = self.optimizer.state
+        for p in list(state):
             if isinstance(p, torch.Tensor):
-                for k, v in st.items():
-                    if torch.is_tensor(v) and v.is_floating_point() and k != "step" and v.dtype != p.dtype:
-                        st[k] = v.to(p.dtype)
+                state[p] = _cast_state(state[p], p.dtype)
