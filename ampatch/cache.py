@@ -35,18 +35,18 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: their `.to` is Tenso
 class CastCache:
     """Maps id(param) -> (param, version, made_with_grad, cast) per target dtype."""
 
-    __slots__ = ("_maps", "_hits", "_misses", "enabled", "_casters")
+    __slots__ = ("_maps", "_hits", "_misses", "_casters")
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self) -> None:
         self._maps: dict[torch.dtype, dict[int, tuple]] = {
             torch.float16: {}, torch.bfloat16: {}, torch.float32: {}, torch.float64: {}}
         self._hits = itertools.count()
         self._misses = itertools.count()
-        self.enabled = enabled
         self._casters: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def caster(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`lambda t: self.cast(t, dtype)`, specialised for one dtype (made once per dtype)."""
+        """`t.to(dtype)` served from the cache for parameters: a closure specialised for one
+        dtype, made once per dtype."""
         fn = self._casters.get(dtype)
         if fn is not None:
             return fn
@@ -55,17 +55,16 @@ class CastCache:
         plain = _PLAIN if fast is not None else ()
         hits, misses = self._hits, self._misses
         grad_enabled = _grad_enabled
-        cache = self
 
         def fn(t: torch.Tensor) -> torch.Tensor:
             # The lookup comes first: only a cached parameter can hit, and the checks after
             # it are exactly the ones that decide whether a cast may be cached at all.
             entry = entries.get(id(t))
-            if (entry is not None and entry[0] is t and t.requires_grad and cache.enabled
+            if (entry is not None and entry[0] is t and t.requires_grad
                     and entry[1] == t._version and (entry[2] or not grad_enabled())):
                 next(hits)
                 return entry[3]
-            if t.requires_grad and t.is_leaf and cache.enabled:
+            if t.requires_grad and t.is_leaf:
                 next(misses)
                 out = fast(t) if type(t) in plain else t.to(dtype)
                 entries[id(t)] = (t, t._version, grad_enabled(), out)
@@ -74,13 +73,6 @@ class CastCache:
 
         self._casters[dtype] = fn
         return fn
-
-    def cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`t.to(dtype)`, served from the cache for parameters."""
-        fn = self._casters.get(dtype)
-        if fn is None:
-            fn = self.caster(dtype)
-        return fn(t)
 
     def clear(self) -> None:
         """Forget every cast (end of an iteration)."""

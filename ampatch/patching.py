@@ -143,36 +143,18 @@ def any_low(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _plain_caster(cache_cast: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
-                  dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return cache_cast(t, dtype)
-    return cast
-
-
 class Caster:
     """Casts argument structures: tensors, and lists/tuples of tensors, one level deep.
 
-    `cache_cast(t, dtype)` (the session's cast cache) does the actual conversion so that
-    parameters are cast once per iteration. `for_dtype(dtype)` is the same bound to one
-    dtype (the cache's specialised closure when `cache_cast` is a `CastCache.cast`).
-    A list or tuple in which nothing needs a cast comes back as the very same object.
+    The session's `CastCache` does the conversion, so parameters are cast once per
+    iteration; `for_dtype(dtype)` is its closure for one target dtype. A list or tuple in
+    which nothing needs a cast comes back as the very same object.
     """
 
-    __slots__ = ("cache_cast", "_cache", "_for_dtype")
+    __slots__ = ("for_dtype",)
 
-    def __init__(self, cache_cast: Callable[[torch.Tensor, torch.dtype], torch.Tensor]) -> None:
-        self.cache_cast = cache_cast
-        owner = getattr(cache_cast, "__self__", None)
-        self._cache = owner if isinstance(owner, CastCache) and cache_cast.__func__ is CastCache.cast else None
-        self._for_dtype: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {}
-
-    def for_dtype(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-        fn = self._for_dtype.get(dtype)
-        if fn is None:
-            fn = self._cache.caster(dtype) if self._cache is not None else _plain_caster(self.cache_cast, dtype)
-            self._for_dtype[dtype] = fn
-        return fn
+    def __init__(self, cache: CastCache) -> None:
+        self.for_dtype = cache.caster
 
     def to_half(self, x: Any, dtype: torch.dtype) -> Any:
         """Floating non-double tensors to `dtype`; anything else unchanged."""

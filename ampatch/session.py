@@ -93,7 +93,7 @@ class Session:
     def _context(self) -> WrapContext:
         if self._wrap_ctx is None:
             timer = self.telemetry.add_wrapper_time if self.telemetry.time_wrappers else None
-            self._wrap_ctx = WrapContext(Caster(self.cache.cast), self.properties.half_dtype,
+            self._wrap_ctx = WrapContext(Caster(self.cache), self.properties.half_dtype,
                                          self.telemetry.counters, self.allow_banned, timer)
         return self._wrap_ctx
 
