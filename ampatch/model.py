@@ -36,17 +36,11 @@ def modules_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None) -> list[
 
 
 def params_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None) -> list[nn.Parameter]:
-    """Floating parameters that `cast_model` will convert (decided before converting)."""
-    seen: set[int] = set()
-    out = []
-    for m in modules_to_cast(model, keep_batchnorm_fp32):
-        for p in m.parameters(recurse=False):
-            if p.is_floating_point() and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    bn_params = {id(p) for m in model.modules() if keep_batchnorm_fp32 and _is_batchnorm(m)
-                 for p in m.parameters(recurse=False)}
-    return [p for p in out if id(p) not in bn_params]
+    """Floating parameters that `ModelHandle` will convert (known before converting, so
+    masters can be made from the FP32 values)."""
+    out = {id(p): p for m in modules_to_cast(model, keep_batchnorm_fp32)
+           for p in m.parameters(recurse=False) if p.is_floating_point()}
+    return list(out.values())
 
 
 def cast_tree(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
