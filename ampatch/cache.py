@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from .telemetry import count_value
+
 _grad_enabled = torch.is_grad_enabled
 _TensorBase = torch._C.TensorBase
 
@@ -85,8 +87,8 @@ class CastCache:
 
     @property
     def hits(self) -> int:
-        return self._hits.__reduce__()[1][0]
+        return count_value(self._hits)
 
     @property
     def misses(self) -> int:
-        return self._misses.__reduce__()[1][0]
+        return count_value(self._misses)

@@ -23,6 +23,7 @@ import torch
 import wrapt
 
 from .cache import CastCache
+from .telemetry import Counters
 from .tips import hint_dtype_error
 
 logger = logging.getLogger("ampatch")
@@ -194,26 +195,6 @@ def _map_seq(x: list | tuple, fn: Callable[[Any], Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- wrappers
-
-class Counters:
-    """Thread-safe call counters: `next()` on an itertools.count is atomic under the GIL."""
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[str, str], itertools.count] = {}
-        self._lock = threading.Lock()
-
-    def counter(self, op: str, dtype: str) -> itertools.count:
-        with self._lock:
-            return self._counts.setdefault((op, dtype), itertools.count())
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        for (op, dtype), c in list(self._counts.items()):
-            n = c.__reduce__()[1][0]
-            if n:
-                out.setdefault(op, {})[dtype] = n
-        return out
-
 
 @dataclass
 class WrapContext:

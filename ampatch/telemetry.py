@@ -8,6 +8,7 @@ wrapper costs two clock reads per patched call, so it has its own switch
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -18,7 +19,30 @@ from typing import Any
 
 import torch
 
-from .patching import Counters
+
+def count_value(counter: itertools.count) -> int:
+    """The next value an itertools.count would return, without advancing it."""
+    return counter.__reduce__()[1][0]
+
+
+class Counters:
+    """Thread-safe call counters: `next()` on an itertools.count is atomic under the GIL."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], itertools.count] = {}
+        self._lock = threading.Lock()
+
+    def counter(self, op: str, dtype: str) -> itertools.count:
+        with self._lock:
+            return self._counts.setdefault((op, dtype), itertools.count())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (op, dtype), c in list(self._counts.items()):
+            n = count_value(c)
+            if n:
+                out.setdefault(op, {})[dtype] = n
+        return out
 
 
 class Telemetry:
