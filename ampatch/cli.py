@@ -26,10 +26,10 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from ampatch import levels as _levels_policy
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, WORKLOADS
 
-LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
-HALF_SELECTABLE = ("O1", "O2", "O3")   # O4/O5 are bfloat16 by definition
+LEVELS = tuple(_levels_policy.LEVELS)
 WARMUP_FRACTION = 0.2                  # share of step times skipped before the median
 FINAL_LOSS_WINDOW = 5                  # "final loss" is the mean of this many last losses
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -163,7 +163,8 @@ def child_env(level: str, half_dtype: str | None, report: str | None) -> dict[st
     env = dict(os.environ, AMPATCH_OPT_LEVEL=level)
     if report:
         env["AMPATCH_REPORT"] = report
-    if half_dtype in ("bfloat16", "float16") and level in HALF_SELECTABLE:
+    # O0 has no half type and O4/O5 are bfloat16 by definition
+    if half_dtype in ("bfloat16", "float16") and level != "O0" and level not in _levels_policy.BFLOAT16_LEVELS:
         env["AMPATCH_HALF_DTYPE"] = half_dtype
     elif half_dtype is not None:
         env.pop("AMPATCH_HALF_DTYPE", None)

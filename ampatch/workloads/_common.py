@@ -54,6 +54,11 @@ def text_batches(ids: torch.Tensor, steps: int, batch: int, seq: int, seed: int)
     return [(w[:, :-1], w[:, 1:]) for w in windows]
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-character cross entropy over every position."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch],
           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
           args: argparse.Namespace) -> float:

@@ -11,7 +11,6 @@ import argparse
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ampatch import workloads
@@ -46,17 +45,13 @@ class CharTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 def build(args: argparse.Namespace):
     """Model, optimizer, batches and loss for ``args``."""
     ids, vocab = _common.encode_corpus()
     model = CharTransformer(vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     batches = _common.text_batches(ids, args.steps, BATCH, SEQ, args.seed + 1)
-    return model, optimizer, batches, lm_loss
+    return model, optimizer, batches, _common.lm_loss
 
 
 def main(argv: Sequence[str] | None = None) -> int:
