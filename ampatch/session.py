@@ -188,8 +188,10 @@ class Session:
         try:
             yield loss.float() * scale
         except BaseException:
-            for h in handles:
-                h.restore_stash()
+            try:
+                self._abort(handles, scale)
+            finally:
+                self.cache.clear()
             raise
         start = time.perf_counter()
         try:
@@ -206,6 +208,22 @@ class Session:
         finally:
             self.cache.clear()
             self.telemetry.scale_loss_time += time.perf_counter() - start
+
+    def _abort(self, handles: Sequence[OptimizerHandle], scale: float) -> None:
+        """The `scale_loss` block raised (a KeyboardInterrupt from a backward hook included):
+        whatever its backward wrote is unscaled like on a normal exit, so the grads hold what
+        they held before the block plus the new part unscaled, as in plain PyTorch; never
+        scaled grads that a later step applies. A non-finite new part makes the next step
+        skip. The verdict is local (no collective on an exception path: the other ranks are
+        not in this block) and the scale is left alone (it must stay equal on every rank)."""
+        found_inf = None
+        for h in handles:
+            found_inf = h.after_backward(scale, found_inf, delay_unscale=False)
+        if found_inf is not None and bool(found_inf.item()):
+            for h in handles:
+                h.skip_next = True
+            logger.warning("ampatch: the scale_loss block raised after writing non-finite gradients; the next "
+                           "optimizer.step() is skipped.")
 
     def on_step(self, handle: OptimizerHandle, skipped: bool) -> None:
         """Called by every patched optimizer.step(): the params changed, so the casts are stale."""

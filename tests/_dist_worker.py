@@ -153,6 +153,66 @@ def exception_keeps_grads(rank: int, level: str, half: torch.dtype) -> dict[str,
     return {"raised": raised, "before": before, "after": after}
 
 
+def exception_after_backward(rank: int, level: str, half: torch.dtype) -> dict[str, Any]:
+    """Blocks that raise after their backward (issue 12, D1), under `no_sync()` so no rank
+    waits on a collective: a plain exception, then a KeyboardInterrupt from a backward hook
+    (a partial backward), then an exception after an inf in the new grads. The grads must
+    come out unscaled, and the inf must make the next step skip."""
+    torch.manual_seed(9)
+    model, opt = _setup(Net("layer"), level, half)
+    ddp = DDP(model)
+    x, y = _batch(torch.Generator().manual_seed(5000 + rank))
+
+    def grads() -> list[torch.Tensor]:
+        return [p.grad.clone() for p in amp.master_params(opt)]
+
+    def interrupt(_grad: torch.Tensor) -> None:
+        raise KeyboardInterrupt
+
+    def hook_output(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        output.register_hook(interrupt)
+
+    out: dict[str, Any] = {}
+    opt.zero_grad()
+    with ddp.no_sync():
+        with amp.scale_loss(F.mse_loss(ddp(x), y), opt) as scaled:
+            scaled.backward()
+    out["one"] = grads()
+    try:
+        with ddp.no_sync():
+            with amp.scale_loss(F.mse_loss(ddp(x), y), opt) as scaled:
+                scaled.backward()
+                raise KeyError("after the backward")
+    except KeyError:
+        pass
+    out["two"] = grads()
+    try:
+        with ddp.no_sync():
+            hook = model.fc1.register_forward_hook(hook_output)
+            loss = F.mse_loss(ddp(x), y)
+            hook.remove()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+    except KeyboardInterrupt:
+        pass
+    out["three"] = grads()
+    opt.zero_grad()
+    try:
+        with ddp.no_sync():
+            with amp.scale_loss(F.mse_loss(ddp(x), y), opt) as scaled:
+                scaled.backward()
+                model.fc2.weight.grad.view(-1)[0] = float("inf")
+                raise KeyError("after an inf")
+    except KeyError:
+        pass
+    before = [p.detach().clone() for p in amp.master_params(opt)]
+    opt.step()
+    out["unchanged_after_inf"] = all(torch.equal(a, p) for a, p in zip(before, amp.master_params(opt)))
+    out["skipped"] = list(amp.report().skipped_steps)
+    amp.deinitialize()
+    return out
+
+
 def initialize_after_ddp(rank: int) -> dict[str, Any]:
     """Wrapping first is the wrong order: initialize must refuse it."""
     model = Net("layer")
@@ -202,6 +262,7 @@ def run_all(rank: int, world: int) -> dict[str, Any]:
         for delay in (False, True):
             results[f"no_sync/{name}/delay_unscale={delay}"] = no_sync_accumulation(rank, level, half, delay)
         results[f"exception/{name}"] = exception_keeps_grads(rank, level, half)
+        results[f"exception_after_backward/{name}"] = exception_after_backward(rank, level, half)
     results["initialize_after_ddp"] = initialize_after_ddp(rank)
     results["process_groups"] = process_groups(rank, world)
     return results

@@ -146,6 +146,21 @@ def test_exception_in_scale_loss_restores_accumulated_grads(ranks, config):
                 torch.testing.assert_close(after, before, rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", CONFIG_IDS)
+def test_exception_after_backward_leaves_unscaled_grads(ranks, config):
+    """Issue 12, D1, on DDP's in-place path: an aborted block's new grads are unscaled (the
+    first layer got none from the interrupted backward), and an inf in them skips the step."""
+    rtol = 2e-2 if config.endswith("fp16") else 5e-2
+    for r in ranks:
+        res = r[f"exception_after_backward/{config}"]
+        for one, two in zip(res["one"], res["two"]):
+            torch.testing.assert_close(two, 2 * one, rtol=rtol, atol=1e-5)
+        # [fc1.w, fc1.b, norm.w, norm.b, fc2.w, fc2.b]: fc1 before the interrupting hook
+        for i, (one, three) in enumerate(zip(res["one"], res["three"])):
+            torch.testing.assert_close(three, (2 if i < 2 else 3) * one, rtol=rtol, atol=1e-5)
+        assert res["unchanged_after_inf"] and res["skipped"] == [0]
+
+
 def test_initialize_after_ddp_raises(ranks):
     for r in ranks:
         res = r["initialize_after_ddp"]
