@@ -118,15 +118,23 @@ class OptimizerHandle:
             with torch.no_grad():
                 torch._foreach_copy_([mp for mp, _ in pairs], [m for _, m in pairs])
 
-    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None) -> None:
+    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
+                          params: list[torch.Tensor] | None = None) -> None:
         """After `model.load_state_dict`: a master takes the loaded tensor of its param (exact FP32
         values from an FP32 checkpoint), unless that tensor only carries the model's half
         precision and the master rounds to it already (an O2 `model.state_dict()` loaded after
         the optimizer's masters: the masters are the better copy). A master that otherwise no
-        longer matches the model takes the model's values."""
+        longer matches the model takes the model's values.
+
+        `params` limits this to those model params (a submodule's load); `incoming` holds only
+        what torch loaded (see model._LoadHook)."""
         incoming = incoming or {}
+        if params is None:
+            pairs = list(self.pairs())
+        else:
+            pairs = [(mp, self.master_of[id(mp)]) for mp in params if id(mp) in self.master_of]
         with torch.no_grad():
-            for mp, m in self.pairs():
+            for mp, m in pairs:
                 src = incoming.get(id(mp))
                 if src is not None:
                     src = src.to(m.device)

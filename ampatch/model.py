@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import collections
 import copy
-import itertools
 import logging
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -67,26 +67,66 @@ def cast_tree(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
     return x
 
 
+class _Cast:
+    """One parameter or buffer the cast converted: its dtype before, and its exact values
+    before (`shadow`; None where an FP32 master holds them, or for the second name of a tied
+    parameter), so `deinitialize` gives back the very values, not half-rounded ones."""
+
+    __slots__ = ("is_param", "dtype", "shadow")
+
+    def __init__(self, is_param: bool, dtype: torch.dtype, shadow: torch.Tensor | None) -> None:
+        self.is_param, self.dtype, self.shadow = is_param, dtype, shadow
+
+
+def _keep(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """`t`'s values, kept past the cast (a reference, or a copy with `copy=True`); CUDA
+    tensors are kept on the CPU, so the half model's device memory is what O2/O3 promise."""
+    t = t.detach()
+    return t.to("cpu", copy=copy) if t.device.type == "cuda" else (t.clone() if copy else t)
+
+
 class ModelHandle:
-    """One model under O2/O3/O5: how it was cast and how to undo it."""
+    """One model under O2/O3/O5: how it was cast and how to undo it.
+
+    What was converted is recorded per (module, name), not per tensor object: the cast
+    replaces buffer objects (`Module._apply`), and torch may replace them again later.
+    `mastered` holds the ids of params whose FP32 master keeps their values; `seen` (shared
+    by the session's model handles) maps the id of every param cast so far to its original
+    dtype, so a param shared by two models, or tied within one, is restored once and still
+    saved in full precision under every name."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool | None,
-                 output_dtype: torch.dtype | None, patcher) -> None:
+                 output_dtype: torch.dtype | None, patcher, mastered: set[int] | None = None,
+                 seen: dict[int, torch.dtype] | None = None) -> None:
         self.model = model
         self.dtype = dtype
-        self.original_dtypes: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
+        self.casts: dict[nn.Module, dict[str, _Cast]] = {}
         self._hooks: list[Any] = []
-        self._on_load: list[Callable[[dict[int, torch.Tensor]], None]] = []
+        self._on_load: list[Callable[[dict[int, torch.Tensor], list[torch.Tensor]], None]] = []
+        mastered = mastered or set()
+        seen = {} if seen is None else seen
         for m in modules_to_cast(model, keep_batchnorm_fp32):
-            for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-                if t.is_floating_point():
-                    self.original_dtypes.setdefault(id(t), (t, t.dtype))
+            own: dict[str, _Cast] = {}
+            for name, p in m._parameters.items():
+                if p is None or not p.is_floating_point():
+                    continue
+                if id(p) in seen:  # tied, or shared with a model cast before: restored there
+                    own[name] = _Cast(True, seen[id(p)], None)
+                elif p.dtype != dtype:
+                    seen[id(p)] = p.dtype
+                    own[name] = _Cast(True, p.dtype, None if id(p) in mastered else _keep(p))
+            for name, b in m._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    own[name] = _Cast(False, b.dtype, _keep(b))
             m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
-        self._on_load_hook = _LoadHook(self._on_load)
+            if own:
+                self.casts[m] = own
         self._wrap_forward(patcher, output_dtype)
-        self._hooks.append(model._register_state_dict_hook(_fp32_state_dict))
-        self._hooks.append(model._register_load_state_dict_pre_hook(self._on_load_hook.pre, with_module=True))
-        self._hooks.append(model.register_load_state_dict_post_hook(self._on_load_hook))
+        for m, own in self.casts.items():
+            load_hook = _LoadHook(self._on_load, own)
+            self._hooks.append(m._register_state_dict_hook(_FullPrecisionStateDict(own)))
+            self._hooks.append(m._register_load_state_dict_pre_hook(load_hook.pre, with_module=True))
+            self._hooks.append(m.register_load_state_dict_post_hook(load_hook))
 
     def _wrap_forward(self, patcher, output_dtype: torch.dtype | None) -> None:
         model = self.model
@@ -97,21 +137,43 @@ class ModelHandle:
         # O2 + DataParallel device-mismatch bug).
         patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
 
-    def on_load(self, callback: Callable[[dict[int, torch.Tensor]], None]) -> None:
-        """Run `callback(incoming)` after every `model.load_state_dict`; `incoming` maps
-        id(param) to the loaded tensor (masters re-sync from it, not from the rounded model)."""
+    def on_load(self, callback: Callable[[dict[int, torch.Tensor], list[torch.Tensor]], None]) -> None:
+        """Run `callback(incoming, params)` after a `load_state_dict` of the model or any of its
+        submodules, once per module with cast params: `params` are that module's own params,
+        `incoming` maps id(param) to the tensor torch loaded into it (masters re-sync from it,
+        not from the rounded model)."""
         self._on_load.append(callback)
 
     def restore(self, masters: dict[int, torch.Tensor]) -> None:
-        """Back to the original dtypes; FP32 masters (by id of model param) give exact values."""
+        """Back to the original dtypes: from the FP32 masters (by id of model param) where they
+        exist, else from the values kept at the cast if the tensor still holds them rounded,
+        else the current values converted."""
         for h in self._hooks:
             h.remove()
         with torch.no_grad():
-            for t, dtype in self.original_dtypes.values():
-                master = masters.get(id(t))
-                t.data = master.detach().to(dtype) if master is not None else t.data.to(dtype)
-                if t.grad is not None:
-                    t.grad = None
+            for m, own in self.casts.items():
+                for name, c in own.items():
+                    store = m._parameters if c.is_param else m._buffers
+                    t = store.get(name)
+                    if t is None or t.dtype != self.dtype:  # replaced by the user, or restored already
+                        continue
+                    master = masters.get(id(t)) if c.is_param else None
+                    if master is not None:
+                        value = master.detach().to(c.dtype)
+                    elif c.shadow is not None and _rounds_to(c.shadow, t):
+                        value = c.shadow.to(t.device)
+                    else:
+                        value = t.detach().to(c.dtype)
+                    if c.is_param:
+                        t.data = value
+                        t.grad = None
+                    else:
+                        store[name] = value
+
+
+def _rounds_to(exact: torch.Tensor, half: torch.Tensor) -> bool:
+    """`half` still holds `exact` rounded (nothing changed it since the cast)."""
+    return exact.shape == half.shape and torch.equal(exact.to(half.device, half.dtype), half)
 
 
 def wrap_outputs(model: nn.Module, output_dtype: torch.dtype, patcher) -> None:
@@ -119,6 +181,9 @@ def wrap_outputs(model: nn.Module, output_dtype: torch.dtype, patcher) -> None:
     floating outputs are cast to `output_dtype`, inputs pass untouched."""
     patcher.patch(model, "forward", _CastForward(model.forward, None, output_dtype))
     patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
+
+
+_nesting = threading.local()  # per thread: how many wrapped forwards are running
 
 
 class _CastForward:
@@ -141,11 +206,18 @@ class _CastForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.dtype is not None:
             args, kwargs = cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
+        nesting = _nesting.__dict__
+        depth = nesting.get("depth", 0)
+        nesting["depth"] = depth + 1
         try:
             out = self.__wrapped__(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an FP32 constant meets half
             hint_dtype_error(exc)
             raise
+        finally:
+            nesting["depth"] = depth
+        if depth:  # a model passed to initialize called inside another one: part of its half graph
+            return out
         return cast_tree(out, self.output_dtype, self.only_low)
 
     def bound_to(self, replica: nn.Module) -> "_CastForward":
@@ -175,40 +247,76 @@ class _Replicate:
 
 
 class _LoadHook:
-    """`load_state_dict` hooks: the pre-hook notes the incoming tensor of each parameter (the
-    FP32 values of a checkpoint, before they are rounded into the half model), the post-hook
-    hands them to the session's callbacks, so masters re-sync from the exact values.
+    """`load_state_dict` hooks of one cast module: the pre-hook notes the incoming tensor of
+    each of its params and buffers (the FP32 values of a checkpoint, before they are rounded
+    into the half model); the post-hook keeps the exact values of what torch loaded, and
+    hands the params' to the session's callbacks, so masters re-sync from them. A tensor
+    torch refused (wrong shape: torch reports it after the hooks ran) changes nothing.
+
+    `load_state_dict(assign=True)` would replace the half params (which the optimizer's
+    masters point at) with the checkpoint's tensors: it is refused with the fix.
 
     A copy of the model (deepcopy, pickle) has no masters and must not reach into the
     session: it gets an inert hook.
     """
 
-    def __init__(self, callbacks: list[Callable[[dict[int, torch.Tensor]], None]]) -> None:
+    def __init__(self, callbacks: list, casts: dict[str, _Cast]) -> None:
         self.callbacks = callbacks
-        self.incoming: dict[int, torch.Tensor] = {}
+        self.casts = casts
+        self.incoming: dict[str, torch.Tensor] = {}
 
-    def pre(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        if self.callbacks:
-            for name, p in module.named_parameters():
-                t = state_dict.get(prefix + name)
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    self.incoming[id(p)] = t
+    def pre(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
+        self.incoming = {}
+        if not self.casts:
+            return
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("load_state_dict(..., assign=True) would replace the parameters amp.initialize "
+                               "cast to half (and that the optimizer's FP32 masters follow); load with "
+                               "assign=False, or load before amp.initialize.")
+        for name in self.casts:
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.incoming[name] = t
 
     def __call__(self, module: nn.Module, incompatible: Any) -> None:
         incoming, self.incoming = self.incoming, {}
+        if not self.casts:
+            return
+        by_param: dict[int, torch.Tensor] = {}
+        params = []
+        for name, c in self.casts.items():
+            t = (module._parameters if c.is_param else module._buffers).get(name)
+            if t is None:
+                continue
+            src = incoming.get(name)
+            if src is not None and src.shape != t.shape:
+                src = None  # torch refused it: "size mismatch"
+            if c.is_param:
+                params.append(t)
+                if src is not None:
+                    by_param[id(t)] = src
+            if src is not None and c.shadow is not None:
+                c.shadow = _keep(src.to(c.dtype), copy=True)
         for cb in self.callbacks:
-            cb(incoming)
+            cb(by_param, params)
 
     def __reduce__(self) -> tuple:
-        return (_LoadHook, ([],))
+        return (_LoadHook, ([], {}))
 
 
-def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
-    """This model's half tensors in the state dict to FP32 copies. `state_dict(keep_vars=True)`
-    asks for the live parameters and buffers themselves: those are left as they are."""
-    live = {id(t) for t in itertools.chain(module.parameters(), module.buffers())}
-    for k, v in state_dict.items():
-        if (k.startswith(prefix) and isinstance(v, torch.Tensor) and v.dtype in _LOW
-                and id(v) not in live):
-            state_dict[k] = v.detach().float()
-    return state_dict
+class _FullPrecisionStateDict:
+    """State-dict hook of one cast module: its converted tensors are saved in their original
+    dtype. `state_dict(keep_vars=True)` asks for the live parameters and buffers themselves:
+    those are left as they are."""
+
+    def __init__(self, casts: dict[str, _Cast]) -> None:
+        self.dtypes = {name: c.dtype for name, c in casts.items()}
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
+        for name, dtype in self.dtypes.items():
+            key = prefix + name
+            v = state_dict.get(key)
+            if (isinstance(v, torch.Tensor) and v.dtype in _LOW and v.dtype != dtype
+                    and v is not module._parameters.get(name) and v is not module._buffers.get(name)):
+                state_dict[key] = v.detach().to(dtype)
+        return state_dict

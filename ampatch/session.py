@@ -71,8 +71,11 @@ class Session:
             cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)}
             for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
                 self.optimizers.append(OptimizerHandle(opt, i, self, cast_ids if props.master_weights else None))
+            mastered = {pid for h in self.optimizers for pid in h.master_of}
+            seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
             for m in models:
-                handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, self.patcher)
+                handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, self.patcher,
+                                     mastered, seen)
                 handle.on_load(self._resync_masters)
                 self.models.append(handle)
             for h in self.optimizers:
@@ -234,9 +237,9 @@ class Session:
         elif skipped and iteration not in self.telemetry.skipped[-len(self.optimizers):]:
             self.telemetry.skipped.append(iteration)  # an iteration is listed once, however many skipped
 
-    def _resync_masters(self, incoming: dict[int, torch.Tensor]) -> None:
+    def _resync_masters(self, incoming: dict[int, torch.Tensor], params: list[torch.Tensor]) -> None:
         for h in self.optimizers:
-            h.resync_from_model(incoming)
+            h.resync_from_model(incoming, params)
 
     @property
     def iteration(self) -> int:

@@ -129,3 +129,200 @@ def test_exception_with_non_finite_new_part_skips_the_next_step():
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, masters(opt)))
     assert amp.report().skipped_steps == [0]
+
+
+# ============================================================== D2, D12: rejected model loads
+@pytest.mark.parametrize("level,half", [("O2", FP16), ("O5", BF16)])
+def test_rejected_model_load_leaves_the_masters_alone(level, half):
+    """D2: torch rejects a broadcastable wrong shape ("size mismatch"); the FP32 master of
+    that weight must not take it (the next step would write it into the model, even at lr 0).
+    The bias torch did load is taken by its master, as the FP32 model would have it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = init(model, opt, level, half)
+    w0 = model.weight.detach().clone()
+    m0 = masters(opt)
+    new_bias = torch.arange(4.0) / 3
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
+        model.load_state_dict({"weight": torch.zeros(1, 4), "bias": new_bias})
+    assert torch.equal(masters(opt)[0], m0[0])
+    assert torch.equal(masters(opt)[1], new_bias)  # loaded by torch, so by the master too
+    with amp.scale_loss(model(torch.ones(2, 4)).sum(), opt) as sl:
+        sl.backward()
+    opt.step()
+    assert torch.equal(model.weight, w0)
+    assert torch.equal(model.bias, new_bias.to(half))
+
+
+def test_non_broadcastable_wrong_shape_gives_torchs_error():
+    """D12: a non-broadcastable wrong shape shows torch's "size mismatch for weight", not a
+    copy error from the master re-sync."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O2")
+    with pytest.raises(RuntimeError, match="size mismatch for weight") as info:
+        model.load_state_dict({"weight": torch.zeros(3, 5), "bias": torch.zeros(4)})
+    assert "must match" not in str(info.value)
+
+
+# ============================================================== D3, D4, frozen params: deinitialize
+class Rotary(nn.Module):
+    """A layer with a registered float buffer and a non-persistent rotary `inv_freq`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("gain", torch.full((4,), 1 / 3))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 4, 2).float() / 4)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angle = x[..., :2] * self.inv_freq
+        return self.fc(x * self.gain) + torch.cat([angle.cos(), angle.sin()], -1)
+
+
+def fp32_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in
+            list(model.named_parameters()) + list(model.named_buffers())}
+
+
+def assert_exactly(model: nn.Module, snap: dict[str, torch.Tensor]) -> None:
+    now = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    assert now.keys() == snap.keys()
+    for k, v in snap.items():
+        assert now[k].dtype == v.dtype, k
+        assert torch.equal(now[k], v), k
+
+
+@pytest.mark.parametrize("level", ["O2", "O3", "O5"])
+def test_deinitialize_restores_buffers_exactly(level):
+    """D3: floating buffers (a registered one, rotary inv_freq) come back FP32 with their
+    exact values; `_apply` replaced the buffer objects, so restoring by object missed them."""
+    model = Rotary()
+    snap = fp32_snapshot(model)
+    model = init(model, None, level, BF16)
+    assert model.gain.dtype == model.inv_freq.dtype == BF16
+    model(torch.ones(2, 4))
+    amp.deinitialize()
+    assert_exactly(model, snap)
+
+
+def test_o3_batchnorm_running_stats_back_to_fp32_and_o2_after_o3():
+    """D3: BatchNorm running stats trained at O3 come back FP32 (an FP32 forward works), and
+    O3 -> O2 re-initialize trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O3", BF16)
+    x, y = data()
+    with amp.scale_loss(F.mse_loss(model(x), y), opt) as sl:
+        sl.backward()
+    opt.step()
+    amp.deinitialize()
+    assert {str(t.dtype) for t in model.state_dict().values() if t.is_floating_point()} == {"torch.float32"}
+    model(x)  # FP32 forward
+    model, opt = init(model, opt, "O2", BF16)
+    opt.zero_grad()
+    with amp.scale_loss(F.mse_loss(model(x), y), opt) as sl:
+        sl.backward()
+    opt.step()
+    amp.deinitialize()
+    assert model[1].running_mean.dtype == torch.float32 and model[0].weight.dtype == torch.float32
+    model(x)
+
+
+def test_parametrization_base_buffer_restored():
+    """D3: an orthogonal parametrization's `base` buffer at O2 comes back FP32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)), nn.Linear(4, 2))
+    snap = fp32_snapshot(model)
+    assert any(k.endswith("base") for k in snap)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = init(model, opt, "O2", BF16)
+    amp.deinitialize()
+    for k, v in dict(list(model.named_parameters()) + list(model.named_buffers())).items():
+        assert v.dtype == torch.float32, k
+    assert_exactly(model, snap)
+
+
+@pytest.mark.parametrize("shape", ["two_models", "model_and_submodule"])
+def test_param_shared_by_two_models_restored_from_its_master(shape):
+    """D4: a param shared by two models of one O2 initialize (or a model and its own
+    submodule) comes back FP32, from its master."""
+    torch.manual_seed(0)
+    enc = nn.Linear(4, 4)
+    m1 = nn.Sequential(enc, nn.Tanh(), nn.Linear(4, 2))
+    m2 = nn.Sequential(enc, nn.Tanh(), nn.Linear(4, 3)) if shape == "two_models" else enc
+    params = list({id(p): p for m in (m1, m2) for p in m.parameters()}.values())
+    opt = torch.optim.SGD(params, lr=0.1)
+    [m1, m2], opt = init([m1, m2], opt, "O2")
+    x, y = data()
+    with amp.scale_loss(F.mse_loss(m1(x), y) + m2(x).float().pow(2).mean(), opt) as sl:
+        sl.backward()
+    opt.step()
+    master = {id(mp): m for mp, m in zip(params, amp.master_params(opt))}
+    expected = master[id(enc.weight)].detach().clone()
+    sd = m2.state_dict()
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    amp.deinitialize()
+    assert enc.weight.dtype == torch.float32 and torch.equal(enc.weight, expected)
+    assert all(p.dtype == torch.float32 for m in (m1, m2) for p in m.parameters())
+
+
+def test_frozen_params_come_back_exact():
+    """Interop: O2 params in no optimizer (a frozen backbone) get their exact FP32 values
+    back from deinitialize, not half-rounded ones; so does a frozen param loaded from an
+    FP32 checkpoint after initialize."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2), nn.Linear(2, 2))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    snap = fp32_snapshot(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt = init(model, opt, "O2", BF16)
+    x, y = data()
+    with amp.scale_loss(F.mse_loss(model(x), y), opt) as sl:
+        sl.backward()
+    opt.step()
+    loaded = torch.randn(2, 2) / 3
+    model[3].weight.requires_grad_(False)
+    amp.deinitialize()
+    for k in ("0.weight", "0.bias"):
+        assert torch.equal(dict(model.named_parameters())[k], snap[k]), k
+    assert not torch.equal(model[2].weight, snap["2.weight"])  # trained
+    # a frozen param loaded (through its submodule) after initialize: exact too
+    model, opt = init(model, torch.optim.SGD(model[2].parameters(), lr=0.1), "O2", BF16)
+    model[3].load_state_dict({"weight": loaded, "bias": torch.zeros(2)})
+    amp.deinitialize()
+    assert torch.equal(model[3].weight, loaded)
+
+
+def test_submodule_load_and_state_dict_under_o2():
+    """Checkpoints through a submodule (a pretrained backbone): `model[0].load_state_dict`
+    reaches the FP32 masters (else the next step would undo the load), and
+    `model[0].state_dict()` is FP32 like the model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = init(model, opt, "O2", BF16)
+    backbone = {"weight": torch.randn(4, 4) / 3, "bias": torch.zeros(4)}
+    model[0].load_state_dict(backbone)
+    assert torch.equal(masters(opt)[0], backbone["weight"])
+    with amp.scale_loss(model(torch.ones(2, 4)).sum(), opt) as sl:
+        sl.backward()
+    opt.step()
+    assert torch.equal(model[0].weight, backbone["weight"].to(BF16))
+    assert all(v.dtype == torch.float32 for v in model[0].state_dict().values())
+    assert model[0].state_dict(keep_vars=True)["weight"] is model[0].weight
+
+
+def test_load_state_dict_assign_refused_under_o2():
+    """`load_state_dict(assign=True)` would swap the half params the masters follow for the
+    checkpoint's tensors: refused with the fix, and nothing is loaded."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O2", BF16)
+    w = model.weight
+    with pytest.raises(RuntimeError, match="assign=False"):
+        model.load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}, assign=True)
+    assert model.weight is w and not torch.equal(w, torch.zeros(4, 4, dtype=BF16))
