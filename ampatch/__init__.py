@@ -23,7 +23,8 @@ from . import levels
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
 from .policy import user as _user_policy
-from .session import Session
+from .scaler import INITIAL_LOSS_SCALE, check_scale_value
+from .session import Session, warn
 from .telemetry import Report
 
 __version__ = "0.1.0"
@@ -57,7 +58,11 @@ def _as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:
         items, single = list(x), False
     else:
         items, single = [x], True
-    for item in items:
+    for i, item in enumerate(items):
+        first = next(j for j, other in enumerate(items) if other is item)
+        if first != i:
+            raise ValueError(f"amp.initialize got the same {what[:-1]} twice: {what}[{i}] is {what}[{first}] "
+                             f"({type(item).__name__}); pass each of the {what} once.")
         if what == "models" and isinstance(item, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise RuntimeError(f"amp.initialize got a model already wrapped in {type(item).__name__}; call "
                                "amp.initialize on the bare model first, then wrap the model it returns.")
@@ -76,8 +81,25 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
 
     Returns the models and optimizers in the shape they came in (only the models when no
-    optimizers are given). Calling it again first undoes the previous session.
+    optimizers are given). Calling it again first undoes the previous session. A call that
+    raises leaves the "ampatch" logger's level as it was.
     """
+    level_before = logger.level
+    try:
+        return _initialize(models, optimizers, enabled, opt_level, cast_model_type, patch_torch_functions,
+                           keep_batchnorm_fp32, master_weights, loss_scale, cast_model_outputs, num_losses,
+                           verbosity, min_loss_scale, max_loss_scale, half_dtype, allow_banned,
+                           patch_torch_functions_type, process_group)
+    except BaseException:
+        logger.setLevel(level_before)
+        raise
+
+
+def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cast_model_type: Any,
+                patch_torch_functions: Any, keep_batchnorm_fp32: Any, master_weights: Any, loss_scale: Any,
+                cast_model_outputs: Any, num_losses: int, verbosity: int, min_loss_scale: float | None,
+                max_loss_scale: float, half_dtype: Any, allow_banned: bool, patch_torch_functions_type: Any,
+                process_group: Any) -> Any:
     model_list, single_model = _as_list(models, "models", nn.Module)
     if optimizers is None:
         opt_list, single_opt = [], True
@@ -90,20 +112,26 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
         half_dtype = patch_torch_functions_type
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"num_losses must be a positive int, got {num_losses!r}.")
-    if not isinstance(verbosity, int):
+    if not isinstance(verbosity, int) or isinstance(verbosity, bool):
         raise TypeError(f"verbosity must be an int (0 silences ampatch), got {verbosity!r}.")
     # before resolve(): its messages (a forced level dropping overrides) follow this call's verbosity
     logger.setLevel(logging.ERROR if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG)
-    for name, value in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise ValueError(f"{name} must be a positive number, got {value!r}.")
+    if min_loss_scale is not None:
+        min_loss_scale = check_scale_value(min_loss_scale, "min_loss_scale")
+    max_loss_scale = check_scale_value(max_loss_scale, "max_loss_scale")
     if min_loss_scale is not None and min_loss_scale > max_loss_scale:
         raise ValueError(f"min_loss_scale={min_loss_scale} exceeds max_loss_scale={max_loss_scale}.")
+    _check_process_group(process_group)
     device = next((p.device for m in model_list for p in m.parameters()), None)
     props = levels.resolve(opt_level, device=device, enabled=enabled, half_dtype=half_dtype,
                            cast_model_outputs=cast_model_outputs, cast_model_type=cast_model_type,
                            patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
                            master_weights=master_weights, loss_scale=loss_scale)
+    if props.loss_scale != "dynamic":
+        check_scale_value(props.loss_scale, "loss_scale")
+    elif min_loss_scale is not None and min_loss_scale > min(INITIAL_LOSS_SCALE, max_loss_scale):
+        warn(f"ampatch: min_loss_scale={min_loss_scale:g} is above the initial dynamic loss scale "
+             f"{INITIAL_LOSS_SCALE:g}: the scale starts at min_loss_scale.", verbosity)
     if not isinstance(allow_banned, bool):
         raise TypeError(f"allow_banned must be True or False, got {allow_banned!r}.")
 
@@ -122,6 +150,20 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     if optimizers is None:
         return out_models
     return out_models, (opt_list[0] if single_opt else opt_list)
+
+
+def _check_process_group(group: Any) -> None:
+    """`process_group` is None (the world) or a torch.distributed group this rank belongs to."""
+    if group is None:
+        return
+    if not torch.distributed.is_available():
+        raise RuntimeError("process_group was given, but this torch build has no torch.distributed.")
+    if isinstance(group, int) and group == torch.distributed.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("process_group: this rank is not a member of that group (torch.distributed.new_group "
+                         "returned NON_GROUP_MEMBER here); pass a group that contains this rank, or None.")
+    if not isinstance(group, torch.distributed.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed process group (from "
+                        f"torch.distributed.new_group) or None for the world, got {type(group).__name__}.")
 
 
 def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
@@ -155,8 +197,12 @@ def load_state_dict(state_dict: dict) -> None:
 def loss_scale(loss_id: int = 0) -> float:
     """The current loss scale of `loss_id` (for gradient-penalty recipes)."""
     s = _session("loss_scale")
+    if not isinstance(loss_id, int) or isinstance(loss_id, bool):
+        raise TypeError(f"amp.loss_scale(loss_id): loss_id must be an int from 0 to num_losses-1 "
+                        f"({len(s.scalers) - 1} here), got {loss_id!r}.")
     if not 0 <= loss_id < len(s.scalers):
-        raise ValueError(f"loss_id={loss_id} is out of range for num_losses={len(s.scalers)}.")
+        raise ValueError(f"amp.loss_scale(loss_id): loss_id={loss_id} is out of range: initialize(num_losses="
+                         f"{len(s.scalers)}) gives loss ids 0..{len(s.scalers) - 1}.")
     s.resolve_pending()
     return s.scalers[loss_id].scale
 

@@ -77,6 +77,8 @@ class OptimizerHandle:
         self.skip_next = False
         self.pending_scaled = False  # a delay_unscale block left scaled grads
         self.steps = 0
+        self.consecutive_skips = 0  # skipped steps in a row; the session warns when they pile up
+        self.next_skip_warning = 0  # warn when consecutive_skips reaches this (0: the session's default)
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rescaled: tuple[float, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._masters_agreed = False

@@ -3,10 +3,16 @@
 A `LossScaler` is one scale (per `loss_id`): static, or dynamic (start 2**16, halve on
 overflow down to `min_loss_scale`, double after `growth_interval` clean steps up to
 `max_loss_scale`). State, in Apex's checkpoint format: `loss_scale` and `unskipped`.
+
+Every scale stays in a usable range: `1/scale` and `loss * scale` are finite FP32 numbers
+for any sane loss. A dynamic scale has a floor even when `min_loss_scale` is None
+(`DEFAULT_MIN_LOSS_SCALE`): a loss that is NaN on every step halves the scale down to it
+and stops there (Apex halved on into denormals, then failed).
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +21,25 @@ import torch.distributed as dist
 logger = logging.getLogger("ampatch")
 
 _unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+
+INITIAL_LOSS_SCALE = 2.0 ** 16  # where a dynamic scale starts (Apex's value)
+DEFAULT_MIN_LOSS_SCALE = 2.0 ** -16  # the floor of a dynamic scale when min_loss_scale is None
+# Any scale (a static one, min_loss_scale, max_loss_scale) lies in this range: the scale and
+# its inverse are finite, normal FP32 numbers.
+USABLE_RANGE = (2.0 ** -126, 2.0 ** 126)
+
+
+def check_scale_value(value: object, name: str) -> float:
+    """`value` as a float if it is a usable scale; else a ValueError/TypeError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}.")
+    value = float(value)
+    low, high = USABLE_RANGE
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} is not a usable loss scale: use a finite number between 2**-126 and "
+                         "2**126 (the scale and its inverse must be finite FP32 numbers); typical values are "
+                         "1.0 to 2**24.")
+    return value
 
 
 class StateDictKeyError(KeyError, ValueError):
@@ -30,14 +55,19 @@ class LossScaler:
 
     def __init__(self, loss_scale: float | str, min_loss_scale: float | None = None,
                  max_loss_scale: float = 2.0 ** 24, growth_interval: int = 2000,
-                 init_scale: float = 2.0 ** 16) -> None:
+                 init_scale: float = INITIAL_LOSS_SCALE) -> None:
         self.dynamic = loss_scale == "dynamic"
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
+        self.floor = DEFAULT_MIN_LOSS_SCALE if min_loss_scale is None else min_loss_scale
         self.growth_interval = growth_interval
-        self.scale = min(init_scale, max_loss_scale) if self.dynamic else float(loss_scale)
+        self.scale = self.clamp(init_scale) if self.dynamic else float(loss_scale)
         self.unskipped = 0
         self.history: list[tuple[int, float]] = [(0, self.scale)]  # (iteration, scale) change points
+
+    def clamp(self, scale: float) -> float:
+        """`scale` within this dynamic scaler's [floor, max_loss_scale] (the ceiling wins)."""
+        return min(max(scale, self.floor), self.max_loss_scale)
 
     @property
     def is_identity(self) -> bool:
@@ -49,10 +79,7 @@ class LossScaler:
         if overflow:
             self.unskipped = 0
             if self.dynamic:
-                new = self.scale / 2.0
-                if self.min_loss_scale is not None:
-                    new = max(new, self.min_loss_scale)
-                self._set(new, iteration)
+                self._set(min(self.clamp(self.scale / 2.0), self.scale), iteration)  # never up on overflow
             return
         self.unskipped += 1
         if self.dynamic and self.unskipped >= self.growth_interval:
@@ -63,6 +90,8 @@ class LossScaler:
         if scale != self.scale:
             self.scale = scale
             self.history.append((iteration, scale))
+            if len(self.history) > HISTORY_POINTS:
+                self.history = downsample(self.history)
 
     def state_dict(self) -> dict[str, float | int]:
         return {"loss_scale": float(self.scale), "unskipped": int(self.unskipped)}
@@ -85,8 +114,21 @@ class LossScaler:
                              "unskipped a non-negative int.")
         return scale, unskipped
 
-    def load_state_dict(self, state: dict) -> None:
-        self.scale, self.unskipped = self.check_state(state)
+    def load_state_dict(self, state: dict) -> float | None:
+        """Load a checked state. A dynamic scale outside [floor, max_loss_scale] is clamped
+        into it; returns the saved scale when it was clamped (the caller warns), else None."""
+        scale, self.unskipped = self.check_state(state)
+        clamped = self.clamp(scale) if self.dynamic else scale
+        self.scale = clamped
+        return scale if clamped != scale else None
+
+
+HISTORY_POINTS = 1000  # a scale history longer than this is thinned (a long run stays bounded)
+
+
+def downsample(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Every other change point of a long history, keeping the first and the last."""
+    return history[:-1:2] + [history[-1]]
 
 
 def unscale_(grads: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.Tensor | None) -> torch.Tensor:

@@ -32,9 +32,18 @@ from .telemetry import Report, Telemetry, peak_memory_bytes
 
 logger = logging.getLogger("ampatch")
 
+SKIP_WARNING_AFTER = 50  # consecutive skipped steps before the first warning
 REPORT_ENV = "AMPATCH_REPORT"
 TIME_ENV = "AMPATCH_TIME_WRAPPERS"  # time every wrapper's own work (two clock reads per call)
 _LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE))
+
+
+def warn(message: str, verbosity: int, category: type[Warning] = UserWarning) -> None:
+    """A warning the user must see: logged, and a Python warning (seen even where logging is
+    not set up); verbosity=0 silences both."""
+    logger.warning(message)
+    if verbosity >= 1:
+        warnings.warn(message, category, stacklevel=4)
 
 
 class Session:
@@ -58,6 +67,7 @@ class Session:
         self.closed = False
         self._wrap_ctx: WrapContext | None = None
         self._decorated: dict[tuple[str, Any], Any] = {}
+        self._last_loss: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ set-up
     def setup(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
@@ -164,16 +174,24 @@ class Session:
                    delay_unscale: bool = False, delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
-        if not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
+        if not isinstance(loss_id, int) or isinstance(loss_id, bool) or not 0 <= loss_id < len(self.scalers):
             raise ValueError(f"loss_id={loss_id!r} is out of range: initialize(num_losses={len(self.scalers)}) "
                              f"gives loss ids 0..{len(self.scalers) - 1}.")
-        opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+        opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        if not opts:
+            raise ValueError("scale_loss got no optimizer: pass the optimizer(s) whose params this loss's "
+                             "backward reaches (they unscale the grads and skip the step on overflow).")
+        for i, o in enumerate(opts):
+            if any(o is other for other in opts[:i]):
+                raise ValueError(f"scale_loss got the same optimizer twice (optimizers[{i}]); pass each once, or "
+                                 "its grads would be unscaled twice.")
         if not self.properties.enabled:
             yield loss
             return
         handles = [self.handle(o) for o in opts]
         if loss_id == 0:
             self.telemetry.on_loss(loss)
+        self._last_loss = loss.detach()  # only read when steps keep being skipped
         scaler = self.scalers[loss_id]
         if not any(self.scaling_active(h, scaler) for h in handles):
             try:
@@ -232,10 +250,38 @@ class Session:
         """Called by every patched optimizer.step(): the params changed, so the casts are stale."""
         self.cache.clear()
         iteration = handle.steps - 1
+        if skipped:
+            handle.consecutive_skips += 1
+            threshold = handle.next_skip_warning or SKIP_WARNING_AFTER
+            if handle.consecutive_skips >= threshold:
+                handle.next_skip_warning = 2 * threshold  # repeated with back-off: 50, 100, 200, ... in a row
+                self._warn_skipping(handle)
+        else:
+            handle.consecutive_skips = handle.next_skip_warning = 0
         if handle.index == 0:
             self.telemetry.on_step(iteration, skipped)
         elif skipped and iteration not in self.telemetry.skipped[-len(self.optimizers):]:
             self.telemetry.skipped.append(iteration)  # an iteration is listed once, however many skipped
+
+    def _warn_skipping(self, handle: OptimizerHandle) -> None:
+        loss = self._last_loss
+        if loss is not None and not bool(torch.isfinite(loss).all()):
+            cause = (f"the loss itself is {float(loss.float().flatten()[0])}: no loss scale can fix that. Look "
+                     "for inf/NaN in the data or the labels, a log/sqrt/division of zero in the loss, or a "
+                     "learning rate that made the weights diverge")
+        else:
+            cause = ("the gradients hold inf/NaN at every scale tried. Look for a learning rate that is too "
+                     "high, an op that overflows in half precision (amp.register_float_function runs it in "
+                     "FP32), or inf/NaN in the data")
+        scales = ", ".join(f"loss scaler {i}: {s.scale:g}" + (" (its floor)" if s.dynamic and s.scale <= s.floor
+                                                            else "")
+                           for i, s in enumerate(self.scalers))
+        which = f"optimizer {handle.index}: " if len(self.optimizers) > 1 else ""
+        self.warn(f"ampatch: {which}{handle.consecutive_skips} optimizer steps in a row were skipped because the "
+                  f"gradients were not finite ({scales}); {cause}.", RuntimeWarning)
+
+    def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
+        warn(message, self.verbosity, category)
 
     def _resync_masters(self, incoming: dict[int, torch.Tensor], params: list[torch.Tensor]) -> None:
         for h in self.optimizers:
@@ -258,21 +304,32 @@ class Session:
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}.")
         names = {f"loss_scaler{i}": s for i, s in enumerate(self.scalers)}
-        unknown = [k for k in state_dict if not (k.startswith("loss_scaler") and k[11:].isdigit())]
+        unknown = [k for k in state_dict if not (isinstance(k, str) and k.startswith("loss_scaler")
+                                                 and k[11:].isdigit())]
         if unknown:
             raise StateDictKeyError(f"unknown keys {unknown} in the amp state dict; expected 'loss_scaler0', ...")
         for key, value in state_dict.items():  # all checked before any is loaded
-            if key in names:
-                LossScaler.check_state(value)
-        if len(state_dict) != len(self.scalers):
-            message = (f"ampatch: the state dict has {len(state_dict)} loss scalers, this session uses "
-                       f"{len(self.scalers)} (num_losses); loading the ones that match.")
-            logger.warning(message)
-            if self.verbosity >= 1:  # seen even where logging is not set up; verbosity=0 silences both
-                warnings.warn(message, UserWarning, stacklevel=3)
-        for key, value in state_dict.items():
-            if key in names:
-                names[key].load_state_dict(value)
+            LossScaler.check_state(value)
+        matching = [k for k in state_dict if k in names]
+        extra = sorted(k for k in state_dict if k not in names)
+        if not matching:
+            raise StateDictKeyError(
+                f"the amp state dict has {sorted(state_dict) or 'no loss scalers'}, none of the loss scalers of this "
+                f"session ({', '.join(names)}; num_losses={len(self.scalers)}): nothing would be loaded. Pass "
+                "initialize the num_losses the checkpoint was saved with.")
+        if len(state_dict) != len(self.scalers) or extra:
+            missing = sorted(k for k in names if k not in state_dict)
+            self.warn(f"ampatch: the state dict has {len(state_dict)} loss scalers, this session uses "
+                      f"{len(self.scalers)} (num_losses); loading the ones that match"
+                      + (f"; not loaded: {extra}" if extra else "")
+                      + (f"; left as they are: {missing}" if missing else "") + ".")
+        for key in matching:
+            saved = names[key].load_state_dict(state_dict[key])
+            if saved is not None:
+                s = names[key]
+                self.warn(f"ampatch: {key} saved a loss scale of {saved:g}, outside this session's range "
+                          f"[{s.floor:g}, {s.max_loss_scale:g}] (min_loss_scale, max_loss_scale); it starts at "
+                          f"{s.scale:g}.")
 
     def report(self) -> Report:
         self.resolve_pending()

@@ -326,3 +326,194 @@ def test_load_state_dict_assign_refused_under_o2():
     with pytest.raises(RuntimeError, match="assign=False"):
         model.load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}, assign=True)
     assert model.weight is w and not torch.equal(w, torch.zeros(4, 4, dtype=BF16))
+
+
+# ============================================================== D8: a loss that is always NaN
+def nan_steps(model, opt, n: int, x: torch.Tensor) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        loss = model(x).float().sum() * float("nan")
+        with amp.scale_loss(loss, opt) as sl:
+            sl.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_nan_loss_every_step_keeps_a_usable_scale_and_warns_with_backoff(level, caplog):
+    """D8: the scale stops at a floor (the run used to fail after ~144 steps, at 2.9e-39);
+    after 50 skipped steps in a row a warning names the problem, then at 100, 200, ..."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, level, verbosity=1)
+    w0 = masters(opt)
+    x, _ = data()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="ampatch"):
+        warnings.simplefilter("always")
+        nan_steps(model, opt, 210, x)
+    scale = amp.loss_scale()
+    assert 0 < scale <= 2.0 ** -10 and math.isfinite(1 / scale)
+    assert all(torch.equal(a, b) for a, b in zip(w0, masters(opt)))
+    assert len(amp.report().skipped_steps) == 210
+    ours = [str(w.message) for w in caught if "in a row" in str(w.message)]
+    assert [m.split(" optimizer steps")[0].rsplit(" ", 1)[-1] for m in ours] == ["50", "100", "200"]
+    assert "the loss itself is nan" in ours[0]
+    assert all(issubclass(w.category, RuntimeWarning) for w in caught if "in a row" in str(w.message))
+    assert len([r for r in caplog.records if "in a row" in r.getMessage()]) == 3
+    # a clean step resets the count: no warning for the next 49 skips
+    opt.zero_grad()
+    with amp.scale_loss(model(x).float().sum(), opt) as sl:
+        sl.backward()
+    opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nan_steps(model, opt, 49, x)
+    assert not [w for w in caught if "in a row" in str(w.message)]
+
+
+def test_skip_warning_names_non_finite_grads_with_a_finite_loss():
+    """D8: static scale with master weights (O5): every step skipped by an inf grad, the
+    loss finite: the warning says the gradients, not the loss, are the problem."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O5", None, verbosity=1)
+    x, y = data()
+    with pytest.warns(RuntimeWarning, match="gradients hold inf/NaN") as record:
+        for _ in range(50):
+            opt.zero_grad()
+            with amp.scale_loss(F.mse_loss(model(x), y), opt) as sl:
+                sl.backward()
+                model[0].weight.grad[0, 0] = float("inf")
+            opt.step()
+    assert "loss itself" not in str(record[0].message)
+    assert amp.loss_scale() == 1.0
+
+
+def test_scale_floor_and_ceiling_by_default():
+    """D8: halving stops at DEFAULT_MIN_LOSS_SCALE when min_loss_scale is None."""
+    from ampatch.scaler import DEFAULT_MIN_LOSS_SCALE, LossScaler
+    s = LossScaler("dynamic")
+    for i in range(400):
+        s.update(True, i)
+    assert s.scale == DEFAULT_MIN_LOSS_SCALE
+    torch.full((), 1 / s.scale, dtype=torch.float32)  # the unscale's inverse is a float32
+
+
+# ============================================================== D13-D17, D20: bad values
+def test_min_loss_scale_above_the_start_never_raises_the_scale_on_overflow():
+    """D13: min_loss_scale=2**20 above the initial 2**16: the scale starts at the floor (with
+    a warning), and an overflow never moves it up."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="min_loss_scale"):
+        model, opt = init(model, opt, "O1", min_loss_scale=2.0 ** 20, verbosity=1)
+    assert amp.loss_scale() == 2.0 ** 20
+    from ampatch.scaler import LossScaler
+    s = LossScaler("dynamic", min_loss_scale=2.0 ** 20)
+    s.scale = 2.0 ** 10  # however it got there: an overflow halves or holds, never raises
+    s.update(True, 0)
+    assert s.scale <= 2.0 ** 10
+
+
+@pytest.mark.parametrize("name,value", [("min_loss_scale", float("nan")), ("max_loss_scale", float("nan")),
+                                        ("max_loss_scale", float("inf")), ("min_loss_scale", 1e-45),
+                                        ("min_loss_scale", -1.0), ("max_loss_scale", 0.0),
+                                        ("max_loss_scale", 1e300), ("loss_scale", 1e-300),
+                                        ("loss_scale", 1e300)])
+def test_unusable_scale_bounds_are_refused(name, value):
+    """D14: NaN (and other unusable values) for min/max_loss_scale, or a static scale whose
+    inverse is not a finite float32, are refused with a clear error before anything changes."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=name):
+        init(model, opt, "O2", **{name: value})
+    assert model[0].weight.dtype == torch.float32
+
+
+def test_loaded_scale_outside_the_bounds_is_clamped_with_a_warning():
+    """D15: a saved scale above max_loss_scale (or under min_loss_scale) is clamped, with a
+    warning; a static scale loads as saved (Apex)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O1", max_loss_scale=2.0 ** 12, min_loss_scale=4.0, verbosity=1)
+    with pytest.warns(UserWarning, match="outside this session's range"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0 ** 20, "unskipped": 3}})
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0 ** 12, "unskipped": 3}
+    with pytest.warns(UserWarning, match="outside this session's range"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}})
+    assert amp.loss_scale() == 4.0
+
+
+def test_state_dict_for_scalers_this_session_lacks():
+    """D16: `{"loss_scaler1": ...}` into a 1-loss session loads nothing: an error that says
+    so (and names num_losses); a partly matching dict warns naming what was not loaded."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O1", verbosity=1)
+    state = {"loss_scale": 8.0, "unskipped": 1}
+    for bad in ({"loss_scaler1": state}, {}):
+        with pytest.raises(KeyError, match="num_losses"):
+            amp.load_state_dict(bad)
+    assert amp.loss_scale() == 2.0 ** 16
+    with pytest.warns(UserWarning, match=r"not loaded: \['loss_scaler1'\]"):
+        amp.load_state_dict({"loss_scaler0": state, "loss_scaler1": state})
+    assert amp.loss_scale() == 8.0
+
+
+@pytest.mark.parametrize("bad,error", [(1.5, TypeError), ("0", TypeError), (None, TypeError),
+                                       (True, TypeError), (3, ValueError), (-1, ValueError)])
+def test_loss_scale_bad_loss_id_names_loss_id(bad, error):
+    """D17: amp.loss_scale(1.5), ("0"), (None) fail with an error about loss_id."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    init(model, opt, "O1", num_losses=2)
+    with pytest.raises(error, match="loss_id"):
+        amp.loss_scale(bad)
+
+
+def test_duplicated_model_or_optimizer_is_named():
+    """D18: the same model or optimizer passed twice: the error says which argument."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"models\[1\] is models\[0\]"):
+        init([model, model], opt, "O2")
+    with pytest.raises(ValueError, match=r"optimizers\[1\] is optimizers\[0\]"):
+        init(model, [opt, opt], "O2")
+    assert model[0].weight.dtype == torch.float32 and not amp.__dict__.get("_Current").session
+
+
+def test_rejected_initialize_keeps_the_logger_level():
+    """D20: initialize(verbosity=0, <bad argument>) raises and leaves the logger as it was."""
+    log = logging.getLogger("ampatch")
+    before = log.level
+    try:
+        log.setLevel(logging.WARNING)
+        for bad in ({"opt_level": "O9"}, {"min_loss_scale": float("nan")}, {"loss_scale": "huge"}):
+            with pytest.raises((ValueError, TypeError)):
+                amp.initialize(mlp(), None, verbosity=0, **bad)
+            assert log.level == logging.WARNING
+    finally:
+        log.setLevel(before)
+
+
+# ============================================================== gaps: scale_loss, process_group
+def test_scale_loss_needs_an_optimizer_each_once():
+    """Gap: `scale_loss(loss, [])` was accepted (nothing unscaled or checked); the same
+    optimizer twice would unscale its grads twice."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O1")
+    loss = model(data()[0]).float().sum()
+    for bad in ([], (), [opt, opt]):
+        with pytest.raises(ValueError, match="optimizer"):
+            with amp.scale_loss(loss, bad):
+                pass
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad,error", [("world", TypeError), (0, TypeError), (-100, ValueError)])
+def test_process_group_is_validated(bad, error):
+    """Gap: process_group was never checked; a wrong one failed at the first overflow."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match="process_group"):
+        init(model, opt, "O1", process_group=bad)
