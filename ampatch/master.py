@@ -57,6 +57,22 @@ def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) ->
     return method
 
 
+def _add_grads(params: list[torch.Tensor], extra: list[torch.Tensor]) -> None:
+    """p.grad += g for each pair (p.grad = g where p has none): dense pairs in one foreach
+    call, sparse grads (nn.Embedding(sparse=True)) one by one."""
+    to, frm = [], []
+    for p, g in zip(params, extra):
+        if p.grad is None:
+            p.grad = g
+        elif p.grad.is_sparse or g.is_sparse:
+            p.grad = g + p.grad if p.grad.is_sparse and not g.is_sparse else p.grad + g
+        else:
+            to.append(p.grad)
+            frm.append(g)
+    if to:
+        torch._foreach_add_(to, frm)
+
+
 def _cast_state(state: dict, dtype: torch.dtype) -> dict:
     """One param's optimizer state with its floating tensors in `dtype` (`step` stays as is)."""
     return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
@@ -157,22 +173,21 @@ class OptimizerHandle:
                 mp.grad = None
         if not masters:
             return found_inf
-        new = [torch.empty_like(m) for m in masters]
-        torch._foreach_copy_(new, model_grads)
+        new, dense_to, dense_from = [], [], []
+        for m, g in zip(masters, model_grads):
+            if g.is_sparse:  # FP32 and coalesced: the duplicates are summed without overflow
+                new.append(g.to(m.dtype).coalesce())
+            else:
+                new.append(torch.empty_like(m))
+                dense_to.append(new[-1])
+                dense_from.append(g)
+        if dense_to:
+            torch._foreach_copy_(dense_to, dense_from)
         if check:
             found_inf = unscale_(new, inv_scale, found_inf)
         elif inv_scale != 1.0:
             torch._foreach_mul_(new, inv_scale)
-        add_to, add_from = [], []
-        for m, n in zip(masters, new):
-            g = m.grad
-            if g is None:
-                m.grad = n
-            else:
-                add_to.append(g)
-                add_from.append(n)
-        if add_to:
-            torch._foreach_add_(add_to, add_from)
+        _add_grads(masters, new)
         return found_inf
 
     # ------------------------------------------------------------------ scale_loss
@@ -251,8 +266,11 @@ class OptimizerHandle:
             for p in group["params"]:
                 mp = model_of.get(id(p))
                 if mp is None:
-                    if p.grad is not None:
-                        own.append(p.grad)
+                    g = p.grad
+                    if g is not None:
+                        if g.is_sparse and g.dtype == torch.float16:  # see scaler.unscale_
+                            p.grad = g = g.coalesce()
+                        own.append(g)
                 else:
                     pairs.append((mp, p))
         if own:
@@ -274,15 +292,7 @@ class OptimizerHandle:
                 torch._foreach_mul_(own_grads, 1.0 / scale)
             self._move_model_grads(pairs, 1.0 / scale, None, check=False)
         stash, self._stash = self._stash, []
-        add_to, add_from = [], []
-        for p, g in stash:
-            if p.grad is None:
-                p.grad = g
-            else:
-                add_to.append(p.grad)
-                add_from.append(g)
-        if add_to:
-            torch._foreach_add_(add_to, add_from)
+        _add_grads([p for p, _ in stash], [g for _, g in stash])
 
     def defer(self, check: Callable[[], None]) -> None:
         """Run an overflow verdict later (delay_overflow_check): at step() or the next scale_loss."""

@@ -134,11 +134,13 @@ def downsample(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
 def unscale_(grads: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.Tensor | None) -> torch.Tensor:
     """Multiply `grads` in place by `inv_scale` and OR any inf/NaN into `found_inf`.
 
-    One fused kernel per device (grads of mixed dtypes are fine); returns the flag.
+    One fused kernel per device (grads of mixed dtypes are fine); returns the flag. A sparse
+    grad is unscaled and checked through its values (coalesce a float16 one first, as
+    torch.amp.GradScaler does: summing duplicate indices may overflow).
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
-        by_device.setdefault(g.device, []).append(g)
+        by_device.setdefault(g.device, []).append(g._values() if g.is_sparse else g)
     for device, group in by_device.items():
         if found_inf is None:
             found_inf = torch.zeros((), dtype=torch.float32, device=device)

@@ -517,3 +517,55 @@ def test_process_group_is_validated(bad, error):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(error, match="process_group"):
         init(model, opt, "O1", process_group=bad)
+
+
+# ============================================================== D9: sparse gradients
+class Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(idx).mean(1))
+
+
+@pytest.mark.parametrize("level,half,kw", [("O1", FP16, {}), ("O2", FP16, {}), ("O2", BF16, {}),
+                                           ("O3", FP16, {"loss_scale": "dynamic"}),
+                                           ("O4", None, {"loss_scale": 128.0})])
+def test_sparse_gradients_train_like_fp32(level, half, kw):
+    """D9: nn.Embedding(sparse=True): the fused unscale takes the sparse grad's values
+    (coalesced in float16, as torch.amp.GradScaler does) and O2 masters get FP32 sparse
+    grads; two scale_loss blocks accumulate; an inf in a sparse grad skips the step."""
+    idx = torch.tensor([[1, 2, 2], [3, 1, 4]])
+    y = torch.randn(2, 2, generator=torch.Generator().manual_seed(3))
+    blocks = 1 if level == "O3" else 2  # torch cannot add two float16 sparse tensors on CPU
+    ref = Bag()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(blocks):
+        F.mse_loss(ref(idx), y).backward()
+    ref_opt.step()
+
+    model = Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = init(model, opt, level, half, **kw)
+    for _ in range(blocks):
+        with amp.scale_loss(F.mse_loss(model(idx).float(), y), opt) as sl:
+            sl.backward()
+    assert amp.master_params(opt).__next__().grad.is_sparse
+    opt.step()
+    tol = 2e-2 if level in ("O3",) else 1e-2
+    torch.testing.assert_close(model.emb.weight.float(), ref.emb.weight, rtol=tol, atol=tol)
+    torch.testing.assert_close(model.fc.weight.float(), ref.fc.weight, rtol=tol, atol=tol)
+    assert amp.report().skipped_steps == []
+    # an inf in the sparse grad: skipped
+    opt.zero_grad()
+    before = masters(opt)
+    with amp.scale_loss(F.mse_loss(model(idx).float(), y), opt) as sl:
+        sl.backward()
+        g = model.emb.weight.grad
+        g._values().view(-1)[0] = float("inf")
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, masters(opt)))
+    assert amp.report().skipped_steps == [1]
