@@ -73,6 +73,25 @@ def _add_grads(params: list[torch.Tensor], extra: list[torch.Tensor]) -> None:
         torch._foreach_add_(to, frm)
 
 
+def _check_masters(masters: Any, params: list[torch.Tensor]) -> None:
+    """The saved masters of an optimizer checkpoint fit `params` (one entry per param, in
+    param_groups order: None or a floating tensor of the param's shape)."""
+    if not isinstance(masters, (list, tuple)):
+        raise TypeError(f"optimizer checkpoint: '{MASTERS_KEY}' must be a list (one entry per param), got "
+                        f"{type(masters).__name__}; the checkpoint was not saved by ampatch's optimizer.state_dict().")
+    if len(masters) != len(params):
+        raise ValueError(f"optimizer checkpoint has {len(masters)} master entries for {len(params)} params; "
+                         "it was saved from a different model or optimizer. Nothing was loaded.")
+    for i, (p, saved) in enumerate(zip(params, masters)):
+        if saved is None:
+            continue
+        if not isinstance(saved, torch.Tensor) or not saved.is_floating_point() or saved.shape != p.shape:
+            what = (f"shape {tuple(saved.shape)}" if isinstance(saved, torch.Tensor) and saved.is_floating_point()
+                    else type(saved).__name__ if not isinstance(saved, torch.Tensor) else str(saved.dtype))
+            raise ValueError(f"optimizer checkpoint: master {i} has {what}, its param has shape {tuple(p.shape)}; "
+                             "it was saved from a different model or optimizer. Nothing was loaded.")
+
+
 def _cast_state(state: dict, dtype: torch.dtype) -> dict:
     """One param's optimizer state with its floating tensors in `dtype` (`step` stays as is)."""
     return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
@@ -368,23 +387,29 @@ class OptimizerHandle:
         return sd
 
     def _load_state_dict(self, inner: Callable, state_dict: dict) -> None:
+        """Everything is checked before anything is loaded: a rejected checkpoint (another
+        model's shapes, tampered masters) leaves the optimizer, its masters and the model as
+        they were. Saved FP32 masters go into whatever this session steps: its masters, or,
+        at a level without them (an O2 checkpoint resumed at O1), the model params themselves."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
         state_dict = dict(state_dict)
         masters = state_dict.pop(MASTERS_KEY, None)
-        inner(state_dict)
-        if masters is None or not self.use_masters:
-            if masters is not None:
-                logger.warning("ampatch: the optimizer checkpoint carries FP32 master weights but this "
-                               "session has none (opt level %s); they are not used.", self.session.properties.opt_level)
-            return
         params = list(self.params())
-        if len(masters) != len(params):
-            raise ValueError(f"optimizer checkpoint has {len(masters)} master entries for {len(params)} params; "
-                             "it was saved from a different model or optimizer.")
+        if masters is not None:
+            _check_masters(masters, params)
+        inner(state_dict)  # torch checks the param groups before it changes anything
+        if masters is None:
+            return
         with torch.no_grad():
             for p, saved in zip(params, masters):
-                if saved is not None and id(p) in self.model_of:
+                if saved is not None:
                     p.copy_(saved)
-        self.copy_masters_to_model()
+        if self.use_masters:
+            self.copy_masters_to_model()
+        elif any(saved is not None for saved in masters):
+            logger.info("ampatch: the optimizer checkpoint's FP32 master weights were loaded into the model's "
+                        "params (this session, %s, has no masters).", self.session.properties.opt_level)
 
     # ------------------------------------------------------------------ undo
     def unswap(self) -> dict[int, torch.Tensor]:

@@ -569,3 +569,75 @@ def test_sparse_gradients_train_like_fp32(level, half, kw):
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, masters(opt)))
     assert amp.report().skipped_steps == [1]
+
+
+# ============================================================== D11 and O2 -> O1: optimizer checkpoints
+def trained_o2(seed: int = 0, steps: int = 2, model: nn.Module | None = None):
+    model = model if model is not None else mlp(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = init(model, opt, "O2", BF16)
+    x, _ = data()
+    for _ in range(steps):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as sl:
+            sl.backward()
+        opt.step()
+    return model, opt
+
+
+def clone_tree(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: clone_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(clone_tree(v) for v in x)
+    return x
+
+
+def same_tree(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_rejected_optimizer_load_changes_nothing():
+    """D11: an O2 optimizer checkpoint of another model's shapes, or with tampered masters,
+    is rejected before the optimizer state, the masters or the model change."""
+    other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))  # same param count, other shapes
+    _, other_opt = trained_o2(model=other)
+    foreign = clone_tree(other_opt.state_dict())
+    model, opt = trained_o2()
+    good = clone_tree(opt.state_dict())
+    before = (clone_tree(opt.state_dict()), masters(opt), clone_tree(model.state_dict()))
+    tampered = [dict(good, ampatch_masters=[torch.zeros(3)] + good["ampatch_masters"][1:]),
+                dict(good, ampatch_masters=good["ampatch_masters"][:-1]),
+                dict(good, ampatch_masters=["not a tensor"] + good["ampatch_masters"][1:]),
+                dict(good, ampatch_masters=torch.zeros(4))]
+    for bad in [foreign] + tampered:
+        with pytest.raises((ValueError, TypeError), match="ampatch_masters|master"):
+            opt.load_state_dict(bad)
+        after = (clone_tree(opt.state_dict()), masters(opt), clone_tree(model.state_dict()))
+        assert same_tree(before, after)
+    opt.load_state_dict(good)  # the real one still loads
+
+
+def test_o2_checkpoint_resumed_at_o1_loads_the_masters_into_the_model():
+    """Interop: an O2 optimizer checkpoint (with FP32 masters) loaded at O1 puts the exact
+    FP32 masters into the FP32 model, instead of only the half-rounded model checkpoint."""
+    model, opt = trained_o2()
+    ckpt = {"model": clone_tree(model.state_dict()), "opt": clone_tree(opt.state_dict())}
+    exact = masters(opt)
+    amp.deinitialize()
+    fresh = mlp(5)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    fresh, fresh_opt = init(fresh, fresh_opt, "O1", BF16)
+    fresh.load_state_dict(ckpt["model"])
+    assert not all(torch.equal(p, m) for p, m in zip(fresh.parameters(), exact))  # rounded
+    fresh_opt.load_state_dict(ckpt["opt"])
+    assert all(torch.equal(p, m) for p, m in zip(fresh.parameters(), exact))
+    assert all(p.dtype == torch.float32 for p in fresh.parameters())
