@@ -329,6 +329,10 @@ class OptimizerHandle:
         for name in ("step", "zero_grad", "add_param_group", "state_dict", "load_state_dict"):
             inner = getattr(opt, name)  # bound: the class method or an instance override
             method = _forwarding_method(getattr(self, "_" + name), inner, name, type(opt))
+            if getattr(inner, "_wrapped_by_lr_sched", False):
+                # an LR scheduler made before initialize wrapped step (to see that it is called);
+                # the patched step calls that wrapper, so the scheduler must not think it was replaced
+                method._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             patcher.patch(opt, name, types.MethodType(method, opt))
 
     def _step(self, inner: Callable, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:

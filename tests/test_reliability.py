@@ -641,3 +641,32 @@ def test_o2_checkpoint_resumed_at_o1_loads_the_masters_into_the_model():
     fresh_opt.load_state_dict(ckpt["opt"])
     assert all(torch.equal(p, m) for p, m in zip(fresh.parameters(), exact))
     assert all(p.dtype == torch.float32 for p in fresh.parameters())
+
+
+# ============================================================== D21: LR schedulers made before initialize
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("sched", ["StepLR", "OneCycleLR"])
+def test_scheduler_made_before_initialize_is_quiet(level, sched):
+    """D21: a scheduler made before initialize must not see the patched step as "overridden
+    after learning rate scheduler initialization"; its own warnings still fire when due."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if sched == "StepLR":
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    else:
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    model, opt = init(model, opt, level, BF16)
+    x, y = data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler.step()  # before any optimizer.step(): torch warns, rightly
+        assert any("before `optimizer.step()`" in str(w.message) for w in caught)
+        caught.clear()
+        for _ in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(F.mse_loss(model(x), y), opt) as sl:
+                sl.backward()
+            opt.step()
+            scheduler.step()
+    assert not [str(w.message) for w in caught if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
+    assert opt.param_groups[0]["lr"] != 0.1
