@@ -258,6 +258,7 @@ def summarize(row: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str,
     tail = losses[-FINAL_LOSS_WINDOW:]
     row["final_loss"] = sum(tail) / len(tail) if tail else None
     row["losses"] = losses
+    row["losses_every"] = rep.get("losses_every") or 1  # a long run's curve is thinned
     row["loss_scale_history"] = rep.get("loss_scale_history") or {}
     row["step_times_s"] = times
     row["skipped_steps"] = rep.get("skipped_steps") or []
@@ -334,10 +335,11 @@ def write_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
     ax_loss, ax_scale = fig.subplots(1, 2)
     for i, row in enumerate(r for r in rows if r["ok"]):
         style = dict(label=row["level"], ls=("-", "--", "-.", ":")[i % 4], lw=1.2)
-        ax_loss.plot(range(len(row["losses"])), row["losses"], **style)
+        every = row.get("losses_every", 1)
+        ax_loss.plot(range(0, len(row["losses"]) * every, every), row["losses"], **style)
         points = sorted(map(tuple, row["loss_scale_history"].get("loss_scaler0", [])))
         if points:
-            last = max(len(row["losses"]) - 1, points[-1][0])
+            last = max((len(row["losses"]) - 1) * every, points[-1][0])
             xs, ys = zip(*points, (last, points[-1][1]))
             ax_scale.step(xs, ys, where="post", **style)
     ax_loss.set(title="loss", xlabel="step", ylabel="loss")

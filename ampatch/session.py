@@ -347,6 +347,8 @@ class Session:
             time_s={"wrappers": t.wrapper_time if t.time_wrappers else None, "scale_loss": t.scale_loss_time},
             step_times_s=list(t.step_times),
             losses=list(t.losses),
+            losses_every=t.losses.stride,
+            step_times_every=t.step_times.stride,
             peak_memory_bytes=peak_memory_bytes(),
         )
 
@@ -355,7 +357,9 @@ class Session:
         """Undo everything: masters back out of optimizers, models to their dtypes, torch restored."""
         if self.closed:
             return
+        _ExitReport.release(self)
         self.closed = True
+        self._last_loss = None
         masters: dict[int, torch.Tensor] = {}
         for h in self.optimizers:
             masters.update(h.unswap())
@@ -403,21 +407,33 @@ class _ExitReport:
     """
 
     session: Session | None = None
+    final: Report | None = None  # the report of a tracked session that was closed
     path = ""
     registered = False
 
     @classmethod
     def track(cls, session: Session, path: str) -> None:
-        cls.session, cls.path = session, path
+        cls.session, cls.final, cls.path = session, None, path
         if not cls.registered:
             atexit.register(cls.write)
             cls.registered = True
 
     @classmethod
+    def release(cls, session: Session) -> None:
+        """`session` is closing: keep its report (small, bounded), not the session with its
+        models and optimizers."""
+        if cls.session is session:
+            try:
+                cls.final = session.report()
+            except Exception:
+                logger.exception("ampatch: could not take the report of the closing session")
+            cls.session = None
+
+    @classmethod
     def write(cls) -> None:
-        if cls.session is None:
-            return
         try:
-            cls.session.report().to_json(cls.path)
+            report = cls.session.report() if cls.session is not None else cls.final
+            if report is not None:
+                report.to_json(cls.path)
         except Exception:  # at interpreter exit: say why, never raise
             logger.exception("ampatch: could not write the report to %s", cls.path)

@@ -45,6 +45,36 @@ class Counters:
         return out
 
 
+SERIES_POINTS = 2048  # the most points a per-step series (losses, step times) keeps
+
+
+class Series:
+    """A per-step series of at most `limit` points, so a long run's report stays small: when
+    full, every other point is dropped and the stride doubles. `values[i]` is the value at
+    call `i * stride`."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        limit = SERIES_POINTS if limit is None else limit
+        self.values: list[float] = []
+        self.stride = 1
+        self.count = 0
+        self.limit = max(2, limit - limit % 2)
+
+    def append(self, value: float) -> None:
+        if self.count % self.stride == 0:
+            self.values.append(value)
+            if len(self.values) >= self.limit:
+                del self.values[1::2]
+                self.stride *= 2
+        self.count += 1
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
 class Telemetry:
     """Mutable counters of one session."""
 
@@ -54,8 +84,8 @@ class Telemetry:
         self.counters = Counters()
         self.steps = 0
         self.skipped: list[int] = []
-        self.losses: list[float] = []
-        self.step_times: list[float] = []
+        self.losses = Series()
+        self.step_times = Series()
         self.wrapper_time = 0.0
         self.scale_loss_time = 0.0
         self._last_step: float | None = None
@@ -107,6 +137,10 @@ class Report:
     time_s: dict[str, float | None]  # "wrappers" is None unless AMPATCH_TIME_WRAPPERS=1
     step_times_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    # a long run's series are thinned (at most SERIES_POINTS each): losses[i] is the loss of
+    # the (i * losses_every)-th scale_loss, step_times_s[i] the (i * step_times_every)-th step
+    losses_every: int = 1
+    step_times_every: int = 1
     peak_memory_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:

@@ -670,3 +670,45 @@ def test_scheduler_made_before_initialize_is_quiet(level, sched):
             scheduler.step()
     assert not [str(w.message) for w in caught if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
     assert opt.param_groups[0]["lr"] != 0.1
+
+
+# ============================================================== gap: AMPATCH_REPORT in long runs
+def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_path):
+    """Gap: with AMPATCH_REPORT the per-step losses and step times grew without bound, and
+    the exit hook kept the last session (models, optimizers) alive after deinitialize."""
+    import gc
+    import weakref
+
+    import ampatch.telemetry
+    from ampatch.session import _ExitReport
+    SERIES_POINTS = 64
+    monkeypatch.setattr(ampatch.telemetry, "SERIES_POINTS", SERIES_POINTS)
+    monkeypatch.setenv("AMPATCH_REPORT", str(tmp_path / "report.json"))
+    monkeypatch.setattr(_ExitReport, "session", None)
+    monkeypatch.setattr(_ExitReport, "final", None)
+    monkeypatch.setattr(_ExitReport, "registered", True)  # no real atexit hook from a test
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O0", verbosity=0)
+    x = torch.ones(1, 2)
+    steps = 2 * SERIES_POINTS + 100
+    for i in range(steps):
+        opt.zero_grad()
+        loss = model(x).sum() * 0 + i  # the loss is the step number
+        with amp.scale_loss(loss, opt) as sl:
+            sl.backward()
+        opt.step()
+    rep = amp.report()
+    assert SERIES_POINTS // 2 <= len(rep.losses) <= SERIES_POINTS
+    assert len(rep.step_times_s) <= SERIES_POINTS and rep.steps == steps
+    every = rep.losses_every
+    assert every > 1 and all(v == i * every for i, v in enumerate(rep.losses))
+    session = weakref.ref(amp.__dict__["_Current"].session)
+    amp.deinitialize()
+    del model, opt
+    gc.collect()
+    assert session() is None
+    _ExitReport.write()  # what the exit hook does: the closed session's report
+    import json
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["steps"] == steps and len(saved["losses"]) == len(rep.losses)
