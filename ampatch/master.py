@@ -356,10 +356,13 @@ class OptimizerHandle:
         pairs = list(self.pairs()) if self.use_masters else None  # one walk for the whole step
         if pairs:
             self._move_model_grads(pairs, 1.0, None, check=False)
-        with disable_casts():
-            out = inner(closure, *args, **kwargs) if closure is not None else inner(*args, **kwargs)
+        try:
+            with disable_casts():
+                out = inner(closure, *args, **kwargs) if closure is not None else inner(*args, **kwargs)
+        finally:  # even a step that raised half-way: the model shows what the masters hold
+            if pairs:
+                self.copy_masters_to_model(pairs)
         if pairs:
-            self.copy_masters_to_model(pairs)
             for _, m in pairs:
                 m.grad = None
         session.on_step(self, skipped=False)
@@ -380,6 +383,12 @@ class OptimizerHandle:
         if self.use_masters:
             params = group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
+            for p in params:
+                for other in self.session.optimizers:
+                    if other is not self and id(p) in other.master_of:
+                        raise ValueError(f"add_param_group: a parameter of shape {tuple(p.shape)} already has an FP32 "
+                                         f"master in optimizers[{other.index}]; with master weights (O2/O5) each "
+                                         "half parameter must belong to one optimizer.")
             group = dict(group, params=[self._make_master(p) if p.dtype in (torch.float16, torch.bfloat16)
                                         else p for p in params])
         return inner(group)

@@ -38,6 +38,20 @@ TIME_ENV = "AMPATCH_TIME_WRAPPERS"  # time every wrapper's own work (two clock r
 _LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE))
 
 
+def _check_one_master_each(optimizers: list[torch.optim.Optimizer], cast_ids: set[int]) -> None:
+    """A param cast to half gets one FP32 master, stepped by one optimizer: a param in two
+    optimizers would get two masters, and each step would overwrite the other's update."""
+    owner: dict[int, int] = {}
+    for i, opt in enumerate(optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) in cast_ids and owner.setdefault(id(p), i) != i:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is in optimizers[{owner[id(p)]}] and "
+                        f"optimizers[{i}]; with FP32 master weights (O2/O5) each half parameter must belong to "
+                        "one optimizer (give it to one of them, or use O1).")
+
+
 def warn(message: str, verbosity: int, category: type[Warning] = UserWarning) -> None:
     """A warning the user must see: logged, and a Python warning (seen even where logging is
     not set up); verbosity=0 silences both."""
@@ -79,6 +93,8 @@ class Session:
         if props.casts_model:
             keep_bn = props.keep_batchnorm_fp32
             cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)}
+            if props.master_weights:
+                _check_one_master_each(optimizers, cast_ids)
             for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
                 self.optimizers.append(OptimizerHandle(opt, i, self, cast_ids if props.master_weights else None))
             mastered = {pid for h in self.optimizers for pid in h.master_of}

@@ -712,3 +712,45 @@ def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_pa
     import json
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["steps"] == steps and len(saved["losses"]) == len(rep.losses)
+
+
+def test_half_param_in_two_optimizers_refused_with_masters():
+    """A param in two optimizers at O2 got two masters: one optimizer's update was lost
+    (silently) when the other copied its stale master into the model. Refused, naming both."""
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Linear(4, 2))
+    o1 = torch.optim.SGD(model.parameters(), lr=0.1)
+    o2 = torch.optim.SGD(shared.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizers\[0\] and optimizers\[1\]"):
+        init(model, [o1, o2], "O2", BF16)
+    assert shared.weight.dtype == torch.float32
+    o2 = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    model, [o1, o2] = init(model, [o1, o2], "O2", BF16)
+    with pytest.raises(ValueError, match="one optimizer"):
+        o2.add_param_group({"params": [shared.weight]})
+    init(model, [o1, torch.optim.SGD(shared.parameters(), lr=0.1)], "O1", BF16)  # O1: fine, as in torch
+
+
+class Interrupted(torch.optim.SGD):
+    """SGD whose step is interrupted after it updated the first param."""
+
+    def step(self, closure=None):
+        with torch.no_grad():
+            p = self.param_groups[0]["params"][0]
+            p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+        raise KeyboardInterrupt
+
+
+def test_interrupted_step_leaves_model_and_masters_agreeing():
+    """An O2 step interrupted half-way: the model still shows what the masters hold (the
+    next forward does not run on weights the masters no longer have)."""
+    model = mlp()
+    opt = Interrupted(model.parameters(), lr=0.5)
+    model, opt = init(model, opt, "O2", BF16)
+    x, y = data()
+    with amp.scale_loss(F.mse_loss(model(x), y), opt) as sl:
+        sl.backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    for p, m in zip(model.parameters(), amp.master_params(opt)):
+        assert torch.equal(p, m.to(p.dtype))
