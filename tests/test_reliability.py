@@ -754,3 +754,63 @@ def test_interrupted_step_leaves_model_and_masters_agreeing():
         opt.step()
     for p, m in zip(model.parameters(), amp.master_params(opt)):
         assert torch.equal(p, m.to(p.dtype))
+
+
+# ============================================================== interop: data loading, Hugging Face
+class MathSet(torch.utils.data.Dataset):
+    """A dataset doing tensor math in __getitem__, guarded by disable_casts() or not."""
+
+    def __init__(self, guarded: bool) -> None:
+        self.guarded = guarded
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = torch.full((2, 2), 1.0 + i)
+        if self.guarded:
+            with amp.disable_casts():
+                return torch.mm(x, x)
+        return torch.mm(x, x)
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in_process", "forked_worker"])
+def test_dataset_math_under_o1_and_disable_casts(workers):
+    """Interop (documented in the README): under O1, data code gets half results in-process
+    and in forked workers; `amp.disable_casts()` keeps it FP32."""
+    model = init(mlp(), None, "O1", BF16)
+    kw = {"num_workers": workers, "multiprocessing_context": "fork"} if workers else {}
+    for guarded, dtype in ((False, BF16), (True, torch.float32)):
+        batch = next(iter(torch.utils.data.DataLoader(MathSet(guarded), batch_size=2, **kw)))
+        assert batch.dtype == dtype, (guarded, batch.dtype)
+    assert model(torch.ones(1, 4)).dtype == BF16  # the model still casts
+
+
+def test_hugging_face_save_pretrained_after_o2(tmp_path):
+    """Interop (README recipe): after O2, `amp.deinitialize()` then `save_pretrained` writes
+    exact FP32 weights and a float32 config; `from_pretrained` reloads them in FP32. A save
+    made during O2 reloads in FP32 when the dtype is passed."""
+    transformers = pytest.importorskip("transformers")
+    from packaging.version import Version
+    dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    cfg = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O2", BF16)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with amp.scale_loss(model(ids, labels=ids).loss, opt) as sl:
+        sl.backward()
+    opt.step()
+    model.save_pretrained(tmp_path / "during")
+    during = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "during", **{dtype_kw: torch.float32})
+    assert all(p.dtype == torch.float32 for p in during.parameters())
+    exact = {id(mp): m.detach().clone() for mp, m in zip(model.parameters(), amp.master_params(opt))}
+    amp.deinitialize()
+    model.save_pretrained(tmp_path / "after")
+    after = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "after")
+    for (name, p), q in zip(model.named_parameters(), after.parameters()):
+        assert q.dtype == torch.float32, name
+        assert torch.equal(p, q), name
+        if id(p) in exact:
+            assert torch.equal(p, exact[id(p)]), name
