@@ -112,7 +112,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
         half_dtype = patch_torch_functions_type
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"num_losses must be a positive int, got {num_losses!r}.")
-    if not isinstance(verbosity, int) or isinstance(verbosity, bool):
+    if not isinstance(verbosity, int):
         raise TypeError(f"verbosity must be an int (0 silences ampatch), got {verbosity!r}.")
     # before resolve(): its messages (a forced level dropping overrides) follow this call's verbosity
     logger.setLevel(logging.ERROR if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG)
@@ -129,6 +129,9 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
                            master_weights=master_weights, loss_scale=loss_scale)
     if props.loss_scale != "dynamic":
         check_scale_value(props.loss_scale, "loss_scale")
+        if min_loss_scale is not None or max_loss_scale != 2.0 ** 24:
+            logger.info("ampatch: min_loss_scale/max_loss_scale bound a dynamic loss scale; this session's is "
+                        "static (%g), so they do not apply.", props.loss_scale)
     elif min_loss_scale is not None and min_loss_scale > min(INITIAL_LOSS_SCALE, max_loss_scale):
         warn(f"ampatch: min_loss_scale={min_loss_scale:g} is above the initial dynamic loss scale "
              f"{INITIAL_LOSS_SCALE:g}: the scale starts at min_loss_scale.", verbosity)

@@ -116,11 +116,13 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> float | None:
         """Load a checked state. A dynamic scale outside [floor, max_loss_scale] is clamped
-        into it; returns the saved scale when it was clamped (the caller warns), else None."""
+        into it; a static scale never changes (a checkpoint of a dynamic run loaded at a
+        static level keeps the level's scale). Returns the saved scale when it was not taken
+        as it is (the caller warns), else None."""
         scale, self.unskipped = self.check_state(state)
-        clamped = self.clamp(scale) if self.dynamic else scale
-        self.scale = clamped
-        return scale if clamped != scale else None
+        taken = self.clamp(scale) if self.dynamic else self.scale
+        self.scale = taken
+        return scale if taken != scale else None
 
 
 HISTORY_POINTS = 1000  # a scale history longer than this is thinned (a long run stays bounded)

@@ -341,11 +341,17 @@ class Session:
                       + (f"; left as they are: {missing}" if missing else "") + ".")
         for key in matching:
             saved = names[key].load_state_dict(state_dict[key])
-            if saved is not None:
-                s = names[key]
+            if saved is None:
+                continue
+            s = names[key]
+            if s.dynamic:
                 self.warn(f"ampatch: {key} saved a loss scale of {saved:g}, outside this session's range "
                           f"[{s.floor:g}, {s.max_loss_scale:g}] (min_loss_scale, max_loss_scale); it starts at "
                           f"{s.scale:g}.")
+            else:
+                self.warn(f"ampatch: {key} saved a loss scale of {saved:g}, but this session's scale is static "
+                          f"({s.scale:g}, opt level {self.properties.opt_level}) and stays; pass "
+                          "loss_scale='dynamic' to initialize to continue the saved dynamic scale.")
 
     def report(self) -> Report:
         self.resolve_pending()

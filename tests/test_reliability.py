@@ -814,3 +814,39 @@ def test_hugging_face_save_pretrained_after_o2(tmp_path):
         assert torch.equal(p, q), name
         if id(p) in exact:
             assert torch.equal(p, exact[id(p)]), name
+
+
+def test_static_scale_is_kept_when_a_dynamic_checkpoint_is_loaded():
+    """"A static scale never changes": a dynamic run's scaler state loaded at a static level
+    (O2-fp16 checkpoint resumed at O5) keeps the level's scale, with a warning that says how
+    to continue the dynamic scale instead."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, "O5", None, verbosity=1)
+    with pytest.warns(UserWarning, match="static"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 7}})
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": 7}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_exception_in_a_delay_unscale_block_unscales_the_pending_grads(level):
+    """D1 with delay_unscale: blocks that accumulate scaled grads, the second raising after its
+    backward: everything pending is unscaled, so the next step applies plain grads."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, level)
+    x, y = data()
+    with amp.scale_loss(F.mse_loss(model(x), y), opt) as sl:
+        sl.backward()
+    one = grads(opt)
+    opt.zero_grad()
+    with amp.scale_loss(F.mse_loss(model(x), y), opt, delay_unscale=True) as sl:
+        sl.backward()
+    with pytest.raises(Boom):
+        with amp.scale_loss(F.mse_loss(model(x), y), opt, delay_unscale=True) as sl:
+            sl.backward()
+            raise Boom
+    for a, b in zip(one, grads(opt)):
+        torch.testing.assert_close(b, 2 * a, rtol=2e-2, atol=1e-5)
+    opt.step()
+    assert amp.report().skipped_steps == []
