@@ -90,20 +90,21 @@ class ModelHandle:
 
     What was converted is recorded per (module, name), not per tensor object: the cast
     replaces buffer objects (`Module._apply`), and torch may replace them again later.
-    `mastered` holds the ids of params whose FP32 master keeps their values; `seen` (shared
-    by the session's model handles) maps the id of every param cast so far to its original
-    dtype, so a param shared by two models, or tied within one, is restored once and still
-    saved in full precision under every name."""
+    With master weights, `mastered` holds the ids of params whose FP32 master keeps their
+    values, and the others (frozen params) keep theirs here; without (None: O3), params are
+    trained in half and only buffers keep their values (an FP32 copy of the whole model
+    would defeat O3). `seen` (shared by the session's model handles) maps the id of every
+    param cast so far to its original dtype, so a param shared by two models, or tied
+    within one, is restored once and still saved in full precision under every name."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool | None,
                  output_dtype: torch.dtype | None, patcher, mastered: set[int] | None = None,
                  seen: dict[int, torch.dtype] | None = None) -> None:
         self.model = model
         self.dtype = dtype
-        self.casts: dict[nn.Module, dict[str, _Cast]] = {}
+        self.casts: list[tuple[nn.Module, dict[str, _Cast]]] = []  # a list: modules may be unhashable
         self._hooks: list[Any] = []
         self._on_load: list[Callable[[dict[int, torch.Tensor], list[torch.Tensor]], None]] = []
-        mastered = mastered or set()
         seen = {} if seen is None else seen
         for m in modules_to_cast(model, keep_batchnorm_fp32):
             own: dict[str, _Cast] = {}
@@ -114,15 +115,16 @@ class ModelHandle:
                     own[name] = _Cast(True, seen[id(p)], None)
                 elif p.dtype != dtype:
                     seen[id(p)] = p.dtype
-                    own[name] = _Cast(True, p.dtype, None if id(p) in mastered else _keep(p))
+                    keep = mastered is not None and id(p) not in mastered
+                    own[name] = _Cast(True, p.dtype, _keep(p) if keep else None)
             for name, b in m._buffers.items():
                 if b is not None and b.is_floating_point() and b.dtype != dtype:
                     own[name] = _Cast(False, b.dtype, _keep(b))
             m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
             if own:
-                self.casts[m] = own
+                self.casts.append((m, own))
         self._wrap_forward(patcher, output_dtype)
-        for m, own in self.casts.items():
+        for m, own in self.casts:
             load_hook = _LoadHook(self._on_load, own)
             self._hooks.append(m._register_state_dict_hook(_FullPrecisionStateDict(own)))
             self._hooks.append(m._register_load_state_dict_pre_hook(load_hook.pre, with_module=True))
@@ -151,7 +153,7 @@ class ModelHandle:
         for h in self._hooks:
             h.remove()
         with torch.no_grad():
-            for m, own in self.casts.items():
+            for m, own in self.casts:
                 for name, c in own.items():
                     store = m._parameters if c.is_param else m._buffers
                     t = store.get(name)

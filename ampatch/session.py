@@ -97,7 +97,7 @@ class Session:
                 _check_one_master_each(optimizers, cast_ids)
             for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
                 self.optimizers.append(OptimizerHandle(opt, i, self, cast_ids if props.master_weights else None))
-            mastered = {pid for h in self.optimizers for pid in h.master_of}
+            mastered = {pid for h in self.optimizers for pid in h.master_of} if props.master_weights else None
             seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
             for m in models:
                 handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, self.patcher,
@@ -382,16 +382,18 @@ class Session:
         _ExitReport.release(self)
         self.closed = True
         self._last_loss = None
-        masters: dict[int, torch.Tensor] = {}
-        for h in self.optimizers:
-            masters.update(h.unswap())
-        for m in self.models:
-            m.restore(masters)
-        if self.models:
+        try:
+            masters: dict[int, torch.Tensor] = {}
             for h in self.optimizers:
-                h.recast_state()
-        self.patcher.restore_all()
-        self.cache.clear()
+                masters.update(h.unswap())
+            for m in self.models:
+                m.restore(masters)
+            if self.models:
+                for h in self.optimizers:
+                    h.recast_state()
+        finally:  # whatever failed above, torch itself is restored
+            self.patcher.restore_all()
+            self.cache.clear()
 
 
 class _Verdict:

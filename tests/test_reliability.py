@@ -204,7 +204,14 @@ def test_deinitialize_restores_buffers_exactly(level):
     assert model.gain.dtype == model.inv_freq.dtype == BF16
     model(torch.ones(2, 4))
     amp.deinitialize()
-    assert_exactly(model, snap)
+    if level == "O3":  # no masters: params come back from their half values (an FP32 copy would defeat O3)
+        for k in ("fc.weight", "fc.bias"):
+            torch.testing.assert_close(dict(model.named_parameters())[k], snap.pop(k), rtol=1e-2, atol=0)
+        assert {k: v for k, v in model.named_buffers()}.keys() == snap.keys()
+        for k, v in model.named_buffers():
+            assert v.dtype == torch.float32 and torch.equal(v, snap[k]), k
+    else:
+        assert_exactly(model, snap)
 
 
 def test_o3_batchnorm_running_stats_back_to_fp32_and_o2_after_o3():
