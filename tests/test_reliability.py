@@ -857,3 +857,40 @@ def test_exception_in_a_delay_unscale_block_unscales_the_pending_grads(level):
         torch.testing.assert_close(b, 2 * a, rtol=2e-2, atol=1e-5)
     opt.step()
     assert amp.report().skipped_steps == []
+
+
+# ============================================================== CUDA (skipped without a GPU)
+@pytest.mark.cuda
+def test_cuda_frozen_params_kept_on_the_cpu_and_restored_exactly():
+    """On CUDA the FP32 values of frozen O2 params wait on the CPU (the half model's device
+    memory is what O2 promises) and come back exactly; sparse grads and an exception in
+    scale_loss work there too."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).cuda()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    snap = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    handle = amp.__dict__["_Current"].session.models[0]
+    kept = [c.shadow for _, own in handle.casts for c in own.values() if c.shadow is not None]
+    assert kept and all(t.device.type == "cpu" for t in kept)
+    x, y = torch.randn(8, 4, device="cuda"), torch.randn(8, 2, device="cuda")
+    with pytest.raises(Boom):
+        with amp.scale_loss(F.mse_loss(model(x), y), opt) as sl:
+            sl.backward()
+            raise Boom
+    assert all(float(p.grad.abs().max()) < 100 for p in amp.master_params(opt))
+    opt.step()
+    amp.deinitialize()
+    for k in ("0.weight", "0.bias"):
+        assert torch.equal(dict(model.named_parameters())[k], snap[k]), k
+
+    bag = Bag().cuda()
+    opt = torch.optim.SGD(bag.parameters(), lr=0.5)
+    bag, opt = amp.initialize(bag, opt, opt_level="O1", verbosity=0)
+    idx = torch.tensor([[1, 2, 2], [3, 1, 4]], device="cuda")
+    with amp.scale_loss(bag(idx).float().pow(2).mean(), opt) as sl:
+        sl.backward()
+    assert bag.emb.weight.grad.is_sparse and float(bag.emb.weight.grad.coalesce().values().abs().max()) < 100
+    opt.step()
+    assert amp.report().skipped_steps == []
