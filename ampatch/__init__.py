@@ -132,7 +132,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
         if min_loss_scale is not None or max_loss_scale != 2.0 ** 24:
             logger.info("ampatch: min_loss_scale/max_loss_scale bound a dynamic loss scale; this session's is "
                         "static (%g), so they do not apply.", props.loss_scale)
-    elif min_loss_scale is not None and min_loss_scale > min(INITIAL_LOSS_SCALE, max_loss_scale):
+    elif min_loss_scale is not None and min_loss_scale > INITIAL_LOSS_SCALE:
         warn(f"ampatch: min_loss_scale={min_loss_scale:g} is above the initial dynamic loss scale "
              f"{INITIAL_LOSS_SCALE:g}: the scale starts at min_loss_scale.", verbosity)
     if not isinstance(allow_banned, bool):

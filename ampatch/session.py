@@ -281,8 +281,10 @@ class Session:
 
     def _warn_skipping(self, handle: OptimizerHandle) -> None:
         loss = self._last_loss
-        if loss is not None and not bool(torch.isfinite(loss).all()):
-            cause = (f"the loss itself is {float(loss.float().flatten()[0])}: no loss scale can fix that. Look "
+        finite = None if loss is None else torch.isfinite(loss)
+        if finite is not None and not bool(finite.all()):
+            bad = float(loss[~finite].flatten()[0])
+            cause = (f"the loss itself is {bad}: no loss scale can fix that. Look "
                      "for inf/NaN in the data or the labels, a log/sqrt/division of zero in the loss, or a "
                      "learning rate that made the weights diverge")
         else:
