@@ -107,18 +107,13 @@ class _Units:
                     seen.add(id(state))
                     states.append(state)
             self.states = states
-            self.groups = [g for s in states for g in s._fsdp_param_groups]
+            self.groups = [g for s in states for g in _param_groups(s)]
             self.params = [fp for g in self.groups for fp in g.fsdp_params]
-            for fp in self.params:  # touched later: fail here, before anything changed
-                fp.sharded_param, fp._module_info.module, fp._module_info.param_name, fp.all_gather_outputs
-            for g in self.groups:
-                g.mp_policy, g.reduce_grads, g._init_mp_dtypes
-            for s in states:
-                s._mp_policy
+            _probe(states, self.groups, self.params)  # fail here, before anything changed
         except AttributeError as exc:
-            raise RuntimeError(f"ampatch: this torch's FSDP2 internals differ from those ampatch supports "
-                               f"(torch {torch.__version__}: {exc}); use O0, O1 or O4 without sharding-aware "
-                               "features, or a torch release ampatch supports.") from exc
+            raise RuntimeError(f"ampatch: the FSDP2 internals of this torch ({torch.__version__}) differ from those "
+                               f"ampatch uses to apply opt levels to fully_shard models ({exc}); ampatch supports "
+                               "FSDP2 as in torch 2.6 to 2.13.") from exc
 
     @staticmethod
     def slots(fp: Any) -> list[tuple[nn.Module, str]]:
@@ -147,7 +142,7 @@ class _Units:
 
     def set_policy(self, state: Any, policy: Any) -> None:
         state._mp_policy = policy
-        for g in state._fsdp_param_groups:
+        for g in _param_groups(state):
             g.mp_policy = policy
             for fp in g.fsdp_params:
                 fp.mp_policy = policy
@@ -176,51 +171,76 @@ class _Units:
                 fp.reset_sharded_param()
 
 
+def _param_groups(state: Any) -> list[Any]:
+    if hasattr(state, "_fsdp_param_groups"):  # newer torch: one group per mesh; older: one
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
+def _probe(states: Sequence[Any], groups: Sequence[Any], params: Sequence[Any]) -> None:
+    """Touch every internal attribute ampatch reads or sets (AttributeError if one is missing)."""
+    for s in states:
+        getattr(s, "_mp_policy")
+    for g in groups:
+        for name in ("mp_policy", "reduce_grads", "_init_mp_dtypes"):
+            getattr(g, name)
+    for fp in params:
+        for name in ("sharded_param", "all_gather_outputs", "reset_sharded_param", "_module_info"):
+            getattr(fp, name)
+        getattr(fp._module_info, "param_name")
+
+
 class ShardedModel:
     """One FSDP2-sharded model at O2/O3/O5: the level set on its units, undone by `restore`."""
 
     def __init__(self, model: nn.Module, props: Properties, patcher: Any) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # imported already: the model is sharded
         self.model = model
         self.units = units = _Units(model)
         half, keep_bn = props.cast_model_type, props.keep_batchnorm_fp32
         masters = bool(props.master_weights)
-        fp32_units = self._check(half, keep_bn, masters)  # everything checked before anything changes
-        policy_cls = type(units.states[0]._mp_policy) if units.states else None
+        fp32_units = self._check(keep_bn, masters)  # everything checked before anything changes
         self._policies = units.policies()
-        custom = [p for _, p in self._policies if p != policy_cls()]
+        self._cast: list[tuple[nn.Parameter, torch.dtype]] = []
+        self._buffers: list[tuple[nn.Module, str, torch.dtype]] = []
+        self._hook: Any = None
+        custom = [p for _, p in self._policies if p != MixedPrecisionPolicy()]
         if custom:
             logger.warning("ampatch: %s sets FSDP2's mixed precision of the sharded model; the policy given to "
                            "fully_shard (%s) is replaced until amp.deinitialize().", props.opt_level, custom[0])
-        units.reshard()
-        for state, _ in self._policies:
-            units.set_policy(state, policy_cls(
-                param_dtype=None if id(state) in fp32_units else half,
-                reduce_dtype=torch.float32 if masters else None, output_dtype=None, cast_forward_inputs=True))
-        self._cast: list[tuple[nn.Parameter, torch.dtype]] = []
-        if not masters:  # O3: the sharded parameters themselves go to half
-            keep = {id(p) for m in model.modules() if keep_bn and _is_batchnorm(m) for p in m.parameters(False)}
-            self._cast = [(p, p.dtype) for p in _unique(model.parameters())
-                          if p.is_floating_point() and p.dtype != half and id(p) not in keep]
-            units.swap_dtype([p for p, _ in self._cast], lambda p: half)
-        units.refresh_dtypes()
-        self._buffers: list[tuple[nn.Module, str, torch.dtype]] = []
-        for m in modules_to_cast(model, keep_bn):
-            for name, b in m._buffers.items():
-                if b is not None and b.is_floating_point() and b.dtype != half:
-                    self._buffers.append((m, name, b.dtype))
-                    m._buffers[name] = b.to(half)
+        try:
+            units.reshard()
+            for state, _ in self._policies:
+                units.set_policy(state, MixedPrecisionPolicy(
+                    param_dtype=None if id(state) in fp32_units else half,
+                    reduce_dtype=torch.float32 if masters else None, output_dtype=None, cast_forward_inputs=True))
+            if not masters:  # O3: the sharded parameters themselves go to half
+                keep = {id(p) for m in model.modules() if keep_bn and _is_batchnorm(m) for p in m.parameters(False)}
+                self._cast = [(p, p.dtype) for p in _unique(model.parameters())
+                              if p.is_floating_point() and p.dtype != half and id(p) not in keep]
+                units.swap_dtype([p for p, _ in self._cast], lambda p: half)
+            units.refresh_dtypes()
+            for m in modules_to_cast(model, keep_bn):
+                for name, b in m._buffers.items():
+                    if b is not None and b.is_floating_point() and b.dtype != half:
+                        self._buffers.append((m, name, b.dtype))
+                        m._buffers[name] = b.to(half)
+            self._hook = model._register_state_dict_hook(_fp32_state_dict)
+        except BaseException:
+            self.restore()
+            raise
         wrap_outputs(model, props.cast_model_outputs, patcher, input_dtype=half)
-        self._hook = model._register_state_dict_hook(_fp32_state_dict)
 
-    def _check(self, half: torch.dtype, keep_bn: bool | None, masters: bool) -> set[int]:
+    def _check(self, keep_bn: bool | None, masters: bool) -> set[int]:
         """Raise what cannot be honoured; returns the ids of units that stay FP32 (batch norms)."""
         units, fp32_units = self.units, set()
         for state in units.states:
-            kinds = {_is_batchnorm(m) for g in state._fsdp_param_groups for m in units.group_modules(g)}
+            kinds = {_is_batchnorm(m) for g in _param_groups(state) for m in units.group_modules(g)}
             if keep_bn and kinds == {True}:
                 fp32_units.add(id(state))
             elif keep_bn and True in kinds:
-                bn = next(m for g in state._fsdp_param_groups for m in units.group_modules(g) if _is_batchnorm(m))
+                bn = next(m for g in _param_groups(state) for m in units.group_modules(g) if _is_batchnorm(m))
                 raise ValueError(
                     f"keep_batchnorm_fp32=True cannot be honoured under FSDP2: the batch norm {type(bn).__name__} "
                     "shares a fully_shard unit with other layers, and FSDP2 all-gathers one dtype per unit. Call "
@@ -240,7 +260,8 @@ class ShardedModel:
 
     def restore(self, masters: dict[int, torch.Tensor] | None = None) -> None:
         """Back to the units' own policies and the original dtypes (O3: from the half values)."""
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
         units = self.units
         units.reshard()
         for state, policy in self._policies:

@@ -5,7 +5,8 @@ block's weights for its forward and backward and reduce-scatters its gradients. 
 the sharded FP32 parameters are the masters, the block computes in half, and gradients are
 reduced in FP32 (FSDP2's own mixed precision, set by the level); ampatch keeps the loss
 scaling and skips a step on every rank when any rank's gradients overflowed. `--accum N`
-accumulates N micro-batches per step, all but the last with gradient sync off.
+accumulates N micro-batches per step, all but the last with gradient sync off; gradients
+are clipped through `amp.master_params`.
 Runs on CPU (gloo) or one GPU per rank (nccl):
 
     torchrun --nproc_per_node 2 examples/fsdp.py --opt-level O2 --steps 20
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--batch", type=int, default=64, help="per rank and step")
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
     args = parser.parse_args(argv)
     own_group = not dist.is_initialized()  # a test may run this inside its own process group
     if own_group and "RANK" not in os.environ:
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> float:
             with amp.scale_loss(loss, optimizer) as scaled_loss:
                 scaled_loss.backward()
             total += loss.item()
+        if args.clip > 0:  # the sharded params the optimizer steps (FP32 masters at O2/O5); the norm spans all ranks
+            torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), args.clip)
         optimizer.step()  # skipped on every rank if any rank's gradients overflowed
         if step % 5 == 0 or step == args.steps - 1:
             print(f"rank {rank}  step {step:3d}  loss {total:.4f}  loss scale {amp.loss_scale():g}", flush=True)
