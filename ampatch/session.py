@@ -326,6 +326,7 @@ class _ExitReport:
 
     One hook per process: a script that calls `initialize` several times reports its last
     session (one exit hook per session would run newest-first and leave the oldest report).
+    Under torchrun every rank inherits the same path: only rank 0 writes it.
     """
 
     session: Session | None = None

@@ -497,7 +497,8 @@ FSDP_QUICK_SHAPE = dict(width=256, depth=3, batch=32)  # --quick: the smoke test
 FSDP_WHAT = ("per rank: persistent = exact bytes of the rank's local storages (parameter shards, gradient shards, "
              "optimizer state, buffers) + transient = growth of the peak RSS over a steady-state step (after 2 "
              "warm-up steps; all-gathered parameters, activations, unsharded gradients, communication buffers); "
-             "the larger of the 2 ranks, median over rounds; one fresh process pair per run")
+             "the larger of the 2 ranks, median over rounds; one fresh process pair per run. JSON "
+             "forward_backward_bytes: the same peak up to the end of backward (without the optimizer step)")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -526,7 +527,7 @@ def fsdp_memory_child(mode: str, rank: int, rdzv: str, env: Env, steps: int, sha
         model, opt = amp.initialize(model, opt, opt_level=mode, half_dtype=env.half, verbosity=0)
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
-    transient, persistent = [], 0
+    transient, backward, persistent = [], [], 0
     for i in range(steps):
         opt.zero_grad()
         gc.collect()
@@ -542,6 +543,8 @@ def fsdp_memory_child(mode: str, rank: int, rdzv: str, env: Env, steps: int, sha
         else:
             with amp.scale_loss(loss, opt) as scaled:
                 scaled.backward()
+        if measured:
+            backward.append((_status_kib("VmHWM") - start) * 1024)
         opt.step()
         del loss
         if measured:
@@ -553,8 +556,8 @@ def fsdp_memory_child(mode: str, rank: int, rdzv: str, env: Env, steps: int, sha
     if mode != "native":
         amp.deinitialize()
     dist.destroy_process_group()
-    peak = persistent + max(transient)
-    return {"peak_bytes": peak, "persistent_bytes": persistent, "transient_bytes": max(transient)}
+    return {"peak_bytes": persistent + max(transient), "persistent_bytes": persistent,
+            "transient_bytes": max(transient), "forward_backward_bytes": persistent + max(backward)}
 
 
 def bench_fsdp(env: Env, rounds: int, steps: int, quick: bool, log: Callable[[str], None]) -> dict:
@@ -580,7 +583,7 @@ def bench_fsdp(env: Env, rounds: int, steps: int, quick: bool, log: Callable[[st
         log(f"  fsdp: round {r + 1}/{rounds}")
     res: dict[str, Any] = {"what": FSDP_WHAT, "shape": dict(FSDP_QUICK_SHAPE if quick else FSDP_SHAPE),
                            "world_size": 2}
-    for key in ("peak_bytes", "persistent_bytes", "transient_bytes"):
+    for key in ("peak_bytes", "persistent_bytes", "transient_bytes", "forward_backward_bytes"):
         res[key] = {m: statistics.median(d[key] for d in v) for m, v in per_round.items()}
     pb = res["peak_bytes"]
     res["ratios"] = {"O2/O0": pb["O2"] / pb["O0"], "native/O0": pb["native"] / pb["O0"],

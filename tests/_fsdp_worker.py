@@ -372,6 +372,21 @@ def unscale_local(rank: int) -> dict[str, Any]:
             "halved": all(torch.equal(a, b * 0.5) for a, b in zip(after, before))}
 
 
+def reinitialize(rank: int) -> dict[str, Any]:
+    """initialize again on the same sharded model and optimizer: each level undoes the last."""
+    model, opt = build(None)
+    out: dict[str, Any] = {}
+    for level in ("O2", "O3", "O1", "O3", "O0"):
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+        losses = train(model, opt, batches(rank, 2, seed=len(out)))
+        out[f"{len(out)}:{level}"] = {
+            "losses": losses, "sharded": sorted({str(p.dtype) for p in model.parameters()}),
+            "state": sorted({str(v.dtype) for s in opt.state.values() for k, v in s.items() if k != "step"}),
+            "param_dtype": str(model._get_fsdp_state()._mp_policy.param_dtype)}
+    amp.deinitialize()
+    return out
+
+
 def custom_policy(rank: int) -> dict[str, Any]:
     """A policy given to fully_shard is replaced at O2 and put back by deinitialize."""
     policy = MixedPrecisionPolicy(param_dtype=torch.float16)
@@ -390,6 +405,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple]] = (
     + [("resume/O2-fp16-state_dict", resume, ("O2", torch.float16, "state_dict")),
        ("resume/O5-dcp", resume, ("O5", torch.bfloat16, "dcp"))]
     + [("wrong_orders", wrong_orders, ()), ("batchnorm", batchnorm, ()), ("custom_policy", custom_policy, ()),
+       ("reinitialize", reinitialize, ()),
        ("unscale_local", unscale_local, ()), ("example", example, ())]
 )
 

@@ -198,6 +198,16 @@ def test_batchnorm_under_fsdp2(ranks):
         assert o3["dtypes"] == [BF16] and o3["state_dict"] == [F32] and r["o3_restored"] == [F32]
 
 
+def test_initialize_again_on_the_same_sharded_model(ranks):
+    for r in scenario(ranks, "reinitialize"):
+        for key, res in r.items():
+            level = key.split(":")[1]
+            sharded = BF16 if level == "O3" else F32
+            assert res["sharded"] == res["state"] == [sharded], key
+            assert res["param_dtype"] == (BF16 if level in ("O2", "O3") else "None"), key
+            assert all(torch.isfinite(torch.tensor(res["losses"]))), key
+
+
 def test_unscale_of_sharded_grads_is_local(ranks):
     for r in scenario(ranks, "unscale_local"):
         assert r["collectives"] == 0 and r["found"] == 0.0 and r["halved"]
