@@ -178,17 +178,20 @@ def _param_groups(state: Any) -> list[Any]:
     return [group] if group is not None else []
 
 
+# what ampatch reads or sets on FSDP2's state, parameter group and parameter objects
+_INTERNALS = {"state": ("_mp_policy",),
+              "group": ("mp_policy", "reduce_grads", "_init_mp_dtypes", "fsdp_params"),
+              "param": ("sharded_param", "all_gather_outputs", "reset_sharded_param", "_module_info")}
+
+
 def _probe(states: Sequence[Any], groups: Sequence[Any], params: Sequence[Any]) -> None:
-    """Touch every internal attribute ampatch reads or sets (AttributeError if one is missing)."""
-    for s in states:
-        getattr(s, "_mp_policy")
-    for g in groups:
-        for name in ("mp_policy", "reduce_grads", "_init_mp_dtypes"):
-            getattr(g, name)
+    """AttributeError now if one of `_INTERNALS` is missing, before anything was changed."""
+    for kind, objects in (("state", states), ("group", groups), ("param", params)):
+        for obj in objects:
+            for name in _INTERNALS[kind]:
+                getattr(obj, name)
     for fp in params:
-        for name in ("sharded_param", "all_gather_outputs", "reset_sharded_param", "_module_info"):
-            getattr(fp, name)
-        getattr(fp._module_info, "param_name")
+        _ = fp._module_info.param_name
 
 
 class ShardedModel:
