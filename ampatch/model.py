@@ -178,10 +178,13 @@ def _rounds_to(exact: torch.Tensor, half: torch.Tensor) -> bool:
     return exact.shape == half.shape and torch.equal(exact.to(half.device, half.dtype), half)
 
 
-def wrap_outputs(model: nn.Module, output_dtype: torch.dtype, patcher) -> None:
+def wrap_outputs(model: nn.Module, output_dtype: torch.dtype | None, patcher,
+                 input_dtype: torch.dtype | None = None) -> None:
     """`cast_model_outputs` at a level that leaves the model alone (O0/O1/O4), as in Apex:
-    floating outputs are cast to `output_dtype`, inputs pass untouched."""
-    patcher.patch(model, "forward", _CastForward(model.forward, None, output_dtype))
+    floating outputs are cast to `output_dtype`, inputs pass untouched. With `input_dtype`
+    (FSDP2-sharded models at O2/O3/O5, see fsdp.py) inputs are cast to it and half outputs
+    to `output_dtype` or FP32, as `ModelHandle` does."""
+    patcher.patch(model, "forward", _CastForward(model.forward, input_dtype, output_dtype))
     patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
 
 

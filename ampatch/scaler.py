@@ -142,6 +142,8 @@ def unscale_(grads: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.T
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
+        if type(g) is not torch.Tensor:  # fsdp hook: a DTensor grad unscales its local shard
+            g = _local(g)
         by_device.setdefault(g.device, []).append(g._values() if g.is_sparse else g)
     for device, group in by_device.items():
         if found_inf is None:
@@ -154,6 +156,12 @@ def unscale_(grads: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.T
     if found_inf is None:
         found_inf = torch.zeros((), dtype=torch.float32)
     return found_inf
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its own storage: in-place ops change the DTensor): each rank
+    unscales and checks what it holds, and `overflowed` all-reduces the flag."""
+    return getattr(t, "_local_tensor", t)
 
 
 def distributed(process_group=None) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import policy, tips
+from . import fsdp, policy, tips
 from .cache import CastCache
 from .levels import Properties
 from .master import OptimizerHandle
@@ -79,6 +79,7 @@ class Session:
         self.models: list[ModelHandle] = []
         self.optimizers: list[OptimizerHandle] = []
         self.closed = False
+        self.guard: fsdp.ParamGuard | None = None  # fsdp hook: parameters swapped after initialize
         self._wrap_ctx: WrapContext | None = None
         self._decorated: dict[tuple[str, Any], Any] = {}
         self._last_loss: torch.Tensor | None = None
@@ -90,7 +91,9 @@ class Session:
         if not props.enabled:
             return
         tips.log_dims_tip(models, self.verbosity, props.opt_level)
-        if props.casts_model:
+        if fsdp.is_sharded(models):  # fsdp hook: FSDP2 (fully_shard) models, see fsdp.py
+            fsdp.setup(self, models, optimizers)
+        elif props.casts_model:
             keep_bn = props.keep_batchnorm_fp32
             cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)}
             if props.master_weights:
@@ -111,6 +114,7 @@ class Session:
             if props.cast_model_outputs is not None:  # O0/O1/O4: only the outputs are cast (Apex)
                 for m in models:
                     wrap_outputs(m, props.cast_model_outputs, self.patcher)
+        self.guard = fsdp.ParamGuard(models, self.optimizers)  # fsdp hook
         for h in self.optimizers:
             h.install(self.patcher)
         if props.patch_torch_functions:
@@ -235,7 +239,7 @@ class Session:
             found_inf = None
             for h in handles:
                 found_inf = h.after_backward(scale, found_inf, delay_unscale)
-            if not delay_unscale:
+            if not delay_unscale and not any(h.pending_scaled for h in handles):  # fsdp hook: grads kept scaled
                 verdict = _Verdict(self, scaler, loss_id, handles, found_inf)
                 if delay_overflow_check:
                     for h in handles:
@@ -430,6 +434,7 @@ class _ExitReport:
 
     One hook per process: a script that calls `initialize` several times reports its last
     session (one exit hook per session would run newest-first and leave the oldest report).
+    Under torchrun every rank inherits the same path: only rank 0 writes it.
     """
 
     session: Session | None = None
@@ -457,9 +462,20 @@ class _ExitReport:
 
     @classmethod
     def write(cls) -> None:
+        if _rank() != 0:  # fsdp hook: under torchrun every rank shares the path
+            return
         try:
             report = cls.session.report() if cls.session is not None else cls.final
             if report is not None:
                 report.to_json(cls.path)
         except Exception:  # at interpreter exit: say why, never raise
             logger.exception("ampatch: could not write the report to %s", cls.path)
+
+
+def _rank() -> int:
+    """This process's rank: torchrun's RANK, else torch.distributed's (0 outside distributed runs).
+    Read at exit, when the process group may be gone already."""
+    if os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -8,6 +8,7 @@ ratio. On a shared machine absolute times drift; ratios taken inside one round b
     python scripts/bench.py                          # everything (< 5 minutes on 2 CPU cores)
     python scripts/bench.py --json bench.json        # the same, and the numbers as JSON
     python scripts/bench.py --quick --only micro     # a few seconds (the smoke test)
+    python scripts/bench.py --fsdp                   # alone: FSDP2 peak memory per rank, O2 vs O0
 
 Sections (``--only``, comma-separated): ``transformer``, ``mlp``, ``cnn`` (``train`` = all
 three), ``micro``, ``memory``.
@@ -485,6 +486,149 @@ def bench_memory(env: Env, cfg: dict[str, int], log: Callable[[str], None]) -> d
     return out
 
 
+# ----------------------------------------------------------------------------- FSDP2 memory (issue 14)
+# `--fsdp`: peak memory per rank of a training step under FSDP2 (fully_shard, 2 gloo ranks on
+# this machine), O2 against O0, and FSDP2's own MixedPrecisionPolicy(half, reduce float32) as
+# the reference O2 should equal. Run alone (it starts 2 processes per mode and round).
+
+FSDP_MODES = ("O0", "O2", "native")
+FSDP_SHAPE = dict(width=1024, depth=6, batch=256)  # 6 x (Linear(1024, 1024) + GELU), one unit each
+FSDP_QUICK_SHAPE = dict(width=256, depth=3, batch=32)  # --quick: the smoke test (numbers are noise)
+FSDP_WHAT = ("per rank: persistent = exact bytes of the rank's local storages (parameter shards, gradient shards, "
+             "optimizer state, buffers) + transient = growth of the peak RSS over a steady-state step (after 2 "
+             "warm-up steps; all-gathered parameters, activations, unsharded gradients, communication buffers); "
+             "the larger of the 2 ranks, median over rounds; one fresh process pair per run. JSON "
+             "forward_backward_bytes: the same peak up to the end of backward (without the optimizer step)")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
+def fsdp_memory_child(mode: str, rank: int, rdzv: str, env: Env, steps: int, shape: dict[str, int]) -> dict:
+    """One rank of one mode (see FSDP_WHAT)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    width, depth, batch = shape["width"], shape["depth"], shape["batch"]
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+    policy = MixedPrecisionPolicy(param_dtype=env.half, reduce_dtype=torch.float32) if mode == "native" \
+        else MixedPrecisionPolicy()
+    for block in model:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if mode != "native":
+        model, opt = amp.initialize(model, opt, opt_level=mode, half_dtype=env.half, verbosity=0)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
+    transient, backward, persistent = [], [], 0
+    for i in range(steps):
+        opt.zero_grad()
+        gc.collect()
+        dist.barrier()
+        measured = i >= 2
+        if measured:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            start = _status_kib("VmRSS")
+        loss = F.mse_loss(model(x), y)
+        if mode == "native":
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        if measured:
+            backward.append((_status_kib("VmHWM") - start) * 1024)
+        opt.step()
+        del loss
+        if measured:
+            transient.append((_status_kib("VmHWM") - start) * 1024)
+        tensors = list(model.parameters()) + list(model.buffers())
+        tensors += [p.grad for p in tensors if p.grad is not None]
+        tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        persistent = _storage_bytes([_local(t) for t in tensors])
+    if mode != "native":
+        amp.deinitialize()
+    dist.destroy_process_group()
+    return {"peak_bytes": persistent + max(transient), "persistent_bytes": persistent,
+            "transient_bytes": max(transient), "forward_backward_bytes": persistent + max(backward)}
+
+
+def bench_fsdp(env: Env, rounds: int, steps: int, quick: bool, log: Callable[[str], None]) -> dict:
+    import tempfile
+
+    per_round: dict[str, list[dict]] = {m: [] for m in FSDP_MODES}
+    for r in range(rounds):
+        for mode in rotated(list(FSDP_MODES), r):
+            with tempfile.TemporaryDirectory(prefix="ampatch-fsdp-") as tmp:
+                procs = [subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--_fsdp-child", mode, "--_fsdp-rank", str(rank),
+                     "--_fsdp-rdzv", os.path.join(tmp, "rdzv"), "--_memory-steps", str(steps),
+                     "--dtype", str(env.half).removeprefix("torch."), "--threads", str(torch.get_num_threads()),
+                     *(["--quick"] if quick else [])],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")) for rank in range(2)]
+                outs = [p.communicate(timeout=900) for p in procs]
+            for p, (out, err) in zip(procs, outs):
+                if p.returncode != 0:
+                    raise RuntimeError(f"fsdp memory child {mode} failed:\n{err[-2000:]}")
+            ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+            per_round[mode].append({k: max(d[k] for d in ranks) for k in ranks[0]})
+        log(f"  fsdp: round {r + 1}/{rounds}")
+    res: dict[str, Any] = {"what": FSDP_WHAT, "shape": dict(FSDP_QUICK_SHAPE if quick else FSDP_SHAPE),
+                           "world_size": 2}
+    for key in ("peak_bytes", "persistent_bytes", "transient_bytes", "forward_backward_bytes"):
+        res[key] = {m: statistics.median(d[key] for d in v) for m, v in per_round.items()}
+    pb = res["peak_bytes"]
+    res["ratios"] = {"O2/O0": pb["O2"] / pb["O0"], "native/O0": pb["native"] / pb["O0"],
+                     "O2/native": pb["O2"] / pb["native"]}
+    return res
+
+
+def render_fsdp(res: dict, meta: dict) -> str:
+    mib = 2 ** 20
+    shape = res["shape"]
+    lines = [f"ampatch bench --fsdp: torch {meta['torch']}, half {meta['half_dtype']}, {meta['cpu']}",
+             f"command: {meta['command']}", "",
+             f"FSDP2 peak memory per rank, {shape['depth']} x Linear({shape['width']}) units, batch {shape['batch']} "
+             f"per rank, AdamW, {res['world_size']} gloo ranks (MiB)",
+             f"{'mode':<8}{'peak':>10}{'persistent':>12}{'transient':>11}"]
+    for m in FSDP_MODES:
+        lines.append(f"{m:<8}{res['peak_bytes'][m] / mib:>10.1f}{res['persistent_bytes'][m] / mib:>12.1f}"
+                     f"{res['transient_bytes'][m] / mib:>11.1f}")
+    r = res["ratios"]
+    lines.append(f"O2/O0 {r['O2/O0']:.3f}   native/O0 {r['native/O0']:.3f}   O2/native {r['O2/native']:.3f}   "
+                 "(native: FSDP2's own MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32), no ampatch)")
+    lines.append(f"  ({res['what']})")
+    return "\n".join(lines)
+
+
+def run_fsdp(args: argparse.Namespace, env: Env, argv: Sequence[str] | None) -> int:
+    """`--fsdp`: the FSDP2 block alone, its table, and `--json`."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        print("bench --fsdp: the CPU memory measure needs /proc/self/clear_refs (Linux)", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    rounds, steps = (1, 3) if args.quick else (3, 4)
+    res = bench_fsdp(env, rounds, steps, args.quick, lambda msg: print(msg, file=sys.stderr, flush=True))
+    meta = {"torch": torch.__version__, "half_dtype": args.dtype, "cpu": cpu_name(), "quick": args.quick,
+            "command": " ".join(["python", "scripts/bench.py"] + list(sys.argv[1:] if argv is None else argv)),
+            "rounds": rounds, "steps": steps, "seconds": round(time.perf_counter() - start, 1)}
+    print(render_fsdp(res, meta))
+    print(f"\n({meta['seconds']} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "ratios": {f"fsdp.{k}": v for k, v in res["ratios"].items()},
+                       "results": {"fsdp": res}}, f, indent=1)
+    return 0
+
+
 # ----------------------------------------------------------------------------- report
 
 def flatten_ratios(results: dict) -> dict[str, float]:
@@ -592,6 +736,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--_memory-child", dest="memory_child", help=argparse.SUPPRESS)
     p.add_argument("--_memory-steps", dest="memory_steps", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--fsdp", action="store_true", help="only the FSDP2 peak memory per rank, O2 against O0 (issue 14)")
+    p.add_argument("--_fsdp-child", dest="fsdp_child", help=argparse.SUPPRESS)
+    p.add_argument("--_fsdp-rank", dest="fsdp_rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--_fsdp-rdzv", dest="fsdp_rdzv", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.threads > 0:
@@ -604,6 +752,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, env, args.memory_steps)))
         return 0
+    if args.fsdp_child:  # gloo can abort in interpreter teardown: print, then leave at once
+        shape = FSDP_QUICK_SHAPE if args.quick else FSDP_SHAPE
+        print(json.dumps(fsdp_memory_child(args.fsdp_child, args.fsdp_rank, args.fsdp_rdzv, env, args.memory_steps,
+                                           shape)), flush=True)
+        os._exit(0)
+    if args.fsdp:
+        return run_fsdp(args, env, argv)
 
     wanted = set()
     for s in filter(None, (t.strip() for t in args.only.split(","))):
