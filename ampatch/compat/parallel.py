@@ -69,6 +69,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                                               else torch.cuda.current_device()]
         super().__init__(module, **torch_kwargs)
 
+    def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
+        """torch refuses SyncBatchNorm in a CPU module; this module's SyncBatchNorm syncs on CPU
+        too, so only other sync batch norms are refused."""
+        if all(isinstance(m, SyncBatchNorm) for m in module.modules() if isinstance(m, nn.SyncBatchNorm)):
+            return
+        super()._passing_sync_batchnorm_handle(module)
+
     def disable_allreduce(self) -> None:
         """Apex's switch for gradient accumulation: the next backward passes skip the all-reduce
         (torch's `no_sync()` in method form)."""
