@@ -122,7 +122,12 @@ class SyncBatchNorm(nn.SyncBatchNorm):
                 and dist.get_world_size(self.process_group or dist.group.WORLD) > 1)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
-        out = self._cpu_forward(input) if self._syncs_on_cpu(input) else super().forward(input)
+        if input.device.type != "cpu":
+            out = super().forward(input)
+        elif self._syncs_on_cpu(input):
+            out = self._cpu_forward(input)
+        else:  # one rank or no process group: torch's SyncBatchNorm would refuse a CPU tensor
+            out = nn.modules.batchnorm._BatchNorm.forward(self, input)
         return F.relu(out) if self.fuse_relu else out
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
