@@ -111,6 +111,11 @@ def test_install_and_uninstall_in_process() -> None:
     assert parallel is importlib.import_module("ampatch.compat.parallel")
     assert optimizers.FusedAdam is compat.optimizers.FusedAdam and LARC is compat.larc.LARC
     assert callable(skipIfRocm)
+    from apex.optimizers.fused_adam import FusedAdam
+    from apex.normalization.fused_layer_norm import FusedLayerNorm
+    import apex.parallel.distributed
+    assert FusedAdam is optimizers.FusedAdam and FusedLayerNorm is compat.normalization.FusedLayerNorm
+    assert apex.parallel.distributed.DistributedDataParallel is parallel.DistributedDataParallel
 
     assert compat.uninstall_apex_alias() is True
     assert not any(n == "apex" or n.startswith("apex.") for n in sys.modules)

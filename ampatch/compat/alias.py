@@ -38,6 +38,20 @@ PROVIDED = {
     "apex.multi_tensor_apply": "ampatch.compat.multi_tensor_apply",
     "apex.testing": "ampatch.compat.testing",
     "apex.testing.common_utils": "ampatch.compat.testing",
+    # Apex's own module names inside those packages, which some scripts import from
+    "apex.parallel.distributed": "ampatch.compat.parallel",
+    "apex.parallel.sync_batchnorm": "ampatch.compat.parallel",
+    "apex.parallel.optimized_sync_batchnorm": "ampatch.compat.parallel",
+    "apex.optimizers.fused_adam": "ampatch.compat.optimizers",
+    "apex.optimizers.fused_sgd": "ampatch.compat.optimizers",
+    "apex.optimizers.fused_adagrad": "ampatch.compat.optimizers",
+    "apex.optimizers.fused_lamb": "ampatch.compat.optimizers",
+    "apex.optimizers.fused_novograd": "ampatch.compat.optimizers",
+    "apex.normalization.fused_layer_norm": "ampatch.compat.normalization",
+    "apex.fp16_utils.fp16util": "ampatch.compat.fp16_utils",
+    "apex.fp16_utils.fp16_optimizer": "ampatch.compat.fp16_utils",
+    "apex.fp16_utils.loss_scaler": "ampatch.compat.fp16_utils",
+    "apex.multi_tensor_apply.multi_tensor_apply": "ampatch.compat.multi_tensor_apply",
 }
 
 # What ampatch does not provide, and what replaces it in PyTorch (most specific prefix wins).
