@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -402,33 +403,32 @@ PROBE = textwrap.dedent('''\
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O3", verbosity=0)
-    open(sys.argv[1], "w").write(_amp_state.opt_properties.opt_level + " " + str(model.weight.dtype))
+    import os
+    open(sys.argv[1], "w").write(f"{_amp_state.opt_properties.opt_level} {model.weight.dtype} {os.environ.get('SHADOWED_RAN')}")
 ''')
 
 
-@pytest.mark.parametrize("forced, expected", [(None, "O3 torch.bfloat16"), ("O1", "O1 torch.float32")])
-def test_run_apex_alias_keeps_or_forces_the_level(tmp_path: Path, forced, expected) -> None:
+@pytest.mark.parametrize("forced, shadow, expected", [(None, True, "O3 torch.bfloat16 yes"),
+                                                     ("O1", False, "O1 torch.float32 None")])
+def test_run_apex_alias_keeps_or_forces_the_level(tmp_path: Path, forced, shadow, expected) -> None:
+    """Without --opt-level the script's own level; with it, the forced one. The alias's
+    sitecustomize completes its own import, and runs the sitecustomize it shadows if any."""
     script, seen = tmp_path / "probe.py", tmp_path / "seen.txt"
     script.write_text(PROBE)
+    env = dict(os.environ)
+    for name in ("AMPATCH_OPT_LEVEL", "AMPATCH_HALF_DTYPE", "PYTHONPATH"):
+        env.pop(name, None)
+    if shadow:
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = 'yes'\n")
+        env["PYTHONPATH"] = str(tmp_path / "site")
     args = ["run", "--apex-alias"] + (["--opt-level", forced] if forced else []) + ["--", "python", str(script),
                                                                                    str(seen)]
     proc = subprocess.run([sys.executable, "-m", "ampatch", *args], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+                          cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "Error in sitecustomize" not in proc.stderr
     assert seen.read_text() == expected
-
-
-def test_run_apex_alias_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
-    shadowed = tmp_path / "site"
-    shadowed.mkdir()
-    (shadowed / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = 'yes'\n")
-    env = dict(__import__("os").environ, PYTHONPATH=str(shadowed))
-    code = "import os, apex.amp; print(os.environ.get('SHADOWED_RAN'), apex.amp.__name__)"
-    proc = subprocess.run([sys.executable, "-m", "ampatch", "run", "--apex-alias", "--", "python", "-c", code],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
-    assert proc.returncode == 0 and proc.stdout.split() == ["yes", "ampatch"], proc.stderr
-    assert "Error in sitecustomize" not in proc.stderr
 
 
 def test_readme_commands_run_as_shown(tmp_path: Path) -> None:
