@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import compat as _compat
 from . import levels
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
@@ -32,7 +33,7 @@ __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "loss_scale",
     "deinitialize", "disable_casts", "register_half_function", "register_float_function",
     "register_promote_function", "register_bfloat16_function", "half_function", "float_function",
-    "promote_function", "bfloat16_function", "report",
+    "promote_function", "bfloat16_function", "report", "init", "_amp_state",
 ]
 
 logger = logging.getLogger("ampatch")
@@ -126,7 +127,8 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
     props = levels.resolve(opt_level, device=device, enabled=enabled, half_dtype=half_dtype,
                            cast_model_outputs=cast_model_outputs, cast_model_type=cast_model_type,
                            patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
-                           master_weights=master_weights, loss_scale=loss_scale)
+                           master_weights=master_weights, loss_scale=loss_scale,
+                           hard_override=_amp_state.hard_override)
     if props.loss_scale != "dynamic":
         check_scale_value(props.loss_scale, "loss_scale")
         if min_loss_scale is not None or max_loss_scale != 2.0 ** 24:
@@ -138,7 +140,9 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
     if not isinstance(allow_banned, bool):
         raise TypeError(f"allow_banned must be True or False, got {allow_banned!r}.")
 
-    deinitialize()
+    deinitialize()  # first: a model cast by the previous session is back in FP32
+    if props.enabled:
+        levels.check_models(model_list, _amp_state.allow_incoming_model_not_fp32, _amp_state.hard_override)
     session = Session(props, num_losses=num_losses, min_loss_scale=min_loss_scale,
                       max_loss_scale=float(max_loss_scale), allow_banned=allow_banned,
                       verbosity=verbosity, process_group=process_group)
@@ -216,6 +220,18 @@ def deinitialize() -> None:
     session, _Current.session = _Current.session, None
     if session is not None:
         session.close()
+
+
+def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
+         allow_banned: bool = False, patch_type: Any = None) -> _compat.Handle:
+    """Apex's older O1-only entry point: patch torch (no models or optimizers yet) and return
+    a handle with `scale_loss(loss, optimizer)`, `wrap_optimizer`, `disable_casts`,
+    `is_active` and `_deactivate`. `initialize` is the API to use."""
+    return _compat.init(enabled, loss_scale, enable_caching, verbose, allow_banned, patch_type)
+
+
+# Apex's `amp._amp_state`: a view of the live session (see ampatch/compat/state.py).
+_amp_state = _compat.AmpState(lambda: _Current.session)
 
 
 def report() -> Report:

@@ -2,8 +2,9 @@
 
 ``ampatch compare`` runs a training script once per opt level, each in a fresh process
 forced to that level through ``AMPATCH_OPT_LEVEL``, collects the JSON report each run
-writes to ``AMPATCH_REPORT`` at exit, and prints one table. ``ampatch run`` forces a level
-on a single run. This module is the only place in ampatch that prints.
+writes to ``AMPATCH_REPORT`` at exit, and prints one table. ``ampatch run`` runs a script
+once, forced to a level with ``--opt-level`` and with ``--apex-alias`` making its Apex
+imports load ampatch. This module is the only place in ampatch that prints.
 """
 
 from __future__ import annotations
@@ -88,13 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--half-dtype", **half)
     cmp.set_defaults(func=cmd_compare)
 
-    run = sub.add_parser("run", help="run a script once, forced to one opt level",
-                         usage="ampatch run --opt-level LEVEL [options] -- python train.py ARGS")
-    run.add_argument("--opt-level", type=_level, required=True)
+    run = sub.add_parser("run", help="run a script once, optionally forced to one opt level",
+                         usage="ampatch run [--opt-level LEVEL] [--apex-alias] [options] -- python train.py ARGS")
+    run.add_argument("--opt-level", type=_level, default=None,
+                     help="force every amp.initialize to this level (default: the script's own level)")
     run.add_argument("--half-dtype", **half)
     run.add_argument("--report", metavar="PATH", help="write the run's report() JSON here")
     run.add_argument("--apex-alias", action="store_true",
-                     help="make 'from apex import amp' in the script load ampatch")
+                     help="make 'from apex import amp' (and apex.parallel, apex.optimizers, ...) in the "
+                          "script load ampatch")
     run.set_defaults(func=cmd_run)
     return parser
 
@@ -158,9 +161,12 @@ def _check_output_path(path: str | None, option: str) -> None:
 
 # ----------------------------------------------------------------------------- running
 
-def child_env(level: str, half_dtype: str | None, report: str | None) -> dict[str, str]:
-    """The environment of a forced run: level, half type, report path, ampatch importable."""
-    env = dict(os.environ, AMPATCH_OPT_LEVEL=level)
+def child_env(level: str | None, half_dtype: str | None, report: str | None) -> dict[str, str]:
+    """The environment of a run: the forced level (None: the script's own), half type,
+    report path, ampatch importable."""
+    env = dict(os.environ)
+    if level is not None:
+        env["AMPATCH_OPT_LEVEL"] = level
     if report:
         env["AMPATCH_REPORT"] = report
     # O0 has no half type and O4/O5 are bfloat16 by definition
@@ -409,25 +415,22 @@ def apex_alias(env: dict[str, str]) -> Iterator[None]:
 
 SITECUSTOMIZE = '''\
 """Written by `ampatch run --apex-alias`: `from apex import amp` loads ampatch."""
-import importlib, os, sys
+import importlib.machinery, importlib.util, os, sys
 import ampatch.compat
 ampatch.compat.install_apex_alias()
-# Then run the sitecustomize this file shadows, if there is one.
+# Then run the sitecustomize this file shadows, if there is one (under another module
+# object: this one is still being imported).
 _here = os.path.dirname(os.path.abspath(__file__))
-_path = sys.path[:]
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-del sys.modules["sitecustomize"]
-try:
-    importlib.import_module("sitecustomize")
-except ImportError:
-    pass
-finally:
-    sys.path[:] = _path
+_spec = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 '''
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``ampatch run``: the command's own exit code (128+N when killed by signal N)."""
+    """``ampatch run``: the command's own exit code (128+N when killed by signal N). Without
+    ``--opt-level`` the script keeps its own ``opt_level``."""
     cmd = resolve_command(args.command)
     _check_output_path(args.report, "--report")
     if args.half_dtype == "float16" and args.opt_level in ("O4", "O5"):

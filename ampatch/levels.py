@@ -1,14 +1,22 @@
 """Opt levels O0-O5 as data, and the validation that turns a level plus overrides into
 one consistent `Properties` object.
 
-Policy only: nothing here touches a model or torch's namespaces. `resolve()` is the single
+Policy only: nothing here changes a model or torch's namespaces. `resolve()` is the single
 entry point; every bad combination raises with the reason and what to do instead.
+
+Property values mean what they meant in Apex (`frontend.py`'s `Properties`): `cast_model_type=False`
+leaves the model uncast at any level; `keep_batchnorm_fp32` takes "True"/"False"; `loss_scale`
+takes numbers, numeric strings and "dynamic". The overrides Apex refused (its `warn_or_err`)
+raise `OverrideError`, or only warn when `hard_override=True` (Apex's
+`_amp_state.hard_override`); `check_models` is Apex's refusal of half models.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +28,20 @@ DYNAMIC = "dynamic"
 _HALF = "half"  # placeholder in the level table: the session's half dtype
 _LEVEL_ENV = "AMPATCH_OPT_LEVEL"
 _HALF_ENV = "AMPATCH_HALF_DTYPE"
+NO_CAST = "no cast"  # cast_model_type=False: Apex's "leave the model as it is", at any level
+
+
+class OverrideError(ValueError, RuntimeError):
+    """An override Apex refused (its `warn_or_err`): a ValueError like every configuration
+    error here, and the RuntimeError Apex raised. `hard_override=True` makes it a warning."""
+
+
+def warn_or_err(message: str, hard_override: bool = False) -> None:
+    """Apex's rule: raise, unless the user asked for `_amp_state.hard_override = True`."""
+    if not hard_override:
+        raise OverrideError(message)
+    logger.warning("ampatch: hard_override: %s", message)
+    warnings.warn(f"hard_override: {message}", UserWarning, stacklevel=4)
 
 
 @dataclass(frozen=True)
@@ -109,7 +131,10 @@ def parse_loss_scale(value: Any) -> float | str | None:
         except ValueError:
             raise ValueError(f"loss_scale={value!r}: use a number such as 128.0, or 'dynamic'.") from None
     if not isinstance(value, (int, float)):
-        raise TypeError(f"loss_scale must be a number or 'dynamic', got {type(value).__name__}.")
+        try:  # numpy scalars, 0-dim tensors: float() took them in Apex
+            value = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"loss_scale must be a number or 'dynamic', got {type(value).__name__}.") from None
     value = float(value)
     if not (value > 0 and value != float("inf")):
         raise ValueError(f"loss_scale must be a finite positive number, got {value}.")
@@ -135,30 +160,28 @@ def forced_level() -> str | None:
 
 
 def resolve(opt_level: str = "O1", *, device: torch.device | None = None, enabled: bool = True,
-            half_dtype: Any = None, cast_model_outputs: Any = None, **overrides: Any) -> Properties:
+            half_dtype: Any = None, cast_model_outputs: Any = None, hard_override: bool = False,
+            **overrides: Any) -> Properties:
     """Turn a level and property overrides into validated `Properties`.
 
     `overrides` are the property keywords of `initialize` (cast_model_type,
     patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale); None means
-    "the level's default". A level forced by AMPATCH_OPT_LEVEL wins; overrides that
+    "the level's default". An override Apex refused raises `OverrideError` (a warning with
+    `hard_override=True`). A level forced by AMPATCH_OPT_LEVEL wins; overrides that
     conflict with it are dropped and logged.
     """
     if not isinstance(opt_level, str):
         raise TypeError(f"opt_level must be a string such as 'O1', got {type(opt_level).__name__}.")
     level = opt_level.strip().upper()
     if level not in LEVELS:
-        raise ValueError(f"Unknown opt_level {opt_level!r}; valid levels are {', '.join(LEVELS)}"
-                         " (O0 FP32, O1 patched casts, O2 half model + FP32 masters, O3 pure half,"
-                         " O4/O5 = O1/O2 in bfloat16).")
+        raise OverrideError(f"Unknown opt_level {opt_level!r}; valid levels are {', '.join(LEVELS)}"
+                            " (O0 FP32, O1 patched casts, O2 half model + FP32 masters, O3 pure half,"
+                            " O4/O5 = O1/O2 in bfloat16).")
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {enabled!r}.")
-    if os.environ.get(_HALF_ENV):
-        half_dtype = parse_dtype(os.environ[_HALF_ENV], _HALF_ENV)
-    half = parse_dtype(half_dtype, "half_dtype")
-    if half == torch.float32:
-        raise ValueError("half_dtype=torch.float32 is not a half type; use opt_level='O0' for FP32.")
+    cast_model_type = overrides.pop("cast_model_type", None)
     clean = {
-        "cast_model_type": parse_dtype(overrides.pop("cast_model_type", None), "cast_model_type"),
+        "cast_model_type": NO_CAST if cast_model_type is False else parse_dtype(cast_model_type, "cast_model_type"),
         "patch_torch_functions": _parse_bool(overrides.pop("patch_torch_functions", None), "patch_torch_functions"),
         "keep_batchnorm_fp32": _parse_bool(overrides.pop("keep_batchnorm_fp32", None), "keep_batchnorm_fp32"),
         "master_weights": _parse_bool(overrides.pop("master_weights", None), "master_weights"),
@@ -167,14 +190,31 @@ def resolve(opt_level: str = "O1", *, device: torch.device | None = None, enable
     if overrides:
         raise TypeError(f"Unknown property keyword(s): {', '.join(sorted(overrides))}.")
     outputs = parse_dtype(cast_model_outputs, "cast_model_outputs")
-
     forced = forced_level()
+    half = _half_from_env(parse_dtype(half_dtype, "half_dtype"), forced or level)
+    if half == torch.float32:
+        raise ValueError("half_dtype=torch.float32 is not a half type; use opt_level='O0' for FP32.")
+
     if forced is not None:
         if forced != level:
             logger.warning("ampatch: %s=%s overrides the script's opt_level=%s.", _LEVEL_ENV, forced, level)
-        level, enabled = forced, True
-        return _resolve_forced(level, device, half, outputs, clean)
-    return _build(level, device, half, outputs, clean, enabled)
+        return _resolve_forced(forced, device, half, outputs, clean)
+    return _build(level, device, half, outputs, clean, enabled, hard_override)
+
+
+def _half_from_env(half: torch.dtype | None, level: str) -> torch.dtype | None:
+    """AMPATCH_HALF_DTYPE forces the half dtype, except at O4/O5, which are bfloat16 by
+    definition: there a float16 setting is ignored (and logged), like a conflicting
+    override under a forced level."""
+    value = os.environ.get(_HALF_ENV)
+    if not value:
+        return half
+    env_half = parse_dtype(value, _HALF_ENV)
+    if level in BFLOAT16_LEVELS and env_half != torch.bfloat16:
+        logger.warning("ampatch: %s=%s does not apply to %s, which always runs in bfloat16; ignored.",
+                       _HALF_ENV, value, level)
+        return half
+    return env_half
 
 
 def _resolve_forced(level: str, device, half, outputs, clean: dict) -> Properties:
@@ -189,13 +229,15 @@ def _resolve_forced(level: str, device, half, outputs, clean: dict) -> Propertie
         try:
             _build(level, device, half, outputs, {**kept, name: value}, True)
         except ValueError as err:
-            logger.warning("ampatch: dropping %s=%r, which conflicts with forced %s (%s)", name, value, level, err)
+            logger.warning("ampatch: dropping %s=%r, which conflicts with forced %s (%s)", name,
+                           False if value is NO_CAST else value, level, err)
             continue
         kept[name] = value
     return _build(level, device, half, outputs, kept, True)
 
 
-def _build(level: str, device, half, outputs, overrides: dict, enabled: bool) -> Properties:
+def _build(level: str, device, half, outputs, overrides: dict, enabled: bool,
+           hard_override: bool = False) -> Properties:
     """Merge the level's defaults with non-None overrides, then check the combination."""
     cmt_override = overrides.get("cast_model_type")
     if level in BFLOAT16_LEVELS:
@@ -217,7 +259,9 @@ def _build(level: str, device, half, outputs, overrides: dict, enabled: bool) ->
     for name, value in overrides.items():
         if value is not None:
             props[name] = value
-    _check(level, props, overrides, half)
+    _check(level, props, overrides, half, hard_override)
+    if props["cast_model_type"] is NO_CAST:
+        props["cast_model_type"] = None  # the model stays as it came in
     return Properties(
         enabled=enabled, opt_level=level, half_dtype=half,
         cast_model_type=props["cast_model_type"],
@@ -228,30 +272,43 @@ def _build(level: str, device, half, outputs, overrides: dict, enabled: bool) ->
     )
 
 
-def _check(level: str, props: dict, overrides: dict, half: torch.dtype) -> None:
-    """Reject combinations that make no sense, naming the level that does what was meant."""
+def _check(level: str, props: dict, overrides: dict, half: torch.dtype, hard_override: bool = False) -> None:
+    """Apex's checks of the overrides (`Properties.__setattr__` in its frontend.py), value by
+    value: what Apex refused raises `OverrideError` (warns with `hard_override`); what it
+    accepted is accepted. O4 is checked like O1, of which it is the bfloat16 variant."""
     cmt = props["cast_model_type"]
-    model_cast = cmt is not None and cmt != torch.float32
+    model_cast = cmt not in (None, NO_CAST, torch.float32)
     if level in PATCHING_LEVELS:
-        if overrides.get("master_weights"):
-            raise ValueError(f"master_weights=True makes no sense with {level}: {level} keeps the model "
-                             "weights in FP32 (they are their own masters). Use opt_level='O2' for a half "
-                             "model with FP32 master weights.")
+        if overrides.get("master_weights") is not None:
+            warn_or_err(f"master_weights={overrides['master_weights']} makes no sense with {level}: {level} keeps "
+                        "the model weights in FP32 (they are their own masters), so leave it None. Use "
+                        "opt_level='O2' for a half model with FP32 master weights.", hard_override)
         if model_cast:
-            raise ValueError(f"{level} casts per op and keeps the model in FP32, so cast_model_type must be "
-                             f"None or torch.float32, not {cmt}. Use opt_level='O2' or 'O3' to cast the model.")
+            warn_or_err(f"{level} casts per op and keeps the model in FP32, so cast_model_type must be None, False "
+                        f"or torch.float32, not {cmt}. Use opt_level='O2' or 'O3' to cast the model.", hard_override)
         if overrides.get("keep_batchnorm_fp32") is not None:
-            raise ValueError(f"{level} already runs batch norm safely on FP32 weights; keep_batchnorm_fp32 "
-                             "must be None. It applies to O2/O3/O5, which cast the model.")
+            warn_or_err(f"{level} already runs batch norm safely on FP32 weights; keep_batchnorm_fp32 must be "
+                        "None. It applies to O2/O3/O5, which cast the model.", hard_override)
     elif overrides.get("patch_torch_functions"):
-        raise ValueError(f"patch_torch_functions=True is only valid with O1/O4 (got {level}); patching torch "
-                         "functions on top of a cast model double-casts. Use opt_level='O1' (or 'O4').")
-    if cmt is not None and cmt != torch.float32 and cmt != half:
+        warn_or_err(f"patch_torch_functions=True is only valid with O1/O4 (got {level}); patching torch "
+                    "functions on top of a cast model double-casts. Use opt_level='O1' (or 'O4').", hard_override)
+    if model_cast and cmt != half:
         raise ValueError(f"cast_model_type={cmt} conflicts with half_dtype={half}; pass only one of them.")
-    if not model_cast:
-        if overrides.get("master_weights"):
-            raise ValueError(f"master_weights=True needs a model cast to half, but {level} keeps it in FP32. "
-                             "Use opt_level='O2' (or 'O5').")
-        if overrides.get("keep_batchnorm_fp32") is not None and level not in PATCHING_LEVELS:
-            raise ValueError(f"keep_batchnorm_fp32 only applies when the model is cast to half (O2/O3/O5); "
-                             f"{level} keeps the whole model in FP32. Leave it as None.")
+
+
+def check_models(models: Iterable[torch.nn.Module], allow_not_fp32: bool = False, hard_override: bool = False) -> None:
+    """Apex's refusal of float16 models: `initialize` takes the FP32 model and does the casting
+    itself. `_amp_state.allow_incoming_model_not_fp32 = True` lets float16 params and buffers
+    in (they then get FP32 master weights where master weights are on)."""
+    if allow_not_fp32:
+        return
+    for model in models:
+        tensors = [("param", n, t) for n, t in model.named_parameters()]
+        tensors += [("buffer", n, t) for n, t in model.named_buffers()]
+        for kind, name, t in tensors:
+            if t.dtype == torch.float16:
+                warn_or_err(f"Found {kind} {name} of dtype {t.dtype}; amp.initialize expects an FP32 model and "
+                            "does any casting itself: do not call .half() on the model before passing it. To "
+                            "pass float16 parameters on purpose, set amp._amp_state.allow_incoming_model_not_fp32 "
+                            "= True before amp.initialize.", hard_override)
+                return

@@ -63,6 +63,7 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.scale = self.clamp(init_scale) if self.dynamic else float(loss_scale)
         self.unskipped = 0
+        self.last_overflow = False  # the outcome of the latest update (Apex's `_has_overflow`)
         self.history: list[tuple[int, float]] = [(0, self.scale)]  # (iteration, scale) change points
 
     def clamp(self, scale: float) -> float:
@@ -76,6 +77,7 @@ class LossScaler:
 
     def update(self, overflow: bool, iteration: int) -> None:
         """Apply one unscale's outcome (Apex's rule); static scales never change."""
+        self.last_overflow = overflow
         if overflow:
             self.unskipped = 0
             if self.dynamic:

@@ -93,25 +93,25 @@ class Session:
         tips.log_dims_tip(models, self.verbosity, props.opt_level)
         if fsdp.is_sharded(models):  # fsdp hook: FSDP2 (fully_shard) models, see fsdp.py
             fsdp.setup(self, models, optimizers)
-        elif props.casts_model:
-            keep_bn = props.keep_batchnorm_fp32
-            cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)}
-            if props.master_weights:
-                _check_one_master_each(optimizers, cast_ids)
-            for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
-                self.optimizers.append(OptimizerHandle(opt, i, self, cast_ids if props.master_weights else None))
-            mastered = {pid for h in self.optimizers for pid in h.master_of} if props.master_weights else None
-            seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
-            for m in models:
-                handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, self.patcher,
-                                     mastered, seen)
-                handle.on_load(self._resync_masters)
-                self.models.append(handle)
-            for h in self.optimizers:
-                h.recast_state()
         else:
-            self.optimizers = [OptimizerHandle(opt, i, self, None) for i, opt in enumerate(optimizers)]
-            if props.cast_model_outputs is not None:  # O0/O1/O4: only the outputs are cast (Apex)
+            keep_bn = props.keep_batchnorm_fp32
+            cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)} if props.casts_model else set()
+            master_ids = [self._master_ids(opt, cast_ids) for opt in optimizers]
+            if props.master_weights:
+                _check_one_master_each(optimizers, set().union(*master_ids) if master_ids else set())
+            for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
+                self.optimizers.append(OptimizerHandle(opt, i, self, master_ids[i]))
+            if props.casts_model:
+                mastered = {pid for h in self.optimizers for pid in h.master_of} if props.master_weights else None
+                seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
+                for m in models:
+                    handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, self.patcher,
+                                         mastered, seen)
+                    handle.on_load(self._resync_masters)
+                    self.models.append(handle)
+                for h in self.optimizers:
+                    h.recast_state()
+            elif props.cast_model_outputs is not None:  # O0/O1/O4: only the outputs are cast (Apex)
                 for m in models:
                     wrap_outputs(m, props.cast_model_outputs, self.patcher)
         self.guard = fsdp.ParamGuard(models, self.optimizers)  # fsdp hook
@@ -122,6 +122,29 @@ class Session:
         if self.telemetry.record:
             _ExitReport.track(self, os.environ[REPORT_ENV])
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
+
+    def _master_ids(self, optimizer: torch.optim.Optimizer, cast_ids: set[int]) -> set[int] | None:
+        """With master weights: the params that get an FP32 master, those the model cast turns
+        half and those already half (passed in with Apex's `allow_incoming_model_not_fp32`)."""
+        if not self.properties.master_weights:
+            return None
+        return cast_ids | {id(p) for g in optimizer.param_groups for p in g["params"]
+                           if p.dtype in (torch.float16, torch.bfloat16)}
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, num_losses: int = 1) -> OptimizerHandle:
+        """Bring an optimizer into the live session, with at least `num_losses` loss scalers
+        (Apex's old `amp.init()` handle takes its optimizers after the session started)."""
+        for h in self.optimizers:
+            if h.optimizer is optimizer:
+                break
+        else:
+            h = OptimizerHandle(optimizer, len(self.optimizers), self, self._master_ids(optimizer, set()))
+            h.install(self.patcher)
+            self.optimizers.append(h)
+        first = self.scalers[0]
+        while len(self.scalers) < num_losses:
+            self.scalers.append(LossScaler(self.properties.loss_scale, first.min_loss_scale, first.max_loss_scale))
+        return h
 
     def _context(self) -> WrapContext:
         if self._wrap_ctx is None:
@@ -180,7 +203,8 @@ class Session:
             if h.optimizer is optimizer:
                 return h
         raise RuntimeError("scale_loss got an optimizer that was not passed to amp.initialize; pass every "
-                           "optimizer to initialize (they come back patched).")
+                           "optimizer to initialize (they come back patched). A later amp.initialize ends the "
+                           "earlier session: its optimizers are plain torch optimizers again.")
 
     def scaling_active(self, handle: OptimizerHandle, scaler: LossScaler | None = None) -> bool:
         """Whether scale_loss must unscale/check: a non-identity scale, or master weights."""

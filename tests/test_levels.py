@@ -156,18 +156,20 @@ def test_overrides_replace_level_defaults():
     assert (p.keep_batchnorm_fp32, p.master_weights, p.loss_scale) == (False, False, 8.0)
     p = levels.resolve("O3", master_weights=True)
     assert p.master_weights is True
-    p = levels.resolve("O1", cast_model_type=F32, master_weights=False)  # allowed: no-ops
-    assert p.cast_model_type == F32 and p.master_weights is False and p.patch_torch_functions
+    p = levels.resolve("O1", cast_model_type=F32)  # allowed: a no-op, as in Apex
+    assert p.cast_model_type == F32 and p.master_weights is None and p.patch_torch_functions
     p = levels.resolve("O2", patch_torch_functions=False)
     assert p.patch_torch_functions is False
     p = levels.resolve("O0", cast_model_outputs="float16")
     assert p.cast_model_outputs == F16
 
 
+@pytest.mark.parametrize("value", [True, False])
 @pytest.mark.parametrize("level", ["O1", "O4"])
-def test_patching_level_with_master_weights(level):
+def test_patching_level_with_master_weights(level, value):
+    # Apex refused any master_weights other than None at O1 (its warn_or_err), False included
     with pytest.raises(ValueError, match="master_weights") as err:
-        levels.resolve(level, master_weights=True)
+        levels.resolve(level, master_weights=value)
     assert "O2" in str(err.value)
 
 
@@ -186,16 +188,16 @@ def test_patch_torch_functions_outside_o1_o4(level):
 
 
 @pytest.mark.parametrize("value", [True, False, "True", "False"])
-@pytest.mark.parametrize("level", ["O1", "O4", "O0"])
-def test_keep_batchnorm_fp32_without_a_cast_model(level, value):
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_keep_batchnorm_fp32_at_a_patching_level(level, value):
     with pytest.raises(ValueError, match="keep_batchnorm_fp32"):
         levels.resolve(level, keep_batchnorm_fp32=value)
 
 
-def test_master_weights_need_a_cast_model():
-    with pytest.raises(ValueError, match="master_weights") as err:
-        levels.resolve("O0", master_weights=True)
-    assert "O2" in str(err.value)
+def test_overrides_apex_accepted_at_o0_are_accepted():
+    # Apex checked these only at O1; at O0 they are accepted and change nothing for an FP32 model
+    p = levels.resolve("O0", master_weights=True, keep_batchnorm_fp32="True")
+    assert p.master_weights is True and p.keep_batchnorm_fp32 is True and not p.casts_model
 
 
 def test_other_contradictions():

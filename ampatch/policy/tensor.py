@@ -76,6 +76,7 @@ FLOAT: tuple[str, ...] = (
     "log_softmax",
     # reductions
     "sum",
+    "mean",
     "prod",
     "cumsum",
     "cumprod",

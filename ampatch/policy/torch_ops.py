@@ -43,6 +43,10 @@ from __future__ import annotations
 # - Added to FLOAT: log1p, softmax, log_softmax, logsumexp, trace, quantile, nanquantile,
 #   layer_norm, group_norm, rms_norm, distances, losses, decompositions, stft/istft, polar,
 #   complex, std_mean, var_mean.
+# - mean is FLOAT (Apex and autocast leave it alone): a loss `out.mean()` of a half output
+#   would be half, and the scaled loss's backward sends the scale (2**16 by default) into
+#   that half loss, where it overflows: every first step would be skipped. As FP32 (like
+#   sum) the loss and its gradient stay finite.
 # - Apex CASTS add, div, mul, eq/ne/lt/le/gt/ge, equal, addcdiv, addcmul, atan2 and
 #   SEQUENCE_CASTS cat, stack promote natively on current torch: no wrapper
 #   (NATIVELY_PROMOTING proves it). SEQUENCE_PROMOTE is empty for that reason.
@@ -101,6 +105,7 @@ FLOAT: tuple[str, ...] = (
     "log_softmax",
     # reductions
     "sum",
+    "mean",
     "prod",
     "cumsum",
     "cumprod",

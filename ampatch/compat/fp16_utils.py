@@ -1,0 +1,121 @@
+"""`apex.fp16_utils` under the alias: Apex's manual mixed-precision helpers, as plain PyTorch.
+
+`to_python_float`, `network_to_half`, `BN_convert_float`, `tofp16`, `convert_module`,
+`convert_network`, `prep_param_lists`, `model_grads_to_master_grads` and
+`master_params_to_model_params` behave as in Apex (the copies use torch's foreach ops). The
+deprecated `FP16_Optimizer` and its loss scalers are not provided: constructing one raises an
+error that shows the `amp.initialize` form, which does the same job.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .optimizers import FP16_Optimizer
+
+__all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
+           "prep_param_lists", "model_grads_to_master_grads", "master_params_to_model_params", "clip_grad_norm",
+           "FP16_Optimizer", "FP16_Module", "LossScaler", "DynamicLossScaler"]
+
+clip_grad_norm = torch.nn.utils.clip_grad_norm_
+
+
+def to_python_float(t: Any) -> float:
+    """A one-element tensor (or a number) as a Python float."""
+    return t.item() if hasattr(t, "item") else t[0]
+
+
+class tofp16(nn.Module):  # noqa: N801 - Apex's name
+    """A module whose forward returns `input.half()`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - Apex's name
+        return input.half()
+
+
+def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 - Apex's name
+    """Batch norms (recursively) back to FP32, for a model made half by `network_to_half`."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        module.float()
+    for child in module.children():
+        BN_convert_float(child)
+    return module
+
+
+def network_to_half(network: nn.Module) -> nn.Module:
+    """`nn.Sequential(tofp16(), network.half())` with batch norms kept in FP32."""
+    return nn.Sequential(tofp16(), BN_convert_float(network.half()))
+
+
+def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
+    """A module's own floating parameters and buffers (not its children's) to `dtype`."""
+    module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+
+
+def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every module to `dtype` except affine batch norms, which stay FP32 (Apex's rule)."""
+    for module in network.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
+            continue
+        convert_module(module, dtype)
+    return network
+
+
+def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """`(model_params, master_params)`: the model's trainable params and FP32 copies of them
+    (one flat FP32 tensor with `flat_master=True`, which needs params of one dtype)."""
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    if flat_master:
+        if len({p.dtype for p in model_params}) > 1:
+            raise TypeError("prep_param_lists(flat_master=True) needs parameters of one dtype; the model mixes "
+                            f"{sorted({str(p.dtype) for p in model_params})}. Use flat_master=False.")
+        master = nn.Parameter(_flatten_dense_tensors([p.detach() for p in model_params]).float())
+        master.grad = torch.empty_like(master)
+        return model_params, [master]
+    masters = [nn.Parameter(p.detach().clone().float()) for p in model_params]
+    return model_params, masters
+
+
+def model_grads_to_master_grads(model_params: list[torch.Tensor], master_params: list[torch.Tensor],
+                                flat_master: bool = False) -> None:
+    """Copy the model's gradients into the FP32 masters' (None stays None)."""
+    if flat_master:
+        master_params[0].grad.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
+        return
+    src, dst = [], []
+    for model, master in zip(model_params, master_params):
+        if model.grad is None:
+            master.grad = None
+            continue
+        if master.grad is None:
+            master.grad = torch.empty_like(master)
+        src.append(model.grad)
+        dst.append(master.grad)
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def master_params_to_model_params(model_params: list[torch.Tensor], master_params: list[torch.Tensor],
+                                  flat_master: bool = False) -> None:
+    """Copy the FP32 masters into the model's parameters."""
+    with torch.no_grad():
+        if flat_master:
+            for model, master in zip(model_params, _unflatten_dense_tensors(master_params[0], model_params)):
+                model.copy_(master)
+        elif model_params:
+            torch._foreach_copy_(list(model_params), list(master_params))
+
+
+def _not_provided(name: str) -> type:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"apex.fp16_utils.{name} belongs to Apex's deprecated FP16_Optimizer workflow "
+                                  "and is not provided; amp.initialize(model, optimizer, opt_level='O2') gives "
+                                  "FP32 master weights, and dynamic loss scaling through amp.scale_loss.")
+    return type(name, (), {"__init__": __init__, "__module__": __name__})
+
+
+FP16_Module = _not_provided("FP16_Module")
+LossScaler = _not_provided("LossScaler")
+DynamicLossScaler = _not_provided("DynamicLossScaler")

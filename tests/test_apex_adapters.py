@@ -1,0 +1,323 @@
+"""The rest of Apex under the alias (issue 11, item 5): one test per adapter. Each is PyTorch's
+implementation with Apex's names, keyword arguments and defaults; what PyTorch cannot honestly
+provide raises an error naming the alternative."""
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampatch as amp
+from ampatch.compat import fp16_utils, larc, multi_tensor_apply, normalization, optimizers, parallel
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+HALVES = pytest.mark.parametrize("half", [F16, BF16], ids=["fp16", "bf16"])
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(5, 6)).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------ apex.optimizers
+@pytest.mark.parametrize("adam_w_mode, reference", [(True, torch.optim.AdamW), (False, torch.optim.Adam)])
+def test_fused_adam_is_torch_adam_with_apex_defaults(adam_w_mode, reference) -> None:
+    kw = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    a, b = _net(), _net()
+    fused = optimizers.FusedAdam(a.parameters(), adam_w_mode=adam_w_mode, **kw)
+    assert isinstance(fused, torch.optim.Adam) and fused.adam_w_mode is adam_w_mode
+    assert fused.defaults["foreach"] is True  # multi-tensor on CPU; fused=True on CUDA
+    got, want = _train(a, fused), _train(b, reference(b.parameters(), foreach=True, **kw))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert optimizers.FusedAdam(_net().parameters()).defaults["decoupled_weight_decay"] is True  # Apex: AdamW
+
+
+def test_fused_adam_set_grad_none_and_refusals() -> None:
+    model = _net()
+    opt = optimizers.FusedAdam(model.parameters())
+    model(torch.randn(5, 6)).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())  # set_grad_none=True
+    opt = optimizers.FusedAdam(model.parameters(), set_grad_none=False)
+    model(torch.randn(5, 6)).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        optimizers.FusedAdam(model.parameters(), amsgrad=True)
+    with pytest.raises(NotImplementedError, match="bias"):
+        optimizers.FusedAdam(model.parameters(), bias_correction=False)
+    with pytest.raises(NotImplementedError, match="opt_level='O2'"):
+        optimizers.FusedAdam(model.parameters(), master_weights=True)
+    with pytest.raises(RuntimeError, match="step\\(\\) with no arguments"):
+        opt.step(scale=128.0)
+    groups = [{"params": (p for p in model[0].parameters()), "lr": 0.1}, {"params": model[3].parameters()}]
+    assert len(optimizers.FusedAdam(groups).param_groups[0]["params"]) == 2  # generators read once
+
+
+@HALVES
+def test_fused_adam_under_amp_steps_fp32_masters(half) -> None:
+    model = _net()
+    opt = optimizers.FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, verbosity=0)
+    assert {p.dtype for p in amp.master_params(opt)} == {F32}
+    before = model[0].weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(torch.randn(5, 6)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert model[0].weight.dtype == half and not torch.equal(before, model[0].weight)
+    assert torch.equal(model[0].weight, next(amp.master_params(opt)).to(half))
+
+
+def test_fused_sgd_and_adagrad() -> None:
+    a, b = _net(), _net()
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
+    got = _train(a, optimizers.FusedSGD(a.parameters(), **kw))
+    want = _train(b, torch.optim.SGD(b.parameters(), foreach=True, **kw))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="lr"):
+        optimizers.FusedSGD(a.parameters())  # lr is required, as in Apex
+    opt = optimizers.FusedSGD(a.parameters(), lr=0.1)
+    a(torch.randn(5, 6)).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is not None and not p.grad.any() for p in a.parameters())  # set_grad_none=False
+    with pytest.raises(NotImplementedError, match="weight decay before momentum"):
+        optimizers.FusedSGD(a.parameters(), lr=0.1, wd_after_momentum=True)
+
+    a, b = _net(), _net()
+    got = _train(a, optimizers.FusedAdagrad(a.parameters(), lr=0.1, weight_decay=1e-3))
+    want = _train(b, torch.optim.Adagrad(b.parameters(), lr=0.1, eps=1e-10, weight_decay=1e-3, foreach=True))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="decoupled"):
+        optimizers.FusedAdagrad(a.parameters(), adagrad_w_mode=True)
+
+
+@pytest.mark.parametrize("name", ["FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad"])
+def test_optimizers_pytorch_does_not_have_name_the_alternatives(name) -> None:
+    cls = getattr(optimizers, name)  # importable: scripts import them unconditionally
+    assert issubclass(cls, torch.optim.Optimizer)
+    with pytest.raises(NotImplementedError) as err:
+        cls(_net().parameters(), lr=1e-3)
+    assert "PyTorch has no" in str(err.value) and "AdamW" in str(err.value) and "torch-optimizer" in str(err.value)
+
+
+def test_fp16_optimizer_shows_the_amp_form() -> None:
+    for cls in (optimizers.FP16_Optimizer, fp16_utils.FP16_Optimizer):
+        with pytest.raises(NotImplementedError, match=r"amp.initialize\(model, optimizer, opt_level='O2'\)"):
+            cls(torch.optim.SGD(_net().parameters(), lr=0.1), static_loss_scale=128.0)
+    for cls in (fp16_utils.FP16_Module, fp16_utils.LossScaler, fp16_utils.DynamicLossScaler):
+        with pytest.raises(NotImplementedError, match="amp.initialize"):
+            cls()
+
+
+# ------------------------------------------------------------------ apex.parallel
+def test_larc_scales_each_gradient_by_its_trust_ratio() -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    w.grad = torch.randn(4, 4)
+    ref = w.detach().clone()
+    inner = torch.optim.SGD([w], lr=0.1, weight_decay=0.01)
+    opt = larc.LARC(inner, trust_coefficient=0.02, clip=True)
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is inner.param_groups
+    g = w.grad.clone()
+    rate = 0.02 * ref.norm() / (g.norm() + ref.norm() * 0.01 + 1e-8)
+    rate = min(rate / 0.1, 1.0)
+    opt.step()
+    torch.testing.assert_close(w.detach(), ref - 0.1 * (g + 0.01 * ref) * rate)
+    assert inner.param_groups[0]["weight_decay"] == 0.01  # given back after the step
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.step()
+    scheduler.step()
+    assert inner.param_groups[0]["lr"] == 0.05
+
+
+@HALVES
+def test_larc_through_amp_initialize(half) -> None:
+    model = _net()
+    opt = larc.LARC(torch.optim.SGD(model.parameters(), lr=0.25, momentum=0.125))
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, verbosity=0)
+    amp._amp_state.loss_scalers[0]._loss_scale = 128.0  # 2**16 would overflow float16 grads at the first step
+    before = model[0].weight.detach().clone()
+    opt.zero_grad()
+    with amp.scale_loss(model(torch.randn(5, 6)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not torch.equal(before, model[0].weight)
+    assert {p.dtype for p in amp.master_params(opt)} == {F32}
+
+
+def test_sync_batch_norm_and_convert_syncbn_model() -> None:
+    model = nn.Sequential(nn.Conv2d(2, 4, 1), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm2d(4, affine=False)))
+    weight, running_mean = model[1].weight, model[1].running_mean
+    converted = parallel.convert_syncbn_model(model)
+    bns = [m for m in converted.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert len(bns) == 2 and all(isinstance(m, parallel.SyncBatchNorm) for m in bns)
+    assert isinstance(bns[0], nn.SyncBatchNorm)
+    assert bns[0].weight is weight and bns[0].running_mean is running_mean  # shared, as torch's convert does
+    x = torch.randn(3, 2, 5, 5)
+    torch.testing.assert_close(converted(x), model[2](F.batch_norm(
+        model[0](x), torch.zeros(4), torch.ones(4), weight, model[1].bias, training=True)))
+    relu_bn = parallel.SyncBatchNorm(4, fuse_relu=True)
+    assert (relu_bn(torch.randn(3, 4, 2)) >= 0).all()
+    with pytest.raises(NotImplementedError, match="channels_last"):
+        parallel.SyncBatchNorm(4, channel_last=True)
+
+
+@pytest.mark.distributed
+def test_ddp_and_cpu_sync_batch_norm_in_a_process_group(tmp_path) -> None:
+    """Apex's DDP keywords on torch's DDP; the CPU SyncBatchNorm path against F.batch_norm
+    (one rank: the all-reduce is the identity). In a subprocess that leaves with os._exit,
+    as gloo may abort at interpreter teardown."""
+    code = textwrap.dedent(f'''
+        import logging, os, sys, torch, torch.distributed as dist, torch.nn.functional as F
+        from torch import nn
+        from ampatch.compat import parallel
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdzv", rank=0, world_size=1)
+        model = nn.Sequential(nn.Linear(4, 4), parallel.SyncBatchNorm(4))
+        ddp = parallel.DistributedDataParallel(model, delay_allreduce=True, allreduce_always_fp32=True,
+                                               message_size=2 ** 20, gradient_predivide_factor=2.0)
+        assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.module is model
+        ddp(torch.randn(3, 4)).sum().backward()
+        ddp.disable_allreduce(); assert not ddp.require_backward_grad_sync
+        ddp.enable_allreduce(); assert ddp.require_backward_grad_sync
+        for bad, error in ((dict(shared_param=True), ValueError), (dict(gradient_average=False), NotImplementedError)):
+            try:
+                parallel.DistributedDataParallel(nn.Linear(2, 2), **bad)
+            except error as e:
+                print("refused:", e)
+        bn, ref = parallel.SyncBatchNorm(3, momentum=0.3), nn.BatchNorm2d(3, momentum=0.3)
+        x = torch.randn(4, 3, 5, 5, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        out, want = bn._cpu_forward(x), ref(x2)
+        torch.testing.assert_close(out, want)
+        out.pow(2).sum().backward(); want.pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, x2.grad)
+        torch.testing.assert_close(bn.weight.grad, ref.weight.grad)
+        torch.testing.assert_close(bn.running_mean, ref.running_mean)
+        torch.testing.assert_close(bn.running_var, ref.running_var)
+        print("ALL OK")
+        sys.stdout.flush()
+        dist.destroy_process_group()
+        os._exit(0)
+    ''')
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ALL OK" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("refused:") == 2
+    assert "delay_allreduce=True" in proc.stdout and "allreduce_always_fp32=True" in proc.stdout  # one log line
+    assert proc.stdout.count("have no meaning") == 1
+
+
+# ------------------------------------------------------------------ apex.normalization
+def test_fused_layer_norm_and_rms_norm_are_torch_modules() -> None:
+    x = torch.randn(3, 4, 8)
+    ln = normalization.FusedLayerNorm(8)
+    assert isinstance(ln, nn.LayerNorm) and ln.eps == 1e-5 and ln.memory_efficient is False
+    torch.testing.assert_close(ln(x), F.layer_norm(x, (8,), ln.weight, ln.bias, 1e-5))
+    plain = normalization.FusedLayerNorm([4, 8], elementwise_affine=False, memory_efficient=True)
+    assert plain.weight is None and plain.memory_efficient
+    torch.testing.assert_close(plain(x), F.layer_norm(x, (4, 8), eps=1e-5))
+    rms = normalization.FusedRMSNorm(8)
+    assert isinstance(rms, nn.RMSNorm) and rms.eps == 1e-5  # Apex's default, not torch's
+    torch.testing.assert_close(rms(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+@HALVES
+def test_mixed_fused_norms_keep_fp32_weights_and_the_input_dtype(half) -> None:
+    x = torch.randn(3, 8).to(half)
+    for cls, ref in ((normalization.MixedFusedLayerNorm, nn.LayerNorm), (normalization.MixedFusedRMSNorm, nn.RMSNorm)):
+        norm = cls(8)
+        assert norm.weight.dtype == F32
+        out = norm(x)
+        assert out.dtype == half
+        torch.testing.assert_close(out.float(), ref(8, eps=1e-5)(x.float()), rtol=1e-2, atol=1e-2)
+        with pytest.raises(ValueError, match="elementwise_affine"):
+            cls(8, elementwise_affine=False)
+
+
+@HALVES
+def test_fused_layer_norm_under_o2_and_o1(half) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), normalization.FusedLayerNorm(8))
+    amp.initialize(model, opt_level="O2", half_dtype=half, verbosity=0)
+    assert model[1].weight.dtype == half and model(torch.randn(2, 8)).dtype == F32
+    model = nn.Sequential(nn.Linear(8, 8), normalization.FusedLayerNorm(8))
+    amp.initialize(model, opt_level="O1", half_dtype=half, verbosity=0)
+    assert model(torch.randn(2, 8)).dtype == F32  # layer norm runs in FP32 under O1
+
+
+# ------------------------------------------------------------------ apex.fp16_utils
+def test_fp16_utils_helpers() -> None:
+    assert fp16_utils.to_python_float(torch.tensor(2.5)) == 2.5 and fp16_utils.to_python_float([1.5]) == 1.5
+    net = _net()
+    half_net = fp16_utils.network_to_half(copy.deepcopy(net))
+    assert isinstance(half_net[0], fp16_utils.tofp16)
+    dtypes = {type(m).__name__: m.weight.dtype for m in half_net[1] if hasattr(m, "weight")}
+    assert dtypes == {"Linear": F16, "BatchNorm1d": F32}
+    assert half_net(torch.randn(5, 6)).dtype == F16
+    converted = fp16_utils.convert_network(copy.deepcopy(net), BF16)
+    assert converted[0].weight.dtype == BF16 and converted[1].weight.dtype == F32
+
+    model = fp16_utils.network_to_half(_net())[1]
+    model_params, masters = fp16_utils.prep_param_lists(model)
+    assert [m.dtype for m in masters] == [F32] * len(model_params) and all(m.requires_grad for m in masters)
+    model(torch.randn(5, 6).half()).float().sum().backward()
+    fp16_utils.model_grads_to_master_grads(model_params, masters)
+    for p, m in zip(model_params, masters):
+        assert torch.equal(m.grad, p.grad.float())
+    with torch.no_grad():
+        for m in masters:
+            m.sub_(0.5)
+    fp16_utils.master_params_to_model_params(model_params, masters)
+    for p, m in zip(model_params, masters):
+        assert torch.equal(p, m.to(p.dtype))
+
+    flat_model = nn.Linear(3, 2).half()
+    params, flat = fp16_utils.prep_param_lists(flat_model, flat_master=True)
+    assert len(flat) == 1 and flat[0].numel() == 8 and flat[0].dtype == F32
+    flat_model(torch.randn(4, 3).half()).float().sum().backward()
+    fp16_utils.model_grads_to_master_grads(params, flat, flat_master=True)
+    assert torch.equal(flat[0].grad[:6].view(2, 3), flat_model.weight.grad.float())
+    with torch.no_grad():
+        flat[0].fill_(0.25)
+    fp16_utils.master_params_to_model_params(params, flat, flat_master=True)
+    assert (flat_model.weight == 0.25).all() and (flat_model.bias == 0.25).all()
+    with pytest.raises(TypeError, match="flat_master=False"):
+        fp16_utils.prep_param_lists(model, flat_master=True)  # FP32 batch norm next to half linears
+    star: dict = {}
+    exec("from ampatch.compat.fp16_utils import *", star)
+    assert {"to_python_float", "network_to_half", "prep_param_lists", "FP16_Optimizer"} <= set(star)
+
+
+# ------------------------------------------------------------------ apex.multi_tensor_apply
+def test_multi_tensor_applier_imports_and_refuses_to_run() -> None:
+    applier = multi_tensor_apply.multi_tensor_applier
+    assert applier.available is False and isinstance(applier.import_err, ImportError)
+    with pytest.raises(NotImplementedError, match="torch._foreach_"):
+        applier(None, torch.zeros(1, dtype=torch.int), [[torch.ones(2)]], 1.0)
+    assert multi_tensor_apply.MultiTensorApply(333).chunk_size == 333
+
+
+def test_adapters_log_what_they_ignore(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="ampatch"):
+        optimizers.FusedSGD(_net().parameters(), lr=0.1, materialize_master_grads=False)
+    assert "materialize_master_grads=False" in caplog.text
