@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import policy, tips
+from . import dynamo, policy, tips
 from .cache import CastCache
 from .levels import Properties
 from .master import OptimizerHandle
@@ -110,6 +110,7 @@ class Session:
             for name, message in getattr(lists, "BANNED", {}).items():
                 self._patch_one(owner, name, BANNED, ctx, message)
         patch_rnn_modules(self.patcher, ctx.caster, self.properties.half_dtype)
+        dynamo.install(self.patcher)  # torch.compile sees the casts of Tensor methods too (o1)
         logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
 
     def _patch_one(self, owner: Any, name: str, kind: str, ctx: WrapContext, message: str = "",
