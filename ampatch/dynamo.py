@@ -93,7 +93,7 @@ def _eager_codes() -> Iterator[types.CodeType]:
     """
     for module in (patching, cache, rnn):
         for obj in vars(module).values():
-            if getattr(obj, "__module__", None) != module.__name__ or obj is patching.make_traceable:
+            if getattr(obj, "__module__", None) != module.__name__ or getattr(obj, "_ampatch_traced", False):
                 continue
             functions = [obj] if inspect.isfunction(obj) else [
                 f for f in vars(obj).values() if inspect.isfunction(f)] if inspect.isclass(obj) else []

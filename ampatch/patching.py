@@ -374,6 +374,14 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
 
 # --------------------------------------------------------------------------- torch.compile
 
+def traced(fn: Callable) -> Callable:
+    """Mark a function whose code (nested functions included) is meant for Dynamo to trace;
+    the rest of ampatch's O1 code is kept out of compilation (see `ampatch.dynamo`)."""
+    fn._ampatch_traced = True  # type: ignore[attr-defined]
+    return fn
+
+
+@traced
 def make_traceable(kind: str, op: str, original: Any, half_dtype: torch.dtype, allow_banned: bool = False,
                    banned_message: str = "") -> Callable:
     """The wrapper of one op as plain Python that Dynamo can inline, so the casts it makes

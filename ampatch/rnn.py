@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from .patching import _CASTABLE_TO_HALF, Caster, Patcher, _ModuleFunctionWrapper, _switch
+from .patching import _CASTABLE_TO_HALF, Caster, Patcher, _ModuleFunctionWrapper, _switch, traced
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
 
@@ -46,6 +46,7 @@ def _half_view(module: torch.nn.Module, flat_weights: list) -> torch.nn.Module:
     return view
 
 
+@traced
 def _traceable_forward(original: Callable, dtype: torch.dtype) -> Callable:
     """The forward Dynamo traces: casts as graph nodes, `_flat_weights` swapped and restored."""
     needs = tuple(d for d in _CASTABLE_TO_HALF if d is not dtype)
@@ -87,13 +88,17 @@ def patch_rnn_modules(patcher: Patcher, caster: Caster, dtype: torch.dtype) -> N
         original = vars(cls)["forward"]
         twin = _ModuleFunctionWrapper(original, forward_in_half)
         twin._self_traceable = _traceable_forward(original, dtype)
+        patcher.patch(cls, "forward", _class_forward(original, twin))
 
-        # A plain function on the class (Dynamo inlines it like any forward); the wrapt
-        # twin it calls is what Dynamo traces through `_torchdynamo_inline`.
-        def forward(self: torch.nn.Module, *args: Any, _twin: Any = twin, **kwargs: Any) -> Any:
-            return _twin(self, *args, **kwargs)
 
-        forward.__doc__ = original.__doc__
-        forward.__qualname__ = original.__qualname__
-        forward.__wrapped__ = original  # type: ignore[attr-defined]
-        patcher.patch(cls, "forward", forward)
+@traced
+def _class_forward(original: Callable, twin: Any) -> Callable:
+    """The `forward` set on an RNN class: a plain function (Dynamo traces it like any
+    forward) calling the wrapt twin, which Dynamo traces through `_torchdynamo_inline`."""
+    def forward(self: torch.nn.Module, *args: Any, _twin: Any = twin, **kwargs: Any) -> Any:
+        return _twin(self, *args, **kwargs)
+
+    forward.__doc__ = original.__doc__
+    forward.__qualname__ = original.__qualname__
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    return forward
