@@ -24,7 +24,7 @@ from .levels import Properties
 from .master import OptimizerHandle
 from .model import ModelHandle, params_to_cast, wrap_outputs
 from .patching import (BANNED, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
-                       WrapContext, make_wrapper, resolve_owner, with_dtype_hint, wrap)
+                       WrapContext, resolve_owner, wrap)
 from .policy import user as user_policy
 from .rnn import patch_rnn_modules
 from .scaler import LossScaler, StateDictKeyError, overflowed
@@ -124,13 +124,14 @@ class Session:
         self.patcher.patch(owner, name, wrap(kind, name, getattr(owner, name), ctx, message, owner, hint))
 
     def decorated(self, kind: str, fn: Any) -> Any:
-        """The cast wrapper for a function decorated with `amp.half_function` & co., made once."""
+        """The cast wrapper for a function decorated with `amp.half_function` & co., made once:
+        a wrapt proxy of `fn`, called like `fn` (torch.compile traces its twin)."""
         key = (kind, fn)
         wrapper = self._decorated.get(key)
         if wrapper is None:
             name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', 'function')}"
-            wrapper = self._decorated[key] = with_dtype_hint(
-                make_wrapper(kind, getattr(fn, "__name__", "function"), fn, self._context()), name)
+            wrapper = self._decorated[key] = wrap(kind, getattr(fn, "__name__", "function"), fn, self._context(),
+                                                  hint_name=name)
         return wrapper
 
     def register_now(self, owner: Any, name: str, kind: str) -> None:
