@@ -28,8 +28,8 @@ from .tips import hint_dtype_error
 
 logger = logging.getLogger("ampatch")
 
-HALF, FLOAT, PROMOTE, SEQUENCE_PROMOTE, BANNED, BFLOAT16 = (
-    "half", "float", "promote", "sequence_promote", "banned", "bfloat16")
+HALF, FLOAT, PROMOTE, SEQUENCE_PROMOTE, BANNED, BFLOAT16, CPU_FLOAT = (
+    "half", "float", "promote", "sequence_promote", "banned", "bfloat16", "cpu_float")
 
 
 class _Switch(threading.local):
@@ -76,6 +76,7 @@ class Patcher:
     def __init__(self) -> None:
         self._records: list[_Record] = []
         self._index: dict[tuple[int, str], _Record] = {}
+        self._undo: list[Callable[[], None]] = []
 
     def __contains__(self, key: tuple[Any, str]) -> bool:
         return (id(key[0]), key[1]) in self._index
@@ -96,8 +97,17 @@ class Patcher:
         self._records.append(record)
         self._index[key] = record
 
+    def patched(self) -> list[tuple[Any, str, Any, Any]]:
+        """(owner, name, original, replacement) of every live patch, oldest first."""
+        return [(r.owner, r.name, r.original, r.patched) for r in self._records]
+
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Run `undo` in `restore_all`, after the attributes are back (newest first)."""
+        self._undo.append(undo)
+
     def restore_all(self) -> None:
-        """Undo every patch, newest first: originals back, inherited names deleted."""
+        """Undo every patch, newest first: originals back, inherited names deleted; then
+        the `on_restore` callbacks."""
         while self._records:
             rec = self._records.pop()
             del self._index[(id(rec.owner), rec.name)]
@@ -110,6 +120,8 @@ class Patcher:
                 setattr(rec.owner, rec.name, rec.original)
             elif rec.name in vars(rec.owner):
                 delattr(rec.owner, rec.name)
+        while self._undo:
+            self._undo.pop()()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -299,6 +311,15 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
         tick = ctx.counters.counter(op, "float32")
         return _cast_wrapper(original, tick, frozenset(_LOW), caster.for_dtype(torch.float32), caster.to_float,
                              timer)
+    if kind == CPU_FLOAT:
+        on_cpu = make_wrapper(FLOAT, op, original, ctx)
+
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            first = args[0] if args else instance
+            if isinstance(first, _Tensor) and first.device.type != "cpu":
+                return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+            return on_cpu(wrapped, instance, args, kwargs)
+        return wrapper
     if kind in (PROMOTE, SEQUENCE_PROMOTE):
         in_place = op.endswith("_") and not op.endswith("__")
         to_exact = caster.to_exact
@@ -399,7 +420,14 @@ def make_traceable(kind: str, op: str, original: Any, half_dtype: torch.dtype, a
         target = half_dtype
     if kind == BANNED and allow_banned:
         kind = FLOAT
-    if kind in (HALF, FLOAT):
+    if kind == CPU_FLOAT:
+        on_cpu = make_traceable(FLOAT, op, original, half_dtype)
+
+        def traceable(*args: Any, **kwargs: Any) -> Any:
+            if args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+                return original(*args, **kwargs)
+            return on_cpu(*args, **kwargs)
+    elif kind in (HALF, FLOAT):
         if kind == HALF:
             needs = tuple(d for d in _CASTABLE_TO_HALF if d is not target)
         else:

@@ -16,6 +16,8 @@ which swaps `_flat_weights` for casts made in the graph and puts the list back.
 """
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -94,11 +96,14 @@ def patch_rnn_modules(patcher: Patcher, caster: Caster, dtype: torch.dtype) -> N
 @traced
 def _class_forward(original: Callable, twin: Any) -> Callable:
     """The `forward` set on an RNN class: a plain function (Dynamo traces it like any
-    forward) calling the wrapt twin, which Dynamo traces through `_torchdynamo_inline`."""
+    forward) calling the wrapt twin, which Dynamo traces through `_torchdynamo_inline`.
+
+    It carries the original's name, module, globals and `__wrapped__`, so `torch.jit.script`
+    compiles the original forward (its source, its overloads, the names it uses), which
+    runs without O1 casts like all scripted code."""
     def forward(self: torch.nn.Module, *args: Any, _twin: Any = twin, **kwargs: Any) -> Any:
         return _twin(self, *args, **kwargs)
 
-    forward.__doc__ = original.__doc__
-    forward.__qualname__ = original.__qualname__
-    forward.__wrapped__ = original  # type: ignore[attr-defined]
-    return forward
+    fn = types.FunctionType(forward.__code__, original.__globals__, original.__name__)
+    fn.__kwdefaults__ = forward.__kwdefaults__
+    return functools.update_wrapper(fn, original)

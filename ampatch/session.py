@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dynamo, policy, tips
-from .cache import CastCache
+from . import dynamo, jit, policy, tips
+from .cache import CastCache, watch_data
 from .levels import Properties
 from .master import OptimizerHandle
 from .model import ModelHandle, params_to_cast, wrap_outputs
-from .patching import (BANNED, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
+from .patching import (BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
                        WrapContext, resolve_owner, wrap)
 from .policy import user as user_policy
 from .rnn import patch_rnn_modules
@@ -34,7 +34,8 @@ logger = logging.getLogger("ampatch")
 
 REPORT_ENV = "AMPATCH_REPORT"
 TIME_ENV = "AMPATCH_TIME_WRAPPERS"  # time every wrapper's own work (two clock reads per call)
-_LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE))
+_LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE),
+               ("CPU_FLOAT", CPU_FLOAT))
 
 
 class Session:
@@ -110,6 +111,8 @@ class Session:
             for name, message in getattr(lists, "BANNED", {}).items():
                 self._patch_one(owner, name, BANNED, ctx, message)
         patch_rnn_modules(self.patcher, ctx.caster, self.properties.half_dtype)
+        watch_data(self.cache, self.patcher)  # p.data changes drop p's casts (o1)
+        jit.install(self.patcher, self.cache)  # TorchScript: script without casts, trace with them (o1)
         dynamo.install(self.patcher)  # torch.compile sees the casts of Tensor methods too (o1)
         logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
 

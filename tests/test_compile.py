@@ -241,19 +241,25 @@ def test_disable_casts_and_deinitialize_recompile_without_casts():
 
 
 def test_eager_parts_after_a_graph_break_still_cast_and_ampatch_code_is_never_compiled():
-    lin1, lin2 = nn.Linear(4, 4), nn.Linear(4, 4)
-    o1([lin1, lin2])
+    lin1, lin2, lstm = nn.Linear(4, 4), nn.Linear(4, 4), nn.LSTM(4, 4)
+    o1([lin1, lin2, lstm])
 
     def f(x):
         y = lin1(x)
         torch._dynamo.graph_break()
         return lin2(y).softmax(-1), torch.mm(y, y)
 
+    def g(x):  # Dynamo skips a frame holding an RNN module: all of it runs eagerly
+        return lstm(lin1(x)[None])[0]
+
     compiler, graphs = recording("eager")
     for _ in range(3):
         soft, mm = torch.compile(f, backend=compiler)(torch.randn(4, 4))
-    assert soft.dtype == torch.float32 and mm.dtype == torch.bfloat16
-    assert len(graphs) == 2  # one graph per side of the break, nothing from ampatch's own frames
+        out = torch.compile(g, backend=compiler)(torch.randn(4, 4))
+    assert soft.dtype == torch.float32 and mm.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+    # one graph per side of the break; none of ampatch's own frames (the cast cache, the
+    # wrappers, the RNN view) compiled on their own
+    assert len(graphs) == 2
 
 
 # ----------------------------------------------------------------- graph breaks: same as autocast
