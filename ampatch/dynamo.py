@@ -23,12 +23,14 @@ from __future__ import annotations
 import inspect
 import logging
 import operator
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import wrapt
 
 from . import cache, patching, rnn
 from .patching import Patcher, _FunctionWrapper
@@ -102,7 +104,27 @@ def _eager_codes() -> Iterator[types.CodeType]:
 
 
 def install(patcher: Patcher) -> None:
-    """Wrap Dynamo's method and operator entry points for the session (see the module doc)."""
+    """Wrap Dynamo's method and operator entry points for the session (see the module doc).
+
+    Importing Dynamo takes a second or two (and rebinds a few torch functions), so a
+    session that starts before anything imported it installs on the first `torch.compile`
+    call instead (`torch.compiler.compile` and `Module.compile` go through it too)."""
+    if "torch._dynamo" in sys.modules:
+        _install_now(patcher)
+        return
+    lock, done = threading.Lock(), []
+
+    def compile_first(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        with lock:
+            if not done:
+                done.append(True)
+                _install_now(patcher)
+        return wrapped(*args, **kwargs)
+
+    patcher.patch(torch, "compile", wrapt.FunctionWrapper(torch.compile, compile_first))
+
+
+def _install_now(patcher: Patcher) -> None:
     try:
         from torch._dynamo.variables.builtin import BuiltinVariable
         from torch._dynamo.variables.tensor import TensorVariable

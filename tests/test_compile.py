@@ -281,3 +281,28 @@ def test_graph_breaks_equal_autocast():
     o1(model)
     assert _graph_breaks(model, x) == expected
     assert _graph_breaks(methods_and_operators, x[0], torch.randn(16, 16)) == (1, 0)
+
+
+def test_session_started_before_dynamo_is_imported(tmp_path):
+    """An O1 session without optimizers does not import Dynamo (seconds, and it rebinds
+    torch functions); the first torch.compile installs what methods and operators need."""
+    import subprocess
+    import sys
+    script = tmp_path / "lazy.py"
+    script.write_text(
+        "import sys, torch, torch.nn as nn, ampatch as amp\n"
+        "original = torch.compile\n"
+        "amp.initialize(nn.Linear(2, 2), opt_level='O4', verbosity=0)\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "graphs = []\n"
+        "def backend(gm, inputs):\n"
+        "    graphs.append(gm)\n"
+        "    return gm.forward\n"
+        "out = torch.compile(lambda x: (x @ x).softmax(-1), backend=backend)(torch.randn(3, 3))\n"
+        "casts = [n.args[1] for gm in graphs for n in gm.graph.nodes if n.target == 'to']\n"
+        "assert out.dtype == torch.float32 and casts == [torch.bfloat16] * 2 + [torch.float32], casts\n"
+        "amp.deinitialize()\n"
+        "assert torch.compile is original\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
