@@ -4,6 +4,10 @@ patched attribute back exactly as it was.
 Policy (which op gets which wrapper) lives in `ampatch.policy`; this module only knows
 how to wrap. Whether casts run is a per-thread switch (`_switch.enabled`), on by default in
 every thread, so `disable_casts()` and the optimizer step affect only their own thread.
+
+Each wrapper also carries a plain-Python twin (`make_traceable`) that `torch.compile`
+traces instead of the wrapper, so the casts become nodes of the captured graph (see
+`_FunctionWrapper`; `ampatch.dynamo` covers Tensor methods and operators).
 """
 from __future__ import annotations
 
