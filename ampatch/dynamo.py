@@ -135,8 +135,13 @@ def _install_now(patcher: Patcher) -> None:
                        "and operators (x.softmax(), x @ w) are not captured, only those of functions.", exc)
         return
 
+    def plain_tensor(v: Any) -> bool:
+        """A torch.Tensor in the traced code (not an ndarray, a subclass or a scalar Dynamo
+        models as a tensor: those keep Dynamo's own handling)."""
+        return type(v.realize() if hasattr(v, "realize") else v) is TensorVariable
+
     def tensor_call_method(self: Any, tx: Any, name: str, args: list, kwargs: dict) -> Any:
-        if _patched_method(name) is not None:
+        if type(self) is TensorVariable and _patched_method(name) is not None:
             return _trace_method(tx, name, [self, *args], kwargs)
         return call_method(self, tx, name, args, kwargs)
 
@@ -144,10 +149,11 @@ def _install_now(patcher: Patcher) -> None:
         names = _OPERATORS.get(self.fn) if len(args) == 2 and not kwargs else None
         if names is not None:
             left, right = args
-            if left.is_tensor():
+            if plain_tensor(left):
                 if _patched_method(names[0]) is not None:
                     return _trace_method(tx, names[0], [left, right], {})
-            elif right.is_tensor() and names[1] is not None and _patched_method(names[1]) is not None:
+            elif names[1] is not None and plain_tensor(right) and not left.is_tensor() \
+                    and _patched_method(names[1]) is not None:
                 return _trace_method(tx, names[1], [right, left], {})
         return call_function(self, tx, args, kwargs)
 
