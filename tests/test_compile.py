@@ -306,3 +306,20 @@ def test_session_started_before_dynamo_is_imported(tmp_path):
         "print('ok')\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("level", ["O2", "O3", "O5"])
+def test_model_cast_levels_compile(level):
+    """O2/O3/O5 cast the model instead of patching torch: compiled, it trains the same way."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(2, 8)
+    eager = model(x)
+    compiler, graphs = recording("aot_eager")
+    out = torch.compile(model, backend=compiler)(x)
+    assert out.dtype == eager.dtype and torch.equal(out, eager)
+    assert set(input_dtypes(graphs, is_linear)) == {torch.bfloat16}
+    with amp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
