@@ -286,7 +286,7 @@ def _decorator(kind: str) -> Callable[[Callable], Callable]:
             s = _Current.session
             if s is None or not s.properties.enabled or not s.properties.patch_torch_functions:
                 return fn(*args, **kwargs)
-            return s.decorated(kind, fn)(fn, None, args, kwargs)
+            return s.decorated(kind, fn)(*args, **kwargs)
         return wrapper
     return decorate
 

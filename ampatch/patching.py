@@ -4,6 +4,10 @@ patched attribute back exactly as it was.
 Policy (which op gets which wrapper) lives in `ampatch.policy`; this module only knows
 how to wrap. Whether casts run is a per-thread switch (`_switch.enabled`), on by default in
 every thread, so `disable_casts()` and the optimizer step affect only their own thread.
+
+Each wrapper also carries a plain-Python twin (`make_traceable`) that `torch.compile`
+traces instead of the wrapper, so the casts become nodes of the captured graph (see
+`_FunctionWrapper`; `ampatch.dynamo` covers Tensor methods and operators).
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from .tips import hint_dtype_error
 
 logger = logging.getLogger("ampatch")
 
-HALF, FLOAT, PROMOTE, SEQUENCE_PROMOTE, BANNED, BFLOAT16 = (
-    "half", "float", "promote", "sequence_promote", "banned", "bfloat16")
+HALF, FLOAT, PROMOTE, SEQUENCE_PROMOTE, BANNED, BFLOAT16, CPU_FLOAT = (
+    "half", "float", "promote", "sequence_promote", "banned", "bfloat16", "cpu_float")
 
 
 class _Switch(threading.local):
@@ -76,6 +80,7 @@ class Patcher:
     def __init__(self) -> None:
         self._records: list[_Record] = []
         self._index: dict[tuple[int, str], _Record] = {}
+        self._undo: list[Callable[[], None]] = []
 
     def __contains__(self, key: tuple[Any, str]) -> bool:
         return (id(key[0]), key[1]) in self._index
@@ -96,8 +101,17 @@ class Patcher:
         self._records.append(record)
         self._index[key] = record
 
+    def patched(self) -> list[tuple[Any, str, Any, Any]]:
+        """(owner, name, original, replacement) of every live patch, oldest first."""
+        return [(r.owner, r.name, r.original, r.patched) for r in self._records]
+
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Run `undo` in `restore_all`, after the attributes are back (newest first)."""
+        self._undo.append(undo)
+
     def restore_all(self) -> None:
-        """Undo every patch, newest first: originals back, inherited names deleted."""
+        """Undo every patch, newest first: originals back, inherited names deleted; then
+        the `on_restore` callbacks."""
         while self._records:
             rec = self._records.pop()
             del self._index[(id(rec.owner), rec.name)]
@@ -110,6 +124,8 @@ class Patcher:
                 setattr(rec.owner, rec.name, rec.original)
             elif rec.name in vars(rec.owner):
                 delattr(rec.owner, rec.name)
+        while self._undo:
+            self._undo.pop()()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -299,6 +315,15 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
         tick = ctx.counters.counter(op, "float32")
         return _cast_wrapper(original, tick, frozenset(_LOW), caster.for_dtype(torch.float32), caster.to_float,
                              timer)
+    if kind == CPU_FLOAT:
+        on_cpu = make_wrapper(FLOAT, op, original, ctx)
+
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            first = args[0] if args else instance
+            if isinstance(first, _Tensor) and first.device.type != "cpu":
+                return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+            return on_cpu(wrapped, instance, args, kwargs)
+        return wrapper
     if kind in (PROMOTE, SEQUENCE_PROMOTE):
         in_place = op.endswith("_") and not op.endswith("__")
         to_exact = caster.to_exact
@@ -372,8 +397,127 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
     return wrapper
 
 
-class _ModuleFunctionWrapper(wrapt.FunctionWrapper):
-    """A `wrapt.FunctionWrapper` for a plain Python function that is a module attribute.
+# --------------------------------------------------------------------------- torch.compile
+
+def traced(fn: Callable) -> Callable:
+    """Mark a function whose code (nested functions included) is meant for Dynamo to trace;
+    the rest of ampatch's O1 code is kept out of compilation (see `ampatch.dynamo`)."""
+    fn._ampatch_traced = True  # type: ignore[attr-defined]
+    return fn
+
+
+@traced
+def make_traceable(kind: str, op: str, original: Any, half_dtype: torch.dtype, allow_banned: bool = False,
+                   banned_message: str = "") -> Callable:
+    """The wrapper of one op as plain Python that Dynamo can inline, so the casts it makes
+    become nodes of the graph `torch.compile` captures (on every backend).
+
+    Same policy as `make_wrapper`, written with ops Dynamo understands (`isinstance`, dtype
+    tests, `Tensor.to`): no cast cache (the graph casts a weight once per use; the compiler
+    merges repeated casts), no counters, no per-thread switch (the wrapper's
+    `_torchdynamo_inline` picks this function or the original when Dynamo traces, and guards
+    on that choice). `original` is called unbound for Tensor methods, as in `make_wrapper`.
+    """
+    if kind == BFLOAT16:
+        kind, target = HALF, torch.bfloat16
+    else:
+        target = half_dtype
+    if kind == BANNED and allow_banned:
+        kind = FLOAT
+    if kind == CPU_FLOAT:
+        on_cpu = make_traceable(FLOAT, op, original, half_dtype)
+
+        def traceable(*args: Any, **kwargs: Any) -> Any:
+            if args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+                return original(*args, **kwargs)
+            return on_cpu(*args, **kwargs)
+    elif kind in (HALF, FLOAT):
+        if kind == HALF:
+            needs = tuple(d for d in _CASTABLE_TO_HALF if d is not target)
+        else:
+            needs, target = _LOW, torch.float32
+
+        def conv(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                return a.to(target) if a.dtype in needs else a
+            if type(a) is list:
+                return [conv(y) for y in a]
+            if type(a) is tuple:
+                return tuple([conv(y) for y in a])
+            return a
+
+        def traceable(*args: Any, **kwargs: Any) -> Any:
+            return original(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+    elif kind in (PROMOTE, SEQUENCE_PROMOTE):
+        in_place = op.endswith("_") and not op.endswith("__")
+
+        def widest_of(items: Any, found: Any) -> Any:
+            for t in items:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    found = t.dtype if found is None else torch.promote_types(found, t.dtype)
+                elif type(t) is list or type(t) is tuple:
+                    found = widest_of(t, found)
+            return found
+
+        def to_exact(a: Any, dtype: torch.dtype) -> Any:
+            if isinstance(a, torch.Tensor):
+                return a.to(dtype) if a.is_floating_point() and a.dtype != dtype else a
+            if type(a) is list:
+                return [to_exact(y, dtype) for y in a]
+            if type(a) is tuple:
+                return tuple([to_exact(y, dtype) for y in a])
+            return a
+
+        def traceable(*args: Any, **kwargs: Any) -> Any:
+            if in_place and args and isinstance(args[0], torch.Tensor):
+                dtype = args[0].dtype
+            else:
+                dtype = widest_of(list(kwargs.values()), widest_of(args, None))
+            if dtype is None:
+                return original(*args, **kwargs)
+            return original(*[to_exact(a, dtype) for a in args], **{k: to_exact(v, dtype) for k, v in kwargs.items()})
+    elif kind == BANNED:
+        def low(a: Any) -> bool:
+            if isinstance(a, torch.Tensor):
+                return a.dtype in _LOW
+            if type(a) is list or type(a) is tuple:
+                return any(low(y) for y in a)
+            return False
+
+        def traceable(*args: Any, **kwargs: Any) -> Any:
+            if any(low(a) for a in args) or any(low(v) for v in kwargs.values()):
+                raise NotImplementedError(banned_message)
+            return original(*args, **kwargs)
+    else:
+        raise ValueError(f"unknown cast kind {kind!r}")
+    traceable.__name__ = traceable.__qualname__ = f"ampatch_{kind}_{op}"
+    return traceable
+
+
+class _FunctionWrapper(wrapt.FunctionWrapper):
+    """A `wrapt.FunctionWrapper` that `torch.compile` traces through.
+
+    Dynamo takes a wrapt proxy of a torch builtin for that builtin (the proxy compares and
+    hashes equal to it), so it would capture the original op and no cast. An object that
+    carries `_torchdynamo_inline` is instead traced through that attribute (the convention
+    `torch.jit.script` and `torch.compile` wrappers use): here, the wrapper's plain-Python
+    twin from `make_traceable` while casts are on in the tracing thread, or the original op
+    while they are off. Dynamo guards on the attribute, so a compiled graph is reused only
+    under the same choice (a call inside `disable_casts()`, or after `deinitialize`,
+    recompiles without the casts).
+    """
+
+    @property
+    def _torchdynamo_inline(self) -> Any:
+        if _switch.enabled:
+            traceable = getattr(self, "_self_traceable", None)
+            if traceable is not None:
+                return traceable
+        return self.__wrapped__
+
+
+class _ModuleFunctionWrapper(_FunctionWrapper):
+    """A `_FunctionWrapper` for a plain Python function that is a module attribute.
 
     wrapt labels a Python function's binding "function" and, on every call of an unbound
     wrapper, looks up a `__self__` such a function never has (an AttributeError raised and
@@ -385,8 +529,8 @@ class _ModuleFunctionWrapper(wrapt.FunctionWrapper):
         super(wrapt.FunctionWrapper, self).__init__(wrapped, None, wrapper, None, "builtin")
 
 
-class _MethodWrapper(wrapt.FunctionWrapper):
-    """A `wrapt.FunctionWrapper` for an instance method of a class (`torch.Tensor.softmax`).
+class _MethodWrapper(_FunctionWrapper):
+    """A `_FunctionWrapper` for an instance method of a class (`torch.Tensor.softmax`).
 
     wrapt binds on every attribute access (`x.softmax` builds a bound method and a
     BoundFunctionWrapper); here the wrapper has the "builtin" binding and `__get__` returns a
@@ -420,14 +564,15 @@ def with_dtype_hint(wrapper: Callable, name: str) -> Callable:
 
 def wrap(kind: str, op: str, original: Any, ctx: WrapContext, banned_message: str = "",
          owner: Any = None, hint_name: str | None = None) -> wrapt.FunctionWrapper:
-    """A wrapt FunctionWrapper around `original` (keeps its name, docs and identity checks).
+    """A wrapt FunctionWrapper around `original` (keeps its name, docs and identity checks),
+    with its `torch.compile` twin (see `_FunctionWrapper`).
 
     `owner` is where it will be set (as attribute `op`): a Python function in a module, or an
     instance method of a class, gets a wrapper that skips wrapt's per-call binding work."""
     wrapper = make_wrapper(kind, op, original, ctx, banned_message)
     if hint_name is not None:
         wrapper = with_dtype_hint(wrapper, hint_name)
-    cls = None
+    cls: type[_FunctionWrapper] = _FunctionWrapper
     if isinstance(owner, types.ModuleType) and inspect.isfunction(original):
         cls = _ModuleFunctionWrapper
     elif isinstance(owner, type):
@@ -438,9 +583,9 @@ def wrap(kind: str, op: str, original: Any, ctx: WrapContext, banned_message: st
         if raw is original and (inspect.isfunction(raw) or inspect.ismethoddescriptor(raw)) \
                 and not isinstance(raw, (staticmethod, classmethod)):
             cls = _MethodWrapper
-    if cls is not None:
-        try:
-            return cls(original, wrapper)
-        except TypeError:  # a wrapt whose base constructor differs: the generic wrapper is fine
-            pass
-    return wrapt.FunctionWrapper(original, wrapper)
+    try:
+        proxy = cls(original, wrapper)
+    except TypeError:  # a wrapt whose base constructor differs: the generic wrapper is fine
+        proxy = _FunctionWrapper(original, wrapper)
+    proxy._self_traceable = make_traceable(kind, op, original, ctx.half_dtype, ctx.allow_banned, banned_message)
+    return proxy

@@ -2,19 +2,29 @@
 
 `nn.RNN/LSTM/GRU.forward` compare the input dtype with the weight dtype in Python before
 any patched function runs, so they are handled at the module level: the input (plain or
-packed) and hidden state go to half, and the flat weights are swapped for their cached
-half casts for the duration of the call. Gradients still reach the FP32 parameters.
+packed) and hidden state go to half, and the recurrence runs on half casts of the flat
+weights (cached, so cast once per iteration). Gradients still reach the FP32 parameters.
 RNN *cells* are plain functions and are patched through `torch._VF` by the policy.
+
+The module itself is never modified: the original `forward` runs on a shallow view of the
+module whose `_flat_weights` list holds the half casts. So one module can be called from
+several threads at once, and nothing half is left behind in the module if a call fails.
+
+Under `torch.compile` (with `torch._dynamo.config.allow_rnn`; by default Dynamo runs RNN
+modules eagerly, where the view above applies), Dynamo traces the plain-Python twin,
+which swaps `_flat_weights` for casts made in the graph and puts the list back.
 """
 from __future__ import annotations
 
+import functools
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import wrapt
 from torch.nn.utils.rnn import PackedSequence
 
-from .patching import Caster, Patcher, _switch
+from .patching import _CASTABLE_TO_HALF, Caster, Patcher, _ModuleFunctionWrapper, _switch, traced
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
 
@@ -27,20 +37,73 @@ def _to_half(x: Any, caster: Caster, dtype: torch.dtype) -> Any:
     return caster.to_half(x, dtype)
 
 
+def _half_view(module: torch.nn.Module, flat_weights: list) -> torch.nn.Module:
+    """A shallow copy of `module` (same parameters, buffers, settings) with its own
+    `_flat_weights`: the original forward runs on it and the module stays untouched."""
+    module._update_flat_weights()  # refresh after a functional_call etc., as forward would
+    view = object.__new__(type(module))
+    state = dict(vars(module))
+    state["_flat_weights"] = flat_weights
+    object.__setattr__(view, "__dict__", state)
+    return view
+
+
+@traced
+def _traceable_forward(original: Callable, dtype: torch.dtype) -> Callable:
+    """The forward Dynamo traces: casts as graph nodes, `_flat_weights` swapped and restored."""
+    needs = tuple(d for d in _CASTABLE_TO_HALF if d is not dtype)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(dtype) if x.dtype in needs else x
+        if isinstance(x, PackedSequence):
+            return x._replace(data=cast(x.data))
+        if isinstance(x, tuple):
+            return tuple([cast(y) for y in x])
+        return x
+
+    def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        flat = module._flat_weights
+        module._flat_weights = [None if w is None else cast(w) for w in flat]
+        try:
+            return original(module, *[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+        finally:
+            module._flat_weights = flat
+
+    forward.__name__ = forward.__qualname__ = f"ampatch_rnn_forward_{original.__qualname__}"
+    return forward
+
+
 def patch_rnn_modules(patcher: Patcher, caster: Caster, dtype: torch.dtype) -> None:
-    """Wrap the forward of every RNN class so the whole recurrence runs in `dtype`."""
+    """Replace the forward of every RNN class so the whole recurrence runs in `dtype`."""
     switch = _switch
 
-    def forward_in_half(wrapped, instance, args, kwargs):
-        if not switch.enabled or instance is None:
-            return wrapped(*args, **kwargs)
-        flat = instance._flat_weights
-        instance._flat_weights = [None if w is None else caster.to_half(w, dtype) for w in flat]
-        try:
-            return wrapped(*[_to_half(a, caster, dtype) for a in args],
-                           **{k: _to_half(v, caster, dtype) for k, v in kwargs.items()})
-        finally:
-            instance._flat_weights = flat
+    def forward_in_half(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        module, args = args[0], args[1:]
+        if not switch.enabled:
+            return wrapped(module, *args, **kwargs)
+        half = [None if w is None else caster.to_half(w, dtype) for w in module._flat_weights]
+        return wrapped(_half_view(module, half), *[_to_half(a, caster, dtype) for a in args],
+                       **{k: _to_half(v, caster, dtype) for k, v in kwargs.items()})
 
     for cls in RNN_CLASSES:
-        patcher.patch(cls, "forward", wrapt.FunctionWrapper(vars(cls)["forward"], forward_in_half))
+        original = vars(cls)["forward"]
+        twin = _ModuleFunctionWrapper(original, forward_in_half)
+        twin._self_traceable = _traceable_forward(original, dtype)
+        patcher.patch(cls, "forward", _class_forward(original, twin))
+
+
+@traced
+def _class_forward(original: Callable, twin: Any) -> Callable:
+    """The `forward` set on an RNN class: a plain function (Dynamo traces it like any
+    forward) calling the wrapt twin, which Dynamo traces through `_torchdynamo_inline`.
+
+    It carries the original's name, module, globals and `__wrapped__`, so `torch.jit.script`
+    compiles the original forward (its source, its overloads, the names it uses), which
+    runs without O1 casts like all scripted code."""
+    def forward(self: torch.nn.Module, *args: Any, _twin: Any = twin, **kwargs: Any) -> Any:
+        return _twin(self, *args, **kwargs)
+
+    fn = types.FunctionType(forward.__code__, original.__globals__, original.__name__)
+    fn.__kwdefaults__ = forward.__kwdefaults__
+    return functools.update_wrapper(fn, original)

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fsdp, policy, tips
-from .cache import CastCache
+from . import dynamo, fsdp, jit, policy, tips
+from .cache import CastCache, watch_data
 from .levels import Properties
 from .master import OptimizerHandle
 from .model import ModelHandle, params_to_cast, wrap_outputs
-from .patching import (BANNED, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
-                       WrapContext, make_wrapper, resolve_owner, with_dtype_hint, wrap)
+from .patching import (BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
+                       WrapContext, resolve_owner, wrap)
 from .policy import user as user_policy
 from .rnn import patch_rnn_modules
 from .scaler import LossScaler, StateDictKeyError, overflowed
@@ -35,7 +35,8 @@ logger = logging.getLogger("ampatch")
 SKIP_WARNING_AFTER = 50  # consecutive skipped steps before the first warning
 REPORT_ENV = "AMPATCH_REPORT"
 TIME_ENV = "AMPATCH_TIME_WRAPPERS"  # time every wrapper's own work (two clock reads per call)
-_LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE))
+_LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE),
+               ("CPU_FLOAT", CPU_FLOAT))
 
 
 def _check_one_master_each(optimizers: list[torch.optim.Optimizer], cast_ids: set[int]) -> None:
@@ -166,6 +167,9 @@ class Session:
             for name, message in getattr(lists, "BANNED", {}).items():
                 self._patch_one(owner, name, BANNED, ctx, message)
         patch_rnn_modules(self.patcher, ctx.caster, self.properties.half_dtype)
+        watch_data(self.cache, self.patcher)  # p.data changes drop p's casts (o1)
+        jit.install(self.patcher, self.cache)  # TorchScript: script without casts, trace with them (o1)
+        dynamo.install(self.patcher)  # torch.compile sees the casts of Tensor methods too (o1)
         logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
 
     def _patch_one(self, owner: Any, name: str, kind: str, ctx: WrapContext, message: str = "",
@@ -179,13 +183,14 @@ class Session:
         self.patcher.patch(owner, name, wrap(kind, name, getattr(owner, name), ctx, message, owner, hint))
 
     def decorated(self, kind: str, fn: Any) -> Any:
-        """The cast wrapper for a function decorated with `amp.half_function` & co., made once."""
+        """The cast wrapper for a function decorated with `amp.half_function` & co., made once:
+        a wrapt proxy of `fn`, called like `fn` (torch.compile traces its twin)."""
         key = (kind, fn)
         wrapper = self._decorated.get(key)
         if wrapper is None:
             name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', 'function')}"
-            wrapper = self._decorated[key] = with_dtype_hint(
-                make_wrapper(kind, getattr(fn, "__name__", "function"), fn, self._context()), name)
+            wrapper = self._decorated[key] = wrap(kind, getattr(fn, "__name__", "function"), fn, self._context(),
+                                                  hint_name=name)
         return wrapper
 
     def register_now(self, owner: Any, name: str, kind: str) -> None:

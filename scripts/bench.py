@@ -11,7 +11,7 @@ ratio. On a shared machine absolute times drift; ratios taken inside one round b
     python scripts/bench.py --fsdp                   # alone: FSDP2 peak memory per rank, O2 vs O0
 
 Sections (``--only``, comma-separated): ``transformer``, ``mlp``, ``cnn`` (``train`` = all
-three), ``micro``, ``memory``.
+three), ``micro``, ``memory``, ``compiled`` (the transformer step under torch.compile).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from torch import nn
 import ampatch as amp
 
 MODES = ("fp32", "autocast", "O1", "O2", "O3")
-SECTIONS = ("transformer", "mlp", "cnn", "micro", "memory")
+SECTIONS = ("transformer", "mlp", "cnn", "micro", "memory", "compiled")
 
 # The clock of every timed block (main() picks it). With one torch thread on CPU all the work
 # of a step runs on the calling thread (autograd runs a CPU backward on the caller), so the
@@ -629,6 +629,120 @@ def run_fsdp(args: argparse.Namespace, env: Env, argv: Sequence[str] | None) -> 
     return 0
 
 
+# ----------------------------------------------------------------------------- compiled
+
+COMPILED_TARGETS: dict[str, tuple[float, str]] = {
+    "compiled.O1/autocast": (1.02, "compiled transformer step, O1 / autocast"),
+    "compiled.O2/autocast": (1.02, "compiled transformer step, O2 / autocast"),
+}
+
+
+def bench_compiled(env: Env, quick: bool, log: Callable[[str], None], backend: str = "inductor") -> dict:
+    """The transformer step with its forward and loss under torch.compile (compiled once per
+    mode, after amp.initialize), at O1 and O2, against torch.compile + torch.autocast, plus
+    the graph breaks of each (torch._dynamo.explain). Optimizer and scale_loss run eagerly.
+
+    One phase per level: its session stays up while its rounds interleave with autocast's
+    (a new session would mean a new compile). Under the O1 session the autocast steps run
+    inside amp.disable_casts(): O1's patches are process-wide, and disabled they compile to
+    the plain ops, so autocast has one compiled graph per phase."""
+    import torch._dynamo
+
+    rounds, warmup, steps = (2, 1, 1) if quick else (7, 2, 3)
+    torch.manual_seed(0)
+    base, (x, y), loss_fn = transformer_workload(env)
+    modes = ("autocast", "O1", "O2")
+    models = {m: copy.deepcopy(base) for m in modes}
+    opts = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-4) for m in modes}
+
+    def forward_and_loss(model: nn.Module) -> Callable:
+        def fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return loss_fn(model(x), y)
+        return fwd
+
+    fwds = {m: forward_and_loss(models[m]) for m in modes}
+    compiled = {m: torch.compile(fwds[m], backend=backend) for m in modes}
+
+    def step(mode: str) -> None:
+        opt = opts[mode]
+        opt.zero_grad()
+        if mode == "autocast":
+            with amp.disable_casts(), env.autocast():
+                loss = compiled[mode](x, y)
+            with amp.disable_casts():
+                loss.backward()
+                opt.step()
+            return
+        loss = compiled[mode](x, y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    def graph_breaks(mode: str) -> dict[str, int]:
+        if mode == "autocast":
+            with env.autocast():
+                explained = torch._dynamo.explain(fwds[mode])(x, y)
+        else:
+            explained = torch._dynamo.explain(fwds[mode])(x, y)
+        return {"graphs": explained.graph_count, "graph_breaks": explained.graph_break_count}
+
+    breaks = {"autocast": graph_breaks("autocast")}
+    per_round: dict[str, list[float]] = {"O1": [], "O2": [], "autocast@O1": [], "autocast@O2": []}
+    recompiles = 0
+    for level in ("O1", "O2"):
+        amp.initialize(models[level], opts[level], opt_level=level, half_dtype=env.half, verbosity=0)
+        try:
+            breaks[level] = graph_breaks(level)
+            t0 = time.perf_counter()
+            for mode in ("autocast", level):  # compile outside the timed rounds
+                for _ in range(warmup):
+                    step(mode)
+            log(f"  compiled: {level} and autocast compiled with {backend} in {time.perf_counter() - t0:.1f} s")
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            for r in range(rounds):
+                for mode in rotated(("autocast", level), r):
+                    times = []
+                    with quiet_gc():
+                        for _ in range(steps):
+                            env.sync()
+                            t0 = CLOCK()
+                            step(mode)
+                            env.sync()
+                            times.append(CLOCK() - t0)
+                    per_round[level if mode == level else f"autocast@{level}"].append(statistics.median(times))
+                log(f"  compiled: {level} round {r + 1}/{rounds}")
+            recompiles += torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        finally:
+            amp.deinitialize()
+    ratios = {f"{level}/autocast": statistics.median(
+        a / b for a, b in zip(per_round[level], per_round[f"autocast@{level}"])) for level in ("O1", "O2")}
+    medians = {m: statistics.median(v) * 1e3 for m, v in per_round.items()}
+    medians["autocast"] = statistics.median(per_round["autocast@O1"] + per_round["autocast@O2"]) * 1e3
+    flat = {f"compiled.{k}": v for k, v in ratios.items()}
+    return {"backend": backend, "median_step_ms": medians, "ratios": ratios, "graph_breaks": breaks,
+            "recompiles_during_rounds": recompiles, "flat": flat,
+            "per_round_ms": {m: [v * 1e3 for v in vs] for m, vs in per_round.items()}}
+
+
+def render_compiled(c: dict) -> str:
+    """The compiled section's lines, with its targets."""
+    ms, b = c["median_step_ms"], c["graph_breaks"]
+    lines = [f"torch.compile (backend {c['backend']}), transformer step, median ms; graphs / graph breaks "
+             f"(torch._dynamo.explain); recompiles during the timed rounds: {c['recompiles_during_rounds']}",
+             f"{'':<12}{'autocast':>10}{'O1':>10}{'O2':>10}{'O1/autocast':>13}{'O2/autocast':>13}",
+             f"{'step ms':<12}{ms['autocast']:>10.2f}{ms['O1']:>10.2f}{ms['O2']:>10.2f}"
+             f"{c['ratios']['O1/autocast']:>13.3f}{c['ratios']['O2/autocast']:>13.3f}",
+             f"{'graphs/brk':<12}" + "".join(f"{b[m]['graphs']:>6}/{b[m]['graph_breaks']:<3}" for m in
+                                            ("autocast", "O1", "O2")),
+             "targets (issue 13)"]
+    for key, (limit, what) in COMPILED_TARGETS.items():
+        v = c["flat"][key]
+        lines.append(f"  {what:<55} {v:>8.3f}  <= {limit:<5} {'met' if v <= limit else 'MISSED'}")
+    same = all(b[m] == b["autocast"] for m in ("O1", "O2"))
+    lines.append(f"  {'graph breaks equal to autocast':<55} {'yes' if same else 'NO':>8}")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- report
 
 def flatten_ratios(results: dict) -> dict[str, float]:
@@ -788,6 +902,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[s] = bench_micro(env, cfg[s], log)
         elif s == "memory":
             results[s] = bench_memory(env, cfg[s], log)
+        elif s == "compiled":
+            results[s] = bench_compiled(env, args.quick, log)
         log(f"{s}: {time.perf_counter() - t0:.1f} s")
     meta = {"torch": torch.__version__, "device": str(env.device), "half_dtype": args.dtype,
             "threads": torch.get_num_threads(),
@@ -795,12 +911,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "clock": ("thread CPU time (time.thread_time)" if args.clock == "thread" else "wall (perf_counter)"),
             "cpu": cpu_name(), "python": platform.python_version(),
             "command": " ".join(["python", "scripts/bench.py"] + list(sys.argv[1:] if argv is None else argv)),
-            "quick": args.quick, "sections": sections, "rounds": {s: cfg[s] for s in sections},
+            "quick": args.quick, "sections": sections, "rounds": {s: cfg.get(s) for s in sections},
             "seconds": round(time.perf_counter() - start, 1)}
     flat = flatten_ratios(results)
     targets = {k: {"limit": lim, "value": flat[k], "met": flat[k] <= lim, "what": what}
                for k, (lim, what) in TARGETS.items() if k in flat}
     print(render(results, flat, meta))
+    if "compiled" in results:  # torch.compile: its own block and targets (issue 13)
+        flat.update(results["compiled"]["flat"])
+        targets.update({k: {"limit": lim, "value": flat[k], "met": flat[k] <= lim, "what": what}
+                        for k, (lim, what) in COMPILED_TARGETS.items()})
+        print("\n" + render_compiled(results["compiled"]))
     print(f"\n({meta['seconds']} s)")
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,8 @@ One module per patched namespace. Each defines tuples of attribute names:
   them; an in-place op (``name_``) casts the others to ``self``'s dtype instead. Only ops that
   fail or mis-type with mixed float dtypes on current torch are listed (tests prove each).
 - ``SEQUENCE_PROMOTE``: the same for an op whose first argument is a list of tensors.
+- ``CPU_FLOAT``: FLOAT when the op's input is on the CPU, where it has no half kernel;
+  left alone on other devices (optional in a namespace module).
 - ``BANNED``: name -> message naming the safe alternative; with ``allow_banned=True`` the
   op runs in FP32 instead.
 

@@ -24,17 +24,25 @@ from __future__ import annotations
 # Deliberate differences
 # ----------------------
 # From the torch.autocast op reference (CUDA and CPU lists):
-# - binary_cross_entropy is BANNED (raises with the fix): CUDA autocast also refuses it,
-#   CPU autocast silently runs it in FP32. allow_banned=True gives the CPU behaviour.
+# - binary_cross_entropy is BANNED for half inputs (raises with the fix; FP32 inputs run, as
+#   in Apex, since there is nothing to protect). CUDA autocast refuses it for every input;
+#   CPU autocast runs it in FP32. allow_banned=True runs it in FP32 here too.
 # - softmin, normalize, local_response_norm, multilabel_soft_margin_loss,
 #   gaussian_nll_loss, triplet_margin_with_distance_loss, pairwise_distance, ctc_loss and
 #   cross_entropy are FLOAT as functions (autocast covers some only through the kernels
 #   they call, or only on CPU).
 # - interpolate is FLOAT as a whole (autocast: the upsample_* kernels, CUDA list only);
 #   the deprecated upsample/upsample_nearest/upsample_bilinear call it and are covered.
-# - grid_sample and embedding_bag are PROMOTE: both fail with mixed dtypes
-#   (autocast: grid_sampler is promote; embedding_bag is not listed).
-# - Pooling ops from the CPU FP32 list are not listed: their bfloat16 CPU kernels exist.
+# - grid_sample is FLOAT: its sampling coordinates need more than bfloat16's 8 bits (just
+#   below 1.0 a bfloat16 step is 2**-8, a whole pixel of a 512-wide image). Autocast: FP32
+#   on CPU, promote on CUDA.
+# - embedding_bag is PROMOTE: it fails with mixed dtypes (per_sample_weights); autocast
+#   does not list it.
+# - avg_pool3d is CPU_FLOAT (FP32 when its input is on the CPU): it has no bfloat16/float16
+#   CPU kernel; lp_pool3d calls it. Autocast: in the CPU FP32 list. The other pooling and
+#   padding ops of that list have half CPU kernels on torch 2.13 (max_pool3d,
+#   adaptive_avg/max_pool3d, fractional_max_pool3d, max_unpool3d, reflection and
+#   replication pads; tests run each one in both half dtypes), so they are left alone.
 # From Apex amp (functional_overrides.py):
 # - Added to HALF: prelu, scaled_dot_product_attention.
 # - Added to FLOAT: rms_norm, pdist, pairwise_distance, gaussian_nll_loss, huber_loss,
@@ -72,6 +80,7 @@ FLOAT: tuple[str, ...] = (
     "pdist",
     # resampling
     "interpolate",
+    "grid_sample",
     # losses
     "binary_cross_entropy_with_logits",
     "cosine_embedding_loss",
@@ -98,8 +107,12 @@ FLOAT: tuple[str, ...] = (
 # Each fails with float32 mixed with bfloat16/float16 on torch 2.13 (tests prove it).
 PROMOTE: tuple[str, ...] = (
     "bilinear",
-    "grid_sample",
     "embedding_bag",
+)
+
+# FP32 when the input is on the CPU, where these have no half kernel; untouched elsewhere.
+CPU_FLOAT: tuple[str, ...] = (
+    "avg_pool3d",
 )
 
 SEQUENCE_PROMOTE: tuple[str, ...] = ()

@@ -14,8 +14,11 @@ from __future__ import annotations
 # ----------------------
 # From the torch.autocast op reference:
 # - matmul is listed explicitly (autocast reaches it through aten::matmul).
-# - Norms, decompositions and solvers are FLOAT on every device (autocast: linalg_vector_norm
-#   / linalg_matrix_norm on all devices, the rest only in the CPU list).
+# - Norms, decompositions and solvers are FLOAT on every device. Autocast differs per device
+#   (measured on torch 2.13, CPU): linalg_vector_norm / linalg_matrix_norm are FP32 only in
+#   its CUDA lists (the "set dtype" list); CPU autocast does not register them, so a bfloat16
+#   input stays bfloat16 there, as for linalg.norm, det and matrix_exp. Most decompositions
+#   and solvers (inv, svd, cholesky, qr, eigh, solve, lstsq, cond) are FP32 in the CPU list.
 # - cross is PROMOTE (autocast: linalg_cross is not listed; it fails with mixed dtypes).
 # From Apex amp: Apex predates torch.linalg and patched none of it.
 

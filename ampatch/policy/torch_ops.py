@@ -22,19 +22,28 @@ from __future__ import annotations
 #   matrix_exp) are FLOAT on every device; autocast lists most only for CPU.
 # - complex is FLOAT like polar (no bfloat16 complex type; complex32 is barely supported).
 # - HALF is the union of the CUDA and CPU lower-precision lists: one policy on every device.
-# - PROMOTE keeps autocast's bilinear, dot, vdot, cross, tensordot, grid_sampler, index_put,
+# - grid_sampler is FLOAT (see grid_sample in functional.py; autocast: FP32 on CPU, promote
+#   on CUDA).
+# - PROMOTE keeps autocast's bilinear, dot, vdot, cross, tensordot, index_put,
 #   scatter_add, and adds ops measured to fail with mixed dtypes: inner, lerp, index_copy,
 #   index_add, index_reduce, scatter, scatter_reduce, masked_scatter, put, embedding_bag
 #   (per_sample_weights), isclose, allclose, meshgrid, cartesian_prod.
 # - addcdiv, addcmul, atan2 are not PROMOTE: they promote natively now (NATIVELY_PROMOTING).
 # - CPU-only FP32 entries left out: pooling and padding kernels (max_pool3d,
-#   adaptive_avg_pool3d, reflection/replication pads...: bfloat16 CPU kernels exist now),
+#   adaptive_avg_pool3d, reflection/replication pads...: half CPU kernels exist on torch
+#   2.13; avg_pool3d, which has none, is CPU_FLOAT in functional.py, its only entry point),
 #   view_as_complex (a view; a cast would silently make a copy), and the torch.fft namespace
 #   (not a patched namespace).
+# - _transformer_encoder_layer_fwd and _native_multi_head_attention are HALF (autocast: the
+#   latter is in its lower-precision lists): nn.TransformerEncoderLayer and
+#   nn.MultiheadAttention call them directly for inference (eval, no grad), skipping that
+#   fast path only when torch.autocast is on. Listed, the fused path runs in half with half
+#   weights, as the per-op path does in training, instead of failing on a half input.
 # - Deprecated aliases frobenius_norm / nuclear_norm are not listed (torch.norm and
 #   torch.linalg.*_norm cover them), nor private or internal kernels (_convolution,
 #   native_layer_norm, _thnn_fused_*_cell, _scaled_dot_product_flash_attention, nll_loss2d,
-#   upsample_* kernels): the public entry points that reach them are listed instead.
+#   upsample_* kernels): the public entry points that reach them are listed instead (the
+#   transformer fast path above is the exception: modules call it directly).
 # - binary_cross_entropy is not reachable as torch.binary_cross_entropy; it is BANNED in
 #   functional.py (autocast raises on CUDA and runs it in FP32 on CPU).
 # From Apex amp (torch_overrides.py):
@@ -76,6 +85,9 @@ HALF: tuple[str, ...] = (
     "chain_matmul",
     "einsum",
     "prelu",
+    # the fused inference path of nn.TransformerEncoderLayer / nn.MultiheadAttention
+    "_transformer_encoder_layer_fwd",
+    "_native_multi_head_attention",
     # RNN cells (nn.*Cell call them through torch._VF, see vf.py; same objects as these)
     "rnn_tanh_cell",
     "rnn_relu_cell",
@@ -159,6 +171,8 @@ FLOAT: tuple[str, ...] = (
     "istft",
     "polar",
     "complex",
+    # resampling (F.grid_sample calls it)
+    "grid_sampler",
 )
 
 # Each fails with float32 mixed with bfloat16/float16 on torch 2.13 (tests prove it).
@@ -181,7 +195,6 @@ PROMOTE: tuple[str, ...] = (
     "scatter_reduce",
     "masked_scatter",
     "put",
-    "grid_sampler",
     "embedding_bag",
     "isclose",
     "allclose",

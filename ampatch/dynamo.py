@@ -1,0 +1,164 @@
+"""torch.compile under O1/O4: Tensor methods and operators, as Dynamo sees them.
+
+Patched functions (`torch.*`, `F.*`, `torch.linalg.*`, `torch.Tensor.softmax(x)`) carry
+their own plain-Python twin, which Dynamo inlines (`patching._FunctionWrapper`). Method
+calls and operators on tensors (`x.softmax(-1)`, `x @ w`, `x ** 2`) never look at
+`torch.Tensor`'s attributes inside Dynamo: it records the method name or the operator
+directly. So, while a session patches torch, two Dynamo entry points are wrapped (and put
+back by `deinitialize`, like every other patch):
+
+- `TensorVariable.call_method`: a call of a method that ampatch patched on `torch.Tensor`
+  is traced through that patch, read from `torch.Tensor` with a source, so the compiled
+  code is guarded on it (and recompiles after `deinitialize` or inside `disable_casts()`);
+- `BuiltinVariable.call_function`: `a @ b`, `a ** b`, `2 ** a`, `2 / a` on tensors become
+  the `__matmul__`, `__pow__`, `__rpow__`, `__rtruediv__` calls Python would make, when
+  those are patched.
+
+The patch's own call of the original method comes back to these entry points; a per-thread
+stack of the names being traced lets it through. If this torch's Dynamo lacks the entry
+points, `install` logs a warning and compiled code keeps only the function casts.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import wrapt
+
+from . import cache, patching, rnn
+from .patching import Patcher, _FunctionWrapper
+
+logger = logging.getLogger("ampatch")
+
+# operator -> (method Python calls on the left operand, reflected method on the right one)
+_OPERATORS: dict[Callable, tuple[str, str | None]] = {
+    operator.matmul: ("__matmul__", "__rmatmul__"),
+    operator.pow: ("__pow__", "__rpow__"),
+    operator.truediv: ("__truediv__", "__rtruediv__"),
+}
+
+
+class _Tracing(threading.local):
+    """Names whose patch Dynamo is tracing right now, innermost last (per tracing thread)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+
+_tracing = _Tracing()
+
+
+def _patched_method(name: str) -> _FunctionWrapper | None:
+    """torch.Tensor.<name> when ampatch patched it, and Dynamo is not inside that patch."""
+    if _tracing.names and _tracing.names[-1] == name:
+        return None
+    wrapper = vars(torch.Tensor).get(name)  # a patch is set on torch.Tensor itself
+    return wrapper if isinstance(wrapper, _FunctionWrapper) else None
+
+
+def _trace_method(tx: Any, name: str, args: list, kwargs: dict) -> Any:
+    """Trace `torch.Tensor.<name>(*args, **kwargs)` through ampatch's patch, guarded on it."""
+    from torch._dynamo.source import AttrSource
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    source = AttrSource(AttrSource(tx.import_source("torch"), "Tensor"), name)
+    fn = VariableBuilder(tx, source)(getattr(torch.Tensor, name))
+    _tracing.names.append(name)
+    try:
+        return fn.call_function(tx, list(args), dict(kwargs))
+    finally:
+        _tracing.names.pop()
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """`code` and every function body nested in it."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _eager_codes() -> Iterator[types.CodeType]:
+    """The code of ampatch's eager O1 path: the wrappers, the cast cache, the RNN forward.
+
+    Dynamo must never compile these frames on its own (it would happen in the eager parts
+    of a compiled function, after a graph break): they read per-thread state that Dynamo
+    cannot guard and look up parameters by id, so each parameter would recompile. The
+    twins of `make_traceable` (and the `_torchdynamo_inline` choice) are what Dynamo traces.
+    """
+    for module in (patching, cache, rnn):
+        for obj in vars(module).values():
+            if getattr(obj, "__module__", None) != module.__name__ or getattr(obj, "_ampatch_traced", False):
+                continue
+            functions = [obj] if inspect.isfunction(obj) else [
+                f for f in vars(obj).values() if inspect.isfunction(f)] if inspect.isclass(obj) else []
+            for fn in functions:
+                yield from _codes(fn.__code__)
+
+
+def install(patcher: Patcher) -> None:
+    """Wrap Dynamo's method and operator entry points for the session (see the module doc).
+
+    Importing Dynamo takes a second or two (and rebinds a few torch functions), so a
+    session that starts before anything imported it installs on the first `torch.compile`
+    call instead (`torch.compiler.compile` and `Module.compile` go through it too)."""
+    if "torch._dynamo" in sys.modules:
+        _install_now(patcher)
+        return
+    lock, done = threading.Lock(), []
+
+    def compile_first(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        with lock:
+            if not done:
+                done.append(True)
+                _install_now(patcher)
+        return wrapped(*args, **kwargs)
+
+    patcher.patch(torch, "compile", wrapt.FunctionWrapper(torch.compile, compile_first))
+
+
+def _install_now(patcher: Patcher) -> None:
+    try:
+        from torch._dynamo.variables.builtin import BuiltinVariable
+        from torch._dynamo.variables.tensor import TensorVariable
+        call_method = vars(TensorVariable)["call_method"]
+        call_function = vars(BuiltinVariable)["call_function"]
+    except (ImportError, KeyError) as exc:
+        logger.warning("ampatch: this torch's Dynamo has no %s; under torch.compile, casts of Tensor methods "
+                       "and operators (x.softmax(), x @ w) are not captured, only those of functions.", exc)
+        return
+
+    def plain_tensor(v: Any) -> bool:
+        """A torch.Tensor in the traced code (not an ndarray, a subclass or a scalar Dynamo
+        models as a tensor: those keep Dynamo's own handling)."""
+        return type(v.realize() if hasattr(v, "realize") else v) is TensorVariable
+
+    def tensor_call_method(self: Any, tx: Any, name: str, args: list, kwargs: dict) -> Any:
+        if type(self) is TensorVariable and _patched_method(name) is not None:
+            return _trace_method(tx, name, [self, *args], kwargs)
+        return call_method(self, tx, name, args, kwargs)
+
+    def builtin_call_function(self: Any, tx: Any, args: list, kwargs: dict) -> Any:
+        names = _OPERATORS.get(self.fn) if len(args) == 2 and not kwargs else None
+        if names is not None:
+            left, right = args
+            if plain_tensor(left):
+                if _patched_method(names[0]) is not None:
+                    return _trace_method(tx, names[0], [left, right], {})
+            elif names[1] is not None and plain_tensor(right) and not left.is_tensor() \
+                    and _patched_method(names[1]) is not None:
+                return _trace_method(tx, names[1], [right, left], {})
+        return call_function(self, tx, args, kwargs)
+
+    from torch._dynamo.eval_frame import skip_code
+    for code in _eager_codes():  # a set in torch: adding twice is harmless
+        skip_code(code)
+    patcher.patch(TensorVariable, "call_method", tensor_call_method)
+    patcher.patch(BuiltinVariable, "call_function", builtin_call_function)
