@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import policy, tips
+from . import hardware, policy, tips
 from .cache import CastCache
 from .levels import Properties
 from .master import OptimizerHandle
@@ -58,11 +58,13 @@ class Session:
         self.closed = False
         self._wrap_ctx: WrapContext | None = None
         self._decorated: dict[tuple[str, Any], Any] = {}
+        self.device: dict[str, Any] = {}  # hardware.check_half: the device and its half-precision paths
 
     # ------------------------------------------------------------------ set-up
     def setup(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         """Cast models, make masters, patch optimizers and (O1/O4) torch itself."""
         props = self.properties
+        self.device = hardware.check_half(models, props, self.verbosity)
         if not props.enabled:
             return
         tips.log_dims_tip(models, self.verbosity, props.opt_level)
@@ -270,6 +272,7 @@ class Session:
             step_times_s=list(t.step_times),
             losses=list(t.losses),
             peak_memory_bytes=peak_memory_bytes(),
+            device=dict(self.device),
         )
 
     # ------------------------------------------------------------------ teardown

@@ -5,6 +5,8 @@ curve cost a clock read and a host sync per step, so they are recorded only when
 (`record=True`, which `AMPATCH_REPORT` turns on for the `ampatch` command). Timing every
 wrapper costs two clock reads per patched call, so it has its own switch
 (`time_wrappers=True`, `AMPATCH_TIME_WRAPPERS=1`); otherwise the report says "not measured".
+While recording, `AMPATCH_PROGRESS=PATH` appends "step loss" per optimizer step to PATH: the
+live progress `ampatch compare` shows inside each level.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+PROGRESS_ENV = "AMPATCH_PROGRESS"
 
 
 def count_value(counter: itertools.count) -> int:
@@ -60,6 +65,7 @@ class Telemetry:
         self.scale_loss_time = 0.0
         self._last_step: float | None = None
         self._lock = threading.Lock()
+        self._progress = os.environ.get(PROGRESS_ENV) if record else None
 
     def add_wrapper_time(self, seconds: float) -> None:
         with self._lock:
@@ -78,6 +84,12 @@ class Telemetry:
             if self._last_step is not None:
                 self.step_times.append(now - self._last_step)
             self._last_step = now
+            if self._progress:
+                try:
+                    with open(self._progress, "a") as f:
+                        f.write(f"{self.steps} {self.losses[-1] if self.losses else float('nan')}\n")
+                except OSError:  # the command that asked for it went away: never fail a step for it
+                    self._progress = None
 
 
 def peak_memory_bytes() -> int:
@@ -108,6 +120,7 @@ class Report:
     step_times_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
+    device: dict[str, Any] = field(default_factory=dict)  # hardware.check_half: device, half native?
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -119,6 +132,7 @@ class Report:
     def __str__(self) -> str:
         lines = [f"ampatch report: opt_level={self.opt_level} half_dtype={self.half_dtype} "
                  f"enabled={self.enabled}",
+                 *([f"  device: {self.device['summary']}"] if self.device.get("summary") else []),
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
                  + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),
                  f"  cast cache: {self.cache['hits']} hits, {self.cache['misses']} misses",
