@@ -251,12 +251,13 @@ def slow_half_note(d: dict[str, Any], dtypes: Iterable[str]) -> str | None:
     if not slow:
         return None
     what = " and ".join(slow)
+    verb = "is" if len(slow) == 1 else "are"
     if d.get("type") == "cpu":
-        return (f"note: {what} {'is' if len(slow) == 1 else 'are'} emulated on this CPU (no native "
-                f"{'AVX512-BF16/AMX' if 'bfloat16' in slow else 'AVX512-FP16/AMX-FP16'} instructions), so the "
-                "half levels are slower than O0 here: their speed-up column shows the cost of emulation, not "
-                "what mixed precision gives. The loss columns and O2/O3/O5's memory saving still hold. For "
-                "speed on this machine use O0; on a CPU with AVX512-BF16 or AMX, or a CUDA GPU, the half "
-                "levels are faster than O0.")
-    return (f"note: {what} has no fast path on this {d.get('type')} device ({d.get('name')}), so the half "
-            "levels are not faster than O0 here; see the README, 'Know the hardware'.")
+        need = " / ".join(("AVX512-BF16 or AMX" if n == "bfloat16" else "AVX512-FP16 or AMX-FP16") for n in slow)
+        return (f"note: {what} {verb} emulated on this CPU (no {need} instructions), so the half levels are "
+                "expected to be slower than O0 here: their speed-up shows the cost of emulation, not what mixed "
+                f"precision gives where {what} {verb} native (CPUs with those instructions, CUDA GPUs). The loss "
+                "columns and the memory of O2/O3/O5 still hold. For speed on this machine, use O0.")
+    basis = "; ".join((d.get("basis") or {}).get(n, "") for n in slow)
+    return (f"note: {what} {verb} not native on {d.get('name')} ({basis}), so the half levels are expected "
+            "to be no faster than O0 here.")

@@ -350,8 +350,8 @@ def test_forced_half_dtype(monkeypatch):
 # ------------------------------------------------------------------ wrapped models
 def test_data_parallel_is_refused():
     model = bn_model()
-    dp = nn.DataParallel(model)  # constructible on CPU: no devices, plain pass-through
-    assert dp.device_ids == []
+    dp = nn.DataParallel(model)  # on CPU: no devices, plain pass-through; with CUDA: every GPU
+    assert dp.device_ids == list(range(torch.cuda.device_count()))
     with pytest.raises(RuntimeError, match="DataParallel") as err:
         amp.initialize(dp, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2")
     assert "after" in str(err.value) or "then wrap" in str(err.value)
