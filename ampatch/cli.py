@@ -39,6 +39,10 @@ WARMUP_FRACTION = 0.2                  # share of step times skipped before the 
 FINAL_LOSS_WINDOW = 5                  # "final loss" is the mean of this many last losses
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 DEFAULT_BUDGET_S = 120.0               # built-in workloads: the whole compare, start-ups included
+# One torch thread by default: on a shared 2-core machine two threads waiting on each other's
+# barrier made the lm workload's O0 step 8x slower (2.6 s against 0.34 s with one).
+DEFAULT_THREADS = 1
+FEW_STEPS = 20                         # below this many compared steps, the table says it is thin
 
 
 class CliError(Exception):
@@ -70,6 +74,12 @@ def _levels(text: str) -> list[str]:
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _threads(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--threads must be 0 (torch's default) or a positive number, got {text!r}")
     return int(text)
 
 
@@ -109,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     cmp.add_argument("--device", help="device for the built-in workloads: auto (default: CUDA when "
                      "available, else CPU), cpu, cuda, cuda:1, ...")
+    cmp.add_argument("--threads", type=_threads, metavar="N",
+                     help=f"torch threads of the built-in workloads (default {DEFAULT_THREADS}: stable "
+                          "timings on a shared machine; 0: torch's default)")
     cmp.add_argument("--json", metavar="PATH", help="write all rows, loss curves included")
     cmp.add_argument("--plot", metavar="PATH", help="write a PNG of loss curves and loss scale")
     cmp.add_argument("--half-dtype", **half)
@@ -613,7 +626,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     budget, upto, fallback = None, None, "cpu"
     if args.command is not None:
         given = [o for o, v in (("--steps", args.steps), ("--workload", args.workload),
-                                ("--device", args.device)) if v is not None]
+                                ("--device", args.device), ("--threads", args.threads)) if v is not None]
         given += ["--budget"] if hasattr(args, "budget") else []
         if given:
             raise CliError(f"{'/'.join(given)} apply to the built-in workloads; "
@@ -633,18 +646,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _announce_machine(device, args.levels, args.half_dtype)
         if seconds is not None:
             budget = Budget(seconds, steps)
-        cmd_for = {level: _workload_command(workload, level, device) for level in args.levels}
-        header = {"workload": workload, "steps": steps, "budget_s": seconds, "device": device}
+        threads = DEFAULT_THREADS if args.threads is None else args.threads
+        cmd_for = {level: _workload_command(workload, level, device, threads) for level in args.levels}
+        header = {"workload": workload, "steps": steps, "budget_s": seconds, "device": device,
+                  "threads": threads}
         rows, interrupted = run_all(cmd_for, args.half_dtype, budget, steps)
         ran = common_steps(rows)
         upto = ran if budget is not None else None
-        title = f"ampatch compare: workload {workload}, {steps} steps"
+        where = f"{device}, {threads} torch thread{'s' if threads != 1 else ''}" if threads else device
+        title = f"ampatch compare: workload {workload} ({where}), {steps} steps"
         if budget is not None:
-            title = (f"ampatch compare: workload {workload}, up to {steps} steps in a {seconds:g}s budget"
-                     + (f" (losses compared over the first {ran} steps)" if ran is not None else ""))
+            title = (f"ampatch compare: workload {workload} ({where}), up to {steps} steps in a {seconds:g}s "
+                     "budget" + (f" (losses compared over the first {ran} steps)" if ran is not None else ""))
     rows = summarize_all(rows, upto)
     machine, note = machine_of(rows, fallback)
     notes = [note or ""]
+    if budget is not None and upto is not None and upto < FEW_STEPS:
+        notes.append(f"note: the {budget.seconds:g}s budget left time for only {upto} steps per level on this "
+                     "machine (busy, or slow for this workload), so warm-up weighs on the step times and the "
+                     "losses have barely moved: give it more time (--budget 5m) or fewer levels (--levels O0,O2).")
     if interrupted:
         notes.append(f"interrupted: {len(rows)} of {len(cmd_for)} levels finished "
                      f"({', '.join(r['level'] for r in rows) or 'none'}).")
@@ -679,8 +699,9 @@ def _workload_device(name: str | None) -> str:
     return name
 
 
-def _workload_command(workload: str, level: str, device: str) -> CommandFor:
-    base = [sys.executable, "-m", f"ampatch.workloads.{workload}", "--opt-level", level, "--device", device]
+def _workload_command(workload: str, level: str, device: str, threads: int) -> CommandFor:
+    base = [sys.executable, "-m", f"ampatch.workloads.{workload}", "--opt-level", level, "--device", device,
+            "--threads", str(threads)]
 
     def make(steps: int | None, deadline: float | None) -> list[str]:
         return base + ["--steps", str(steps)] + ([] if deadline is None else ["--deadline", f"{deadline:.3f}"])

@@ -161,6 +161,8 @@ def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
     (["compare", "--budget", "soon"], "expected a time"),
     (["compare", "--budget", "60", "--", "python", "x.py"], "--budget apply to the built-in workloads"),
     (["compare", "--device", "cpu", "--", "python", "x.py"], "--device apply to the built-in workloads"),
+    (["compare", "--threads", "2", "--", "python", "x.py"], "--threads apply to the built-in workloads"),
+    (["compare", "--threads", "-1"], "--threads must be"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str],
                                             message: str) -> None:
@@ -342,6 +344,8 @@ def test_compare_within_a_budget(tmp_path: Path) -> None:
     assert 3 <= o5["steps"] <= o0["steps"] <= 150        # later levels never run more steps
     assert data["compared_steps"] == min(len(o0["losses"]), len(o5["losses"])) == o5["steps"]
     assert "in a 14s budget" in proc.stdout and f"compared over the first {o5['steps']} steps" in proc.stdout
+    assert "(cpu, 1 torch thread)" in proc.stdout and data["threads"] == 1
+    assert ("left time for only" in proc.stdout) is (o5["steps"] < cli.FEW_STEPS)
     native = hardware.describe("cpu").native["bfloat16"]
     assert o5["report"]["device"]["half_native"] is native
     assert "machine: cpu: " in proc.stdout and ("bfloat16 not native" in proc.stdout) is (not native)

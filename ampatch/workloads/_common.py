@@ -32,6 +32,8 @@ def parse_args(name: str, argv: Sequence[str] | None, default_steps: int) -> arg
     p.add_argument("--log-every", type=int, default=0, help="log the loss every N steps")
     p.add_argument("--device", default="auto",
                    help="device to train on: auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads (0: torch's default; `ampatch compare` passes 1)")
     p.add_argument("--deadline", type=float, default=None, metavar="EPOCH",
                    help="stop early (after at least %d steps) when the next step would end after this "
                         "time.time() value; `ampatch compare --budget` sets it" % MIN_STEPS)
@@ -110,6 +112,8 @@ def run(name: str, argv: Sequence[str] | None, default_steps: int,
     args = parse_args(name, argv, default_steps)
     if args.log_every:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, optimizer, batches, loss_fn = build(args)
     train(model, optimizer, batches, loss_fn, args)
