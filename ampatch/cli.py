@@ -321,6 +321,10 @@ class Progress:
             self.seen.append((time.perf_counter(), step))
         self.step, self.loss = step, loss
 
+    def start_s(self) -> float | None:
+        """Seconds from the launch to the first step seen (None: no step seen)."""
+        return self.seen[0][0] - self.start if self.seen else None
+
     def exit_s(self) -> float | None:
         """Seconds from the last step seen to the end of the run (None: no step seen)."""
         return self.closed_at - self.seen[-1][0] if self.seen and self.closed_at else None
@@ -417,29 +421,40 @@ def _last_error_line(stderr: str) -> str | None:
 class Budget:
     """A time budget for the whole comparison of a built-in workload.
 
-    Each level gets an equal share of the time left (a level that ends early leaves its rest
-    to the later ones) and at most as many steps as the levels before it ran, so every level
-    runs (about) the same number of steps and the losses compare step for step. The workload
-    itself stops before its share ends (``--deadline``), measuring its own step time.
+    Each level gets a share of the time left: its start-up and exit, plus a part of the rest
+    in proportion to its weight (the expected cost of one of its steps: 1 for O0, more for a
+    half level where the half dtype is emulated); a level that ends early leaves its rest to
+    the later ones. A level runs at most as many steps as the levels before it, so every
+    level runs (about) the same number of steps and the losses compare step for step. The
+    workload itself stops before its share ends (``--deadline``), timing its own steps.
     """
 
     seconds: float
     max_steps: int
+    weights: dict[str, float] = field(default_factory=dict)  # level -> relative cost of a step
     clock: Callable[[], float] = time.time  # wall clock shared with the runs (their --deadline)
-    exit_s: float = 1.0  # a run's time from its last step to its exit (report, teardown); learnt
+    start_s: float = 4.0  # a run's time from launch to its first step's end (imports, build); learnt
+    exit_s: float = 1.0   # a run's time from its last step to its exit (report, teardown); learnt
     start: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.start = self.clock()
 
-    def next_run(self, levels_left: int, steps_done: Sequence[int]) -> tuple[int, float]:
-        """(step cap, time.time() deadline for the last step) for the next level."""
+    def next_run(self, levels: Sequence[str], steps_done: Sequence[int]) -> tuple[int, float]:
+        """(step cap, time.time() deadline for its last step) for ``levels[0]``, the next of
+        the levels still to run."""
         now = self.clock()
-        share = max(0.0, self.start + self.seconds - now) / max(1, levels_left)
+        left = max(0.0, self.start + self.seconds - now)
+        fixed = self.start_s + self.exit_s
+        spare = max(0.0, left - fixed * len(levels))
+        weights = [self.weights.get(level, 1.0) for level in levels]
+        share = fixed + spare * weights[0] / sum(weights)
         return min([self.max_steps, *steps_done]), now + share - self.exit_s
 
-    def ran(self, exit_s: float | None) -> None:
-        """Learn from a finished run how long its exit took (the slowest seen counts)."""
+    def ran(self, start_s: float | None, exit_s: float | None) -> None:
+        """Learn from a finished run: its start-up (the latest counts) and exit (the slowest)."""
+        if start_s is not None:
+            self.start_s = start_s
         if exit_s is not None:
             self.exit_s = max(self.exit_s, exit_s)
 
@@ -460,7 +475,7 @@ def run_all(cmd_for: dict[str, list[str] | CommandFor], half_dtype: str | None,
             cap, deadline = steps, None
             if budget is not None:
                 done = [r["report"].get("steps") for r in rows if r["ok"] and r["report"]]
-                cap, deadline = budget.next_run(n - i + 1, [s for s in done if s])
+                cap, deadline = budget.next_run(list(cmd_for)[i - 1:], [s for s in done if s])
             cmd = make(cap, deadline) if callable(make) else make
             total, expected = cap, False
             if total is None:  # a user script: expect as many steps as the last finished level
@@ -473,7 +488,7 @@ def run_all(cmd_for: dict[str, list[str] | CommandFor], half_dtype: str | None,
             progress = Progress(level, total, deadline, expected=expected)
             row = run_level(cmd, level, half_dtype, progress)
             if budget is not None:
-                budget.ran(progress.exit_s())
+                budget.ran(progress.start_s(), progress.exit_s())
             steps_run = (row["report"] or {}).get("steps")
             rows.append(row)
             print(f"[{i}/{n}] {level} {'ok' if row['ok'] else 'FAILED'} in {row['wall_s']:.1f}s"
@@ -645,7 +660,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         fallback = device
         _announce_machine(device, args.levels, args.half_dtype)
         if seconds is not None:
-            budget = Budget(seconds, steps)
+            budget = Budget(seconds, steps, _step_weights(device, args.levels, args.half_dtype))
         threads = DEFAULT_THREADS if args.threads is None else args.threads
         cmd_for = {level: _workload_command(workload, level, device, threads) for level in args.levels}
         header = {"workload": workload, "steps": steps, "budget_s": seconds, "device": device,
@@ -708,17 +723,32 @@ def _workload_command(workload: str, level: str, device: str, threads: int) -> C
     return make
 
 
+SLOW_HALF_WEIGHT = 3.0  # a half level's step against O0's where the half dtype is emulated (measured
+                        # 2-3x on the lm workload on an AVX-512 CPU without BF16)
+
+
+def _half_dtypes(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, str]:
+    """The half dtype each level will use on ``device`` (O0: none)."""
+    import torch
+    default = half_dtype if half_dtype in ("bfloat16", "float16") else \
+        str(_levels_policy.default_half_dtype(torch.device(device))).removeprefix("torch.")
+    return {lv: "bfloat16" if lv in _levels_policy.BFLOAT16_LEVELS else default for lv in levels if lv != "O0"}
+
+
+def _step_weights(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, float]:
+    """Expected cost of a step per level, relative to O0's, for the budget's shares."""
+    native = hardware.describe(device).native
+    return {lv: SLOW_HALF_WEIGHT if native.get(d) is False else 1.0
+            for lv, d in _half_dtypes(device, levels, half_dtype).items()}
+
+
 def _announce_machine(device: str, levels: Sequence[str], half_dtype: str | None) -> None:
     """Before the runs: the machine line, and a warning when a half dtype they use is emulated."""
-    import torch
     try:
         info = hardware.describe(device).to_dict()
     except (RuntimeError, AssertionError) as exc:  # e.g. cuda asked for on a machine without it
         raise CliError(f"--device {device}: {exc}") from None
-    default = half_dtype if half_dtype in ("bfloat16", "float16") else \
-        str(_levels_policy.default_half_dtype(torch.device(device))).removeprefix("torch.")
-    dtypes = list(dict.fromkeys("bfloat16" if lv in _levels_policy.BFLOAT16_LEVELS else default
-                                for lv in levels if lv != "O0"))
+    dtypes = list(dict.fromkeys(_half_dtypes(device, levels, half_dtype).values()))
     print(f"machine: {hardware.machine_line(info, dtypes)}", file=sys.stderr)
     slow = [d for d in dtypes if info["native"].get(d) is False]
     if slow:

@@ -234,14 +234,38 @@ def test_budget_values() -> None:
 
 def test_budget_shares_the_time_left_and_caps_steps() -> None:
     now = [1000.0]
-    budget = cli.Budget(120, 150, clock=lambda: now[0])
-    assert budget.next_run(6, []) == (150, 1000 + 20 - 1.0)      # equal share, less the exit time
+    levels = ["O0", "O1", "O2", "O3", "O4", "O5"]
+    budget = cli.Budget(120, 150, clock=lambda: now[0])         # start-up 4 s and exit 1 s assumed
+    assert budget.next_run(levels, []) == (150, 1000 + 5 + 90 / 6 - 1)   # equal weights: equal shares
     now[0] = 1010.0                                                # the first level ended early
-    budget.ran(2.5)                                                # its exit took longer than assumed
-    assert budget.next_run(5, [88]) == (88, 1010 + 22 - 2.5)       # its spare time goes to the rest
-    budget.ran(0.5)                                                # the slowest exit seen counts
-    now[0] = 1200.0                                                # over budget: the minimum run
-    assert budget.next_run(1, [88, 40]) == (40, 1200 - 2.5)
+    budget.ran(3.0, 2.5)                                           # it started faster, exited slower
+    assert budget.next_run(levels[1:], [88]) == (88, 1010 + 5.5 + (110 - 5 * 5.5) / 5 - 2.5)
+    budget.ran(None, 0.5)                                          # the slowest exit seen counts
+    now[0] = 1200.0                                                # over budget: start-up and exit only
+    assert budget.next_run(levels[5:], [88, 40]) == (40, 1200 + 3.0)
+
+    weighted = cli.Budget(120, 150, weights={lv: 3.0 for lv in levels[1:]}, clock=lambda: 1000.0)
+    cap, deadline = weighted.next_run(levels, [])                  # O0's steps are 3x cheaper
+    assert deadline == 1000 + 5 + 90 * 1 / 16 - 1
+    assert weighted.next_run(levels[1:], [])[1] == 1000 + 5 + (120 - 25) * 3 / 15 - 1
+
+
+def test_step_weights_follow_the_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampatch import hardware
+    info = hardware.describe("cpu")
+    slow = dataclasses_replace(info, native={"bfloat16": False, "float16": False})
+    monkeypatch.setattr(hardware, "describe", lambda device: slow)
+    assert cli._step_weights("cpu", ["O0", "O1", "O5"], None) == {"O1": cli.SLOW_HALF_WEIGHT,
+                                                                   "O5": cli.SLOW_HALF_WEIGHT}
+    fast = dataclasses_replace(info, native={"bfloat16": True, "float16": False})
+    monkeypatch.setattr(hardware, "describe", lambda device: fast)
+    assert cli._step_weights("cpu", ["O0", "O2", "O4"], None) == {"O2": 1.0, "O4": 1.0}
+    assert cli._step_weights("cpu", ["O2", "O4"], "float16") == {"O2": cli.SLOW_HALF_WEIGHT, "O4": 1.0}
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+    return dataclasses.replace(obj, **changes)
 
 
 def test_workload_stops_at_its_deadline_after_the_minimum_steps() -> None:
