@@ -423,3 +423,4 @@ def test_ctrl_c_prints_the_levels_that_finished(tmp_path: Path) -> None:
     o1_pid = int(next(line.split()[1] for line in pids.read_text().splitlines() if line.startswith("O1")))
     with pytest.raises(ProcessLookupError):  # the interrupted run did not outlive the command
         os.kill(o1_pid, 0)
+
