@@ -31,14 +31,18 @@ if [ -x .venv/bin/python ]; then PY="$ROOT/.venv/bin/python"; else PY="${PYTHON:
 log() { echo "$*" | tee -a "$REPORT"; }
 elapsed() { echo $(( $(date +%s) - START )); }
 
+log "== ampatch gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels win over the image's packages
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
-    .whl/*.whl || { log "could not install .whl/*.whl"; exit 1; }
-  export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/gpu_check_site .whl/*.whl > "$DEST/wheels.log" 2>&1; then
+    export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+    log "== installed the carried wheels: $(cd .whl && ls *.whl | tr '\n' ' ')"
+  else
+    log "== the carried wheels do not install here ($(tail -n 1 "$DEST/wheels.log")); going on with the installed packages"
+  fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-log "== ampatch gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 "$PY" - <<'EOF' 2>&1 | tee -a "$REPORT"
 import platform, torch, wrapt
 from ampatch import hardware
