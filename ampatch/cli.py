@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--budget", type=_budget, metavar="TIME", default=argparse.SUPPRESS,
                      help=f"time for the whole comparison, e.g. 120s or 3m, or none (built-in workloads "
                           f"only; default {DEFAULT_BUDGET_S:g}s, or none when --steps is given): each level "
-                          "gets an equal share of what is left and stops early when it runs out; later "
-                          "levels run at most as many steps as the earlier ones, so the losses compare")
+                          "gets a share of what is left, weighted by its expected step cost, and stops "
+                          "early when it runs out; later levels run at most as many steps as the earlier "
+                          "ones, so the losses compare step for step")
     cmp.add_argument("--workload", choices=WORKLOADS,
                      help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     cmp.add_argument("--device", help="device for the built-in workloads: auto (default: CUDA when "
