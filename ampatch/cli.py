@@ -2,8 +2,11 @@
 
 ``ampatch compare`` runs a training script once per opt level, each in a fresh process
 forced to that level through ``AMPATCH_OPT_LEVEL``, collects the JSON report each run
-writes to ``AMPATCH_REPORT`` at exit, and prints one table. ``ampatch run`` forces a level
-on a single run. This module is the only place in ampatch that prints.
+writes to ``AMPATCH_REPORT`` at exit, and prints one table under the machine line
+(``hardware``). While a level runs, its steps and loss arrive through ``AMPATCH_PROGRESS``
+and show as a live line; on the built-in workloads a time budget (``Budget``) sets each
+level's deadline and step cap. Ctrl-C prints the levels that finished. ``ampatch run``
+forces a level on a single run. This module is the only place in ampatch that prints.
 """
 
 from __future__ import annotations
