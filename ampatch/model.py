@@ -217,7 +217,7 @@ class _CastForward:
         try:
             out = self.__wrapped__(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an FP32 constant meets half
-            hint_dtype_error(exc)
+            hint_dtype_error(exc, model_dtype=self.dtype)
             raise
         finally:
             nesting["depth"] = depth

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dynamo, fsdp, jit, policy, tips
+from . import dynamo, fsdp, hardware, jit, policy, tips
 from .cache import CastCache, watch_data
 from .levels import Properties
 from .master import OptimizerHandle
@@ -84,11 +84,13 @@ class Session:
         self._wrap_ctx: WrapContext | None = None
         self._decorated: dict[tuple[str, Any], Any] = {}
         self._last_loss: torch.Tensor | None = None
+        self.device: dict[str, Any] = {}  # hardware.check_half: the device and its half-precision paths
 
     # ------------------------------------------------------------------ set-up
     def setup(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         """Cast models, make masters, patch optimizers and (O1/O4) torch itself."""
         props = self.properties
+        self.device = hardware.check_half(models, props, self.verbosity)
         if not props.enabled:
             return
         tips.log_dims_tip(models, self.verbosity, props.opt_level)
@@ -407,6 +409,7 @@ class Session:
             losses_every=t.losses.stride,
             step_times_every=t.step_times.stride,
             peak_memory_bytes=peak_memory_bytes(),
+            device=dict(self.device),
         )
 
     # ------------------------------------------------------------------ teardown

@@ -5,6 +5,8 @@ curve cost a clock read and a host sync per step, so they are recorded only when
 (`record=True`, which `AMPATCH_REPORT` turns on for the `ampatch` command). Timing every
 wrapper costs two clock reads per patched call, so it has its own switch
 (`time_wrappers=True`, `AMPATCH_TIME_WRAPPERS=1`); otherwise the report says "not measured".
+While recording, `AMPATCH_PROGRESS=PATH` appends "step loss" per optimizer step to PATH: the
+live progress `ampatch compare` shows inside each level.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+PROGRESS_ENV = "AMPATCH_PROGRESS"
 
 
 def count_value(counter: itertools.count) -> int:
@@ -58,9 +63,11 @@ class Series:
         self.values: list[float] = []
         self.stride = 1
         self.count = 0
+        self.last: float | None = None  # the newest value, kept or thinned out
         self.limit = max(2, limit - limit % 2)
 
     def append(self, value: float) -> None:
+        self.last = value
         if self.count % self.stride == 0:
             self.values.append(value)
             if len(self.values) >= self.limit:
@@ -90,6 +97,7 @@ class Telemetry:
         self.scale_loss_time = 0.0
         self._last_step: float | None = None
         self._lock = threading.Lock()
+        self._progress = os.environ.get(PROGRESS_ENV) if record else None
 
     def add_wrapper_time(self, seconds: float) -> None:
         with self._lock:
@@ -108,6 +116,13 @@ class Telemetry:
             if self._last_step is not None:
                 self.step_times.append(now - self._last_step)
             self._last_step = now
+            if self._progress:
+                try:
+                    with open(self._progress, "a") as f:
+                        last = self.losses.last
+                        f.write(f"{self.steps} {float('nan') if last is None else last}\n")
+                except OSError:  # the command that asked for it went away: never fail a step for it
+                    self._progress = None
 
 
 def peak_memory_bytes() -> int:
@@ -142,6 +157,7 @@ class Report:
     losses_every: int = 1
     step_times_every: int = 1
     peak_memory_bytes: int = 0
+    device: dict[str, Any] = field(default_factory=dict)  # hardware.check_half: device, half native?
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -153,6 +169,7 @@ class Report:
     def __str__(self) -> str:
         lines = [f"ampatch report: opt_level={self.opt_level} half_dtype={self.half_dtype} "
                  f"enabled={self.enabled}",
+                 *([f"  device: {self.device['summary']}"] if self.device.get("summary") else []),
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
                  + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),
                  f"  cast cache: {self.cache['hits']} hits, {self.cache['misses']} misses",

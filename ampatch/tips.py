@@ -3,9 +3,11 @@
 - `dims_not_multiple_of_8(models)`: Linear and convolution layers whose feature or channel
   counts are not multiples of 8, which half-precision matmul units (Tensor Cores) prefer;
   `log_dims_tip` logs that list once, at `initialize`.
-- `explain_dtype_error(exc, op_name)`: when a dtype-mismatch error escapes a call under
-  mixed precision, the registration that fixes it; `attach_hint` adds it to the error, and
-  `hint_dtype_error` does both (for an `except` clause in a patched call).
+- `explain_dtype_error(exc, op_name, model_dtype)`: when a dtype-mismatch error escapes a call
+  under mixed precision, what fixes it: at O1/O4 the registration for the op; inside the
+  forward of a model cast to half (O2/O3/O5, `model_dtype`), the tensor the cast did not reach
+  (registrations change nothing there). `attach_hint` adds it to the error, and
+  `hint_dtype_error` does both (for an `except` clause in a patched call or forward).
 
 Pure helpers: nothing here patches anything or keeps session state.
 """
@@ -93,16 +95,24 @@ _TYPE_WORDS = re.compile(r"float|double|long\b|\bint\d*\b|short|byte|bool|comple
 _HINTED = "_ampatch_hint"
 
 
-def explain_dtype_error(exc: BaseException, op_name: str | None = None) -> str | None:
-    """A hint naming the registration that fixes a mixed-precision dtype mismatch in
-    `op_name` (``"torch.index_put"``, ``"my_ext.fused_op"``), or None when `exc` is not such
-    an error: its message must match a dtype-mismatch pattern and, if it names types at all,
-    name a half type (a Long/Int or Float/Double mismatch is not mixed precision's doing)."""
+def explain_dtype_error(exc: BaseException, op_name: str | None = None,
+                        model_dtype: Any = None) -> str | None:
+    """A hint for a mixed-precision dtype mismatch, or None when `exc` is not such an error:
+    its message must match a dtype-mismatch pattern and, if it names types at all, name a
+    half type (a Long/Int or Float/Double mismatch is not mixed precision's doing).
+
+    With `model_dtype` (the half dtype an O2/O3/O5 model was cast to; the error escaped its
+    forward) the hint names what helps there: the FP32 tensor the model cast did not reach
+    (cast it, or register it as a buffer), a module kept in FP32 on purpose (cast its input),
+    or O1. Otherwise it names the registration of `op_name` (``"torch.index_put"``,
+    ``"my_ext.fused_op"``) that fixes it under O1/O4."""
     if not isinstance(exc, (RuntimeError, ValueError, TypeError)) or getattr(exc, _HINTED, False):
         return None
     message = str(exc)
     if not _MISMATCH.search(message) or (_TYPE_WORDS.search(message) and not _HALF_WORDS.search(message)):
         return None
+    if model_dtype is not None:
+        return _model_hint(str(model_dtype).removeprefix("torch."))
     if op_name:
         module, _, name = op_name.rpartition(".")
         module = module or "module"
@@ -114,6 +124,19 @@ def explain_dtype_error(exc: BaseException, op_name: str | None = None) -> str |
             f"amp.register_promote_function({module}, \"{name}\") to cast its inputs to the widest dtype, or "
             f"amp.register_float_function({module}, \"{name}\") to run it in FP32 "
             f"(or run the code under `with amp.disable_casts():`).")
+
+
+def _model_hint(half: str) -> str:
+    return (f"ampatch: inside the model's forward a {half} tensor met an FP32 one. At O2/O3/O5 the model's "
+            f"parameters, buffers and forward inputs are cast to {half}; a tensor the cast does not reach stays "
+            "FP32: one kept as a plain attribute, created inside forward (torch.ones(...), torch.tensor(...)), "
+            "or reaching the model other than through forward's arguments. Fixes: cast it to the activations' "
+            "dtype (`t.to(x.dtype)`, or create it with `dtype=x.dtype`), or make it a buffer "
+            "(`self.register_buffer(\"name\", t)`) so the model cast converts it; for a layer that must run "
+            "in FP32, keep its module in FP32 (`module.float()` after amp.initialize) and call it on `x.float()`; "
+            "or use opt_level=\"O1\", which casts op by op. The model's outputs come back FP32 by default "
+            "(`cast_model_outputs=` picks another dtype), so code after the model needs no change. "
+            "(amp.register_*_function and amp.disable_casts act on O1/O4's patches: they change nothing here.)")
 
 
 def attach_hint(exc: BaseException, hint: str) -> None:
@@ -132,10 +155,10 @@ def attach_hint(exc: BaseException, hint: str) -> None:
         exc.args = exc.args + (hint,)
 
 
-def hint_dtype_error(exc: BaseException, op_name: str | None = None) -> None:
-    """`attach_hint(exc, explain_dtype_error(exc, op_name))` when there is a hint; for
+def hint_dtype_error(exc: BaseException, op_name: str | None = None, model_dtype: Any = None) -> None:
+    """`attach_hint(exc, explain_dtype_error(exc, op_name, model_dtype))` when there is a hint; for
     ``except (RuntimeError, ValueError, TypeError) as exc: hint_dtype_error(exc, name); raise``."""
-    hint = explain_dtype_error(exc, op_name)
+    hint = explain_dtype_error(exc, op_name, model_dtype)
     if hint is not None:
         attach_hint(exc, hint)
 

@@ -11,7 +11,12 @@ ratio. On a shared machine absolute times drift; ratios taken inside one round b
     python scripts/bench.py --fsdp                   # alone: FSDP2 peak memory per rank, O2 vs O0
 
 Sections (``--only``, comma-separated): ``transformer``, ``mlp``, ``cnn`` (``train`` = all
-three), ``micro``, ``memory``, ``compiled`` (the transformer step under torch.compile).
+three), ``micro``, ``memory``, ``compiled`` (the transformer step under torch.compile),
+and ``gpu``: a GPU-sized transformer (issue 13), the default
+with ``--device cuda`` (the CPU-sized workloads are launch-bound there and say nothing about
+mixed precision); ``--quick`` shrinks it so that the code path also runs on a CPU.
+
+    python scripts/bench.py --device cuda --json gpu.json   # gpu + micro, about a minute
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ from torch import nn
 import ampatch as amp
 
 MODES = ("fp32", "autocast", "O1", "O2", "O3")
-SECTIONS = ("transformer", "mlp", "cnn", "micro", "memory", "compiled")
+SECTIONS = ("transformer", "mlp", "cnn", "micro", "memory", "compiled", "gpu")
+DEFAULT_SECTIONS = {"cpu": ("transformer", "mlp", "cnn", "micro", "memory", "compiled"), "cuda": ("gpu", "micro")}
 
 # The clock of every timed block (main() picks it). With one torch thread on CPU all the work
 # of a step runs on the calling thread (autograd runs a CPU backward on the caller), so the
@@ -743,6 +749,162 @@ def render_compiled(c: dict) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- GPU-sized (issue 13)
+
+# Issue 13's targets on the GPU workload: key -> (limit, what). All are "measured <= limit".
+GPU_TARGETS: dict[str, tuple[float, str]] = {
+    "gpu.O1/autocast": (1.03, "GPU transformer step, O1 / autocast+GradScaler"),
+    "gpu.O2/autocast": (0.85, "GPU transformer step, O2 / autocast+GradScaler"),
+    "gpu.O2_peak/(autocast_peak+masters)": (1.0, "GPU transformer peak memory, O2 / (autocast + FP32 masters)"),
+}
+
+
+def gpu_config(quick: bool) -> dict[str, int]:
+    """Issue 13's workload: TransformerEncoder(d_model 1024, 16 heads, 6 layers), batch 16 x 512
+    tokens. ``--quick`` (the smoke test, on any device) keeps the shape of the code, not the size."""
+    if quick:
+        return dict(d_model=64, heads=4, layers=2, batch=2, seq=16, rounds=2, warmup=1, steps=2)
+    return dict(d_model=1024, heads=16, layers=6, batch=16, seq=512, rounds=5, warmup=3, steps=5)
+
+
+def gpu_transformer_workload(env: Env, c: dict[str, int]) -> tuple[nn.Module, tuple, Callable]:
+    """nn.TransformerEncoder with torch's defaults otherwise (feed-forward 2048, dropout 0.1)."""
+    layer = nn.TransformerEncoderLayer(c["d_model"], c["heads"], batch_first=True)
+    model = nn.TransformerEncoder(layer, c["layers"], enable_nested_tensor=False)
+    x = torch.randn(c["batch"], c["seq"], c["d_model"], device=env.device)
+    y = torch.randn(c["batch"], c["seq"], c["d_model"], device=env.device)
+    return model.to(env.device), (x, y), mse_loss
+
+
+def gpu_step(mode: str, base: nn.Module, data: tuple, loss_fn: Callable, env: Env) -> tuple[Callable, Any, Any]:
+    """(one training step returning the loss, the optimizer, the model) for `mode`: fp32,
+    autocast (with a GradScaler when the half type is float16, as torch's recipe says), or
+    an ampatch level. The caller calls amp.deinitialize() after."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = data
+    if mode == "fp32":
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+    elif mode == "autocast":
+        scaler = torch.amp.GradScaler(env.device.type, enabled=env.half == torch.float16)
+
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            with env.autocast():
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss
+    else:
+        model, opt = amp.initialize(model, opt, opt_level=mode, half_dtype=env.half, verbosity=0)
+
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            return loss
+    return step, opt, model
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+
+
+def bench_gpu(env: Env, c: dict[str, int], log: Callable[[str], None]) -> dict:
+    """Interleaved rounds as in bench_training; on CUDA also each mode's peak memory: the most
+    allocated over its block (model copy, optimizer state, masters, activations), less what
+    was allocated before it (the template model and the data)."""
+    torch.manual_seed(0)
+    base, data, loss_fn = gpu_transformer_workload(env, c)
+    per_round: dict[str, list[float]] = {m: [] for m in MODES}
+    peaks: dict[str, list[int]] = {m: [] for m in MODES}
+    losses: dict[str, float] = {}
+    master_bytes = 0
+    for r in range(c["rounds"]):
+        for mode in rotated(MODES, r):
+            gc.collect()
+            if env.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            before = _allocated()
+            step, opt, _model = gpu_step(mode, base, data, loss_fn, env)
+            try:
+                if mode == "O2":
+                    master_bytes = sum(p.numel() * p.element_size() for p in amp.master_params(opt))
+                for _ in range(c["warmup"]):
+                    step()
+                times = []
+                with quiet_gc():
+                    for _ in range(c["steps"]):
+                        env.sync()
+                        t0 = CLOCK()
+                        loss = step()
+                        env.sync()
+                        times.append(CLOCK() - t0)
+                losses[mode] = float(loss.detach().float())
+                if env.cuda:  # before deinitialize, which casts the model back to FP32
+                    torch.cuda.synchronize()
+                    peaks[mode].append(torch.cuda.max_memory_allocated() - before)
+            finally:
+                amp.deinitialize()
+            per_round[mode].append(statistics.median(times))
+            del step, opt, _model, loss  # the loss's graph holds the params (AccumulateGrad): free them all
+        log(f"  gpu: round {r + 1}/{c['rounds']}")
+    pairs = [("O1", "autocast"), ("O2", "autocast"), ("O3", "autocast"), ("O2", "O3"),
+             ("autocast", "fp32"), ("O1", "fp32"), ("O2", "fp32"), ("O3", "fp32")]
+    medians, ratios = summarise(per_round, pairs)
+    out: dict[str, Any] = {
+        "config": {k: c[k] for k in ("d_model", "heads", "layers", "batch", "seq")},
+        "half_dtype": str(env.half).removeprefix("torch."),
+        "grad_scaler": env.half == torch.float16,
+        "median_step_ms": {m: v * 1e3 for m, v in medians.items()}, "ratios": ratios,
+        "per_round_ms": {m: [v * 1e3 for v in vs] for m, vs in per_round.items()},
+        "final_loss": losses, "master_bytes": master_bytes,
+        "params": sum(p.numel() for p in base.parameters())}
+    if env.cuda:
+        peak = {m: int(statistics.median(v)) for m, v in peaks.items()}
+        out["peak_bytes"] = peak
+        out["ratios"]["O2_peak/(autocast_peak+masters)"] = peak["O2"] / (peak["autocast"] + master_bytes)
+        out["ratios"]["O2_peak/autocast_peak"] = peak["O2"] / peak["autocast"]
+    return out
+
+
+def render_gpu(g: dict, flat: dict[str, float]) -> list[str]:
+    c = g["config"]
+    recipe = "autocast with GradScaler" if g["grad_scaler"] else "autocast (bfloat16: no GradScaler)"
+    lines = [f"GPU-sized transformer: TransformerEncoder(d_model {c['d_model']}, {c['heads']} heads, {c['layers']} "
+             f"layers), batch {c['batch']} x {c['seq']} tokens, AdamW, {g['half_dtype']}, {recipe}; "
+             f"{g['params'] / 1e6:.1f}M params",
+             f"{'mode':<10}{'step ms':>10}{'vs fp32':>10}{'vs autocast':>13}{'peak MiB':>11}{'final loss':>12}"]
+    ms, peak = g["median_step_ms"], g.get("peak_bytes", {})
+    for m in MODES:
+        vs_fp32 = ms["fp32"] / ms[m]
+        vs_ac = ms[m] / ms["autocast"]
+        p = f"{peak[m] / 2**20:.0f}" if m in peak else "-"
+        lines.append(f"{m:<10}{ms[m]:>10.2f}{vs_fp32:>9.2f}x{vs_ac:>12.3f}x{p:>11}{g['final_loss'][m]:>12.4g}")
+    if peak:
+        lines.append(f"FP32 masters under O2: {g['master_bytes'] / 2**20:.0f} MiB; O2 peak / (autocast peak + masters) "
+                     f"= {g['ratios']['O2_peak/(autocast_peak+masters)']:.3f}")
+    else:
+        lines.append("peak memory: measured on CUDA only")
+    lines.append("targets (issue 13, GPU workload)")
+    for key, (limit, what) in GPU_TARGETS.items():
+        if key in flat:
+            v = flat[key]
+            lines.append(f"  {what:<62} {v:>8.3f}  <= {limit:<5} {'met' if v <= limit else 'MISSED'}")
+    lines.append("")
+    return lines
+
+
 # ----------------------------------------------------------------------------- report
 
 def flatten_ratios(results: dict) -> dict[str, float]:
@@ -759,6 +921,8 @@ def flatten_ratios(results: dict) -> dict[str, float]:
             flat[f"micro.{key}.autocast-unpatched_us"] = micro[key]["autocast-unpatched_us"]
         flat["micro.unscale.ampatch/GradScaler"] = micro["unscale"]["ratios"]["ampatch/GradScaler"]
         flat["micro.unscale.ampatch_exit/GradScaler_full"] = micro["unscale"]["ratios"]["ampatch_exit/GradScaler_full"]
+    for k, v in results.get("gpu", {}).get("ratios", {}).items():
+        flat[f"gpu.{k}"] = v
     mem = results.get("memory")
     if mem:
         flat["memory.cnn.O2/O0"] = mem["O2/O0"]
@@ -770,6 +934,7 @@ def flatten_ratios(results: dict) -> dict[str, float]:
 def render(results: dict, flat: dict[str, float], meta: dict) -> str:
     lines = [f"ampatch bench: torch {meta['torch']}, device {meta['device']}, half {meta['half_dtype']}, "
              f"torch threads {meta['threads']} ({meta['threads_note']}), {meta['cpu']}",
+             f"machine: {meta['machine']}",
              f"clock: {meta['clock']}",
              f"command: {meta['command']}", ""]
     trained = [n for n in WORKLOADS if n in results]
@@ -817,6 +982,8 @@ def render(results: dict, flat: dict[str, float], meta: dict) -> str:
         lines.append(f"  (persistent O0 {mem['persistent_bytes']['O0'] / 2**20:.2f} MiB, O2 "
                      f"{mem['persistent_bytes']['O2'] / 2**20:.2f} MiB; {mem['what']})")
         lines.append("")
+    if "gpu" in results:
+        lines += render_gpu(results["gpu"], flat)
     lines.append("targets (issue 8)")
     for key, (limit, what) in TARGETS.items():
         if key in flat:
@@ -836,6 +1003,12 @@ def cpu_name() -> str:
     return platform.machine()
 
 
+def machine_line(env: Env) -> str:
+    """ampatch.hardware's line for the bench's device: name, flags or capability, half native?"""
+    from ampatch import hardware
+    return hardware.machine_line(hardware.describe(env.device).to_dict(), [str(env.half).removeprefix("torch.")])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", help="also write every number to PATH")
@@ -847,7 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="thread: CPU time of the calling thread (default on CPU with one torch thread); "
                         "wall: perf_counter (default otherwise)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16"),
+                   help="half type (default: float16 on CUDA, bfloat16 elsewhere, as ampatch's auto choice)")
     p.add_argument("--_memory-child", dest="memory_child", help=argparse.SUPPRESS)
     p.add_argument("--_memory-steps", dest="memory_steps", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--fsdp", action="store_true", help="only the FSDP2 peak memory per rank, O2 against O0 (issue 14)")
@@ -858,6 +1032,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.dtype is None:
+        args.dtype = "float16" if torch.device(args.device).type == "cuda" else "bfloat16"
     env = Env(args.device, getattr(torch, args.dtype))
     global CLOCK
     if args.clock == "auto":
@@ -882,7 +1058,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             wanted.add(s)
         else:
             p.error(f"unknown section {s!r} (choose from {', '.join(SECTIONS)}, train)")
-    sections = [s for s in SECTIONS if not wanted or s in wanted]
+    defaults = DEFAULT_SECTIONS["cuda" if env.cuda else "cpu"]
+    sections = [s for s in SECTIONS if (s in wanted if wanted else s in defaults)]
     cfg = rounds_for(args.quick)
 
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo once, outside timing
@@ -904,18 +1081,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[s] = bench_memory(env, cfg[s], log)
         elif s == "compiled":
             results[s] = bench_compiled(env, args.quick, log)
+        elif s == "gpu":
+            results[s] = bench_gpu(env, gpu_config(args.quick), log)
         log(f"{s}: {time.perf_counter() - t0:.1f} s")
     meta = {"torch": torch.__version__, "device": str(env.device), "half_dtype": args.dtype,
             "threads": torch.get_num_threads(),
             "threads_note": "fixed by --threads" if args.threads > 0 else "torch default",
             "clock": ("thread CPU time (time.thread_time)" if args.clock == "thread" else "wall (perf_counter)"),
-            "cpu": cpu_name(), "python": platform.python_version(),
+            "cpu": cpu_name(), "python": platform.python_version(), "machine": machine_line(env),
             "command": " ".join(["python", "scripts/bench.py"] + list(sys.argv[1:] if argv is None else argv)),
-            "quick": args.quick, "sections": sections, "rounds": {s: cfg.get(s) for s in sections},
+            "quick": args.quick, "sections": sections,
+            "rounds": {s: cfg[s] if s in cfg else gpu_config(args.quick) if s == "gpu" else None for s in sections},
             "seconds": round(time.perf_counter() - start, 1)}
     flat = flatten_ratios(results)
     targets = {k: {"limit": lim, "value": flat[k], "met": flat[k] <= lim, "what": what}
-               for k, (lim, what) in TARGETS.items() if k in flat}
+               for k, (lim, what) in {**TARGETS, **GPU_TARGETS}.items() if k in flat}
     print(render(results, flat, meta))
     if "compiled" in results:  # torch.compile: its own block and targets (issue 13)
         flat.update(results["compiled"]["flat"])

@@ -60,3 +60,17 @@ def test_bench_rejects_unknown_section() -> None:
                           timeout=60, check=False)
     assert proc.returncode == 2
     assert "unknown section" in proc.stderr
+
+
+def test_bench_quick_gpu_section(tmp_path: Path) -> None:
+    """Issue 13's GPU-sized transformer section, shrunk by --quick so its code runs on any device."""
+    data = _run(tmp_path, "gpu")
+    gpu = data["results"]["gpu"]
+    assert set(gpu["median_step_ms"]) == {"fp32", "autocast", "O1", "O2", "O3"}
+    assert gpu["config"] == {"d_model": 64, "heads": 4, "layers": 2, "batch": 2, "seq": 16}
+    assert gpu["master_bytes"] == 4 * gpu["params"]          # every param has an FP32 master under O2
+    for key in ("gpu.O1/autocast", "gpu.O2/autocast", "gpu.O2/O3", "gpu.autocast/fp32"):
+        assert _finite(data["ratios"][key]), key
+    assert set(data["targets"]) >= {"gpu.O1/autocast", "gpu.O2/autocast"}
+    assert data["meta"]["machine"].startswith(data["meta"]["device"].split(":")[0] + ": ")
+    assert data["meta"]["sections"] == ["gpu"]

@@ -158,6 +158,11 @@ def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
     (["run", "--opt-level", "O2"], "missing command after '--'"),
     (["compare", "--", "python", "does_not_exist.py"], "script not found"),
     (["run", "--opt-level", "O1", "--", "python", "does_not_exist.py"], "script not found"),
+    (["compare", "--budget", "soon"], "expected a time"),
+    (["compare", "--budget", "60", "--", "python", "x.py"], "--budget apply to the built-in workloads"),
+    (["compare", "--device", "cpu", "--", "python", "x.py"], "--device apply to the built-in workloads"),
+    (["compare", "--threads", "2", "--", "python", "x.py"], "--threads apply to the built-in workloads"),
+    (["compare", "--threads", "-1"], "--threads must be"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str],
                                             message: str) -> None:
@@ -215,3 +220,207 @@ def test_report_at_exit_is_the_last_session(tmp_path: Path) -> None:
     env.pop("AMPATCH_OPT_LEVEL", None)
     subprocess.run([sys.executable, str(script)], check=True, env=env, timeout=120, cwd=tmp_path)
     assert json.loads(report.read_text())["steps"] == 3
+
+
+# ----------------------------------------------------------------------------- budget, progress, Ctrl-C
+
+def test_budget_values() -> None:
+    assert cli._budget("120") == 120 and cli._budget("90s") == 90 and cli._budget("2m") == 120
+    assert cli._budget("1.5min") == 90 and cli._budget("none") is None and cli._budget("0") is None
+    for bad in ("-5", "soon", "5h"):
+        with pytest.raises(Exception, match="expected a time"):
+            cli._budget(bad)
+
+
+def test_budget_shares_the_time_left_and_caps_steps() -> None:
+    now = [1000.0]
+    levels = ["O0", "O1", "O2", "O3", "O4", "O5"]
+    budget = cli.Budget(120, 150, clock=lambda: now[0])         # start-up 4 s and exit 1 s assumed
+    assert budget.next_run(levels, []) == (150, 1000 + 5 + 90 / 6 - 1)   # equal weights: equal shares
+    now[0] = 1010.0                                                # the first level ended early
+    budget.ran(3.0, 2.5)                                           # it started faster, exited slower
+    assert budget.next_run(levels[1:], [88]) == (88, 1010 + 5.5 + (110 - 5 * 5.5) / 5 - 2.5)
+    budget.ran(None, 0.5)                                          # the slowest exit seen counts
+    now[0] = 1200.0                                                # over budget: start-up and exit only
+    assert budget.next_run(levels[5:], [88, 40]) == (40, 1200 + 3.0)
+
+    weighted = cli.Budget(120, 150, weights={lv: 3.0 for lv in levels[1:]}, clock=lambda: 1000.0)
+    cap, deadline = weighted.next_run(levels, [])                  # O0's steps are 3x cheaper
+    assert deadline == 1000 + 5 + 90 * 1 / 16 - 1
+    assert weighted.next_run(levels[1:], [])[1] == 1000 + 5 + (120 - 25) * 3 / 15 - 1
+
+
+def test_step_weights_follow_the_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampatch import hardware
+    info = hardware.describe("cpu")
+    slow = dataclasses_replace(info, native={"bfloat16": False, "float16": False})
+    monkeypatch.setattr(hardware, "describe", lambda device: slow)
+    assert cli._step_weights("cpu", ["O0", "O1", "O5"], None) == {"O1": cli.SLOW_HALF_WEIGHT,
+                                                                   "O5": cli.SLOW_HALF_WEIGHT}
+    fast = dataclasses_replace(info, native={"bfloat16": True, "float16": False})
+    monkeypatch.setattr(hardware, "describe", lambda device: fast)
+    assert cli._step_weights("cpu", ["O0", "O2", "O4"], None) == {"O2": 1.0, "O4": 1.0}
+    assert cli._step_weights("cpu", ["O2", "O4"], "float16") == {"O2": cli.SLOW_HALF_WEIGHT, "O4": 1.0}
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+    return dataclasses.replace(obj, **changes)
+
+
+def test_workload_stops_at_its_deadline_after_the_minimum_steps() -> None:
+    import time
+
+    import ampatch as amp
+    from ampatch.workloads import _common, lstm
+    assert lstm.main(["--steps", "50", "--deadline", str(time.time() - 1), "--opt-level", "O0",
+                      "--device", "cpu"]) == 0
+    assert amp.report().steps == _common.MIN_STEPS
+
+
+def test_progress_line() -> None:
+    import io
+    stream = io.StringIO()
+    p = cli.Progress("O2", total=20, stream=stream, log_every_s=0)
+    p.render(force=True)
+    assert "O2" in stream.getvalue() and "0/20" in stream.getvalue() and "elapsed" in stream.getvalue()
+    for step in range(1, 11):
+        p.update(step, 3.0 / step)
+    p.seen[0] = (p.seen[-1][0] - 9 * 0.5, 1)  # ten steps, 0.5 s apart
+    line = p.line()
+    assert "[==========>" in line and "10/20" in line and "loss 0.3000" in line
+    assert "0.50 s/step" in line and "ETA 0:05" in line
+    unknown = cli.Progress("O1", stream=stream)
+    unknown.update(7, 1.25)
+    assert "step 7" in unknown.line() and "loss 1.2500" in unknown.line()
+    tty = io.StringIO()
+    tty.isatty = lambda: True  # type: ignore[method-assign]
+    live = cli.Progress("O3", total=5, stream=tty)
+    live.render(force=True)
+    live.close()
+    assert tty.getvalue().startswith("\r  O3") and tty.getvalue().endswith("\r\x1b[K")
+
+
+PROGRESS_SCRIPT = textwrap.dedent("""\
+    import json, os, time
+    for i in range(1, 6):
+        with open(os.environ["AMPATCH_PROGRESS"], "a") as f:
+            f.write(f"{i} {2.0 / i}\\n")
+        time.sleep(0.15)
+    with open(os.environ["AMPATCH_REPORT"], "w") as f:
+        json.dump({"opt_level": os.environ["AMPATCH_OPT_LEVEL"], "steps": 5, "losses": [1.0] * 5}, f)
+""")
+
+
+def test_run_level_shows_the_steps_of_the_run(tmp_path: Path) -> None:
+    import io
+    script = write(tmp_path / "steps.py", PROGRESS_SCRIPT)
+    stream = io.StringIO()
+    progress = cli.Progress("O1", total=5, stream=stream, log_every_s=0)
+    row = cli.run_level([sys.executable, str(script)], "O1", None, progress)
+    assert row["ok"], row["error"]
+    shown = stream.getvalue()
+    assert "/5" in shown and "loss" in shown and progress.step == 5 and progress.loss == 0.4
+
+
+def test_summary_compares_levels_at_the_steps_all_of_them_ran() -> None:
+    base = {"opt_level": "O0", "steps": 6, "losses": [6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+            "step_times_s": [0.1] * 5}
+    half = dict(base, opt_level="O5", steps=3, losses=[6.0, 5.5, 4.5])
+    rows = [{"level": "O0", "ok": True, "report": base}, {"level": "O5", "ok": True, "report": half}]
+    assert cli.common_steps(rows) == 3
+    o0, o5 = cli.summarize_all(rows, upto=3)
+    assert o0["final_loss"] == pytest.approx(5.0) and o5["final_loss"] == pytest.approx(16 / 3)
+    assert o5["max_loss_dev_vs_O0"] == pytest.approx(0.5)
+    assert (o0["steps"], o5["steps"]) == (6, 3) and len(o0["losses"]) == 6   # the curves stay whole
+    assert cli.format_table(rows, "t").splitlines()[1].split()[-1] == "steps"
+
+
+def test_table_says_which_machine_and_when_half_is_emulated() -> None:
+    device = {"type": "cpu", "name": "Old CPU", "cores": 2, "features": ["avx2"], "lacks": ["avx512_bf16"],
+              "native": {"bfloat16": False, "float16": False}, "basis": {"bfloat16": "no AVX512-BF16 or AMX"},
+              "torch": "2.13.0+cpu"}
+    rep = {"opt_level": "O4", "half_dtype": "bfloat16", "losses": [1.0], "device": device}
+    rows = cli.summarize_all([{"level": "O0", "ok": True, "report": dict(rep, opt_level="O0")},
+                              {"level": "O4", "ok": True, "report": rep}])
+    machine, note = cli.machine_of(rows)
+    assert machine.startswith("cpu: Old CPU, 2 cores") and "torch 2.13.0+cpu" in machine
+    assert "bfloat16 not native" in machine and note.startswith("note: bfloat16 is emulated")
+    table = cli.format_table(rows, "title", machine, [note])
+    lines = table.splitlines()
+    assert lines[1] == f"machine: {machine}" and lines[2].startswith("level")
+    assert "note: bfloat16 is emulated" in table
+    native = dict(device, native={"bfloat16": True, "float16": True})
+    rows[1]["report"]["device"] = rows[0]["report"]["device"] = native
+    assert cli.machine_of(rows)[1] is None
+
+
+@pytest.mark.slow
+def test_compare_within_a_budget(tmp_path: Path) -> None:
+    from ampatch import hardware
+    out = tmp_path / "out.json"
+    proc = ampatch("compare", "--levels", "O0,O5", "--budget", "14s", "--device", "cpu",
+                   "--json", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["budget_s"] == 14 and data["steps"] == 150 and data["interrupted"] is False
+    o0, o5 = data["rows"]
+    assert 3 <= o5["steps"] <= o0["steps"] <= 150        # later levels never run more steps
+    assert data["compared_steps"] == min(len(o0["losses"]), len(o5["losses"])) == o5["steps"]
+    assert "in a 14s budget" in proc.stdout and f"compared over the first {o5['steps']} steps" in proc.stdout
+    assert "(cpu, 1 torch thread)" in proc.stdout and data["threads"] == 1
+    assert ("left time for only" in proc.stdout) is (o5["steps"] < cli.FEW_STEPS)
+    native = hardware.describe("cpu").native["bfloat16"]
+    assert o5["report"]["device"]["half_native"] is native
+    assert "machine: cpu: " in proc.stdout and ("bfloat16 not native" in proc.stdout) is (not native)
+    assert ("note: bfloat16 is emulated" in proc.stdout) is (not native)
+    assert proc.stderr.startswith("machine: cpu: ") and "[2/2] O5 ok" in proc.stderr
+
+
+SLOW_SCRIPT = textwrap.dedent("""\
+    import json, os, sys, time
+    level = os.environ["AMPATCH_OPT_LEVEL"]
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{level} {os.getpid()}\\n")
+    if level != "O0":
+        time.sleep(600)  # a long run, interrupted
+    with open(os.environ["AMPATCH_REPORT"], "w") as f:
+        json.dump({"opt_level": level, "steps": 3, "losses": [1.0, 0.5, 0.25]}, f)
+""")
+
+
+def test_ctrl_c_prints_the_levels_that_finished(tmp_path: Path) -> None:
+    """A real SIGINT to the command (not to its runs): it stops the running level, prints
+    the table of the finished ones and exits 130."""
+    import signal
+    script, pids = write(tmp_path / "slow.py", SLOW_SCRIPT), tmp_path / "pids.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "ampatch", "compare", "--levels", "O0,O1,O2", "--",
+                             "python", str(script), str(pids)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = []
+        for line in proc.stderr:  # wait until O1 runs (and has started its script)
+            seen.append(line)
+            if line.startswith("[2/3] O1 running"):
+                break
+        for _ in range(200):
+            if "O1" in (pids.read_text() if pids.exists() else ""):
+                break
+            import time
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, "".join(seen) + err
+    lines = out.splitlines()
+    assert any(line.split()[:1] == ["O0"] for line in lines)
+    assert not any(line.split()[:1] in (["O1"], ["O2"]) for line in lines)
+    assert "interrupted: 1 of 3 levels finished (O0)" in out
+    assert "[2/3] O1 interrupted" in err and "O2 running" not in err
+    o1_pid = int(next(line.split()[1] for line in pids.read_text().splitlines() if line.startswith("O1")))
+    with pytest.raises(ProcessLookupError):  # the interrupted run did not outlive the command
+        os.kill(o1_pid, 0)
+

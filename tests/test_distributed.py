@@ -199,6 +199,8 @@ def test_example_runs_under_torchrun(tmp_path):
            "--batch", "16"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
     env["OMP_NUM_THREADS"] = "1"
+    if torch.cuda.device_count() < WORLD:  # the example puts rank i on cuda:i: too few GPUs, so CPU (gloo)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # the ranks share one pipe: match the final lines anywhere, not line by line

@@ -184,3 +184,93 @@ def test_hint_on_dtype_error_in_o2_forward():
     with pytest.raises(RuntimeError) as info:
         model(torch.ones(1, 2))
     assert "ampatch" in _notes(info.value)
+
+
+# ----------------------------------------------------------------- O2/O3/O5: hints that help there
+class _ConstantNet(torch.nn.Module):
+    """The usual O2 trap: an FP32 tensor the model cast does not reach, used in forward."""
+
+    def __init__(self, fix: str = "") -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.fix = fix
+        if fix == "buffer":
+            self.register_buffer("const", torch.ones(4, 4))  # buffers are cast with the model
+        else:
+            self.const = torch.ones(4, 4)  # a plain attribute: not cast
+
+    def forward(self, x):
+        h = self.lin(x)
+        const = self.const.to(h.dtype) if self.fix == "cast" else self.const
+        return h @ const
+
+
+class _Fp32HeadNet(torch.nn.Module):
+    """A layer kept in FP32 on purpose (after initialize), called on a half activation."""
+
+    def __init__(self, fix: bool = False) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 8)
+        self.head = torch.nn.Linear(8, 2)
+        self.fix = fix
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h.float() if self.fix else h)
+
+
+def _o2_error(model, level: str) -> BaseException:
+    import ampatch as amp
+    model = amp.initialize(model, opt_level=level, verbosity=0)
+    if isinstance(model, _Fp32HeadNet):
+        model.head.float()  # "keep the op's module in FP32"
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(3, 4))
+    return info.value
+
+
+@pytest.mark.parametrize("level", ["O2", "O3", "O5"])
+def test_cast_model_hint_names_what_helps_there_not_registrations(level: str) -> None:
+    exc = _o2_error(_ConstantNet(), level)
+    text = _notes(exc)
+    half = "bfloat16" if level == "O5" else str(amp_half_for(level)).removeprefix("torch.")
+    assert f"a {half} tensor met an FP32 one" in text
+    for helps in ("t.to(x.dtype)", "register_buffer", "module.float()", "x.float()", 'opt_level="O1"',
+                  "cast_model_outputs"):
+        assert helps in text, helps
+    # the O1 registrations are named only as what does NOT help here
+    assert "register_promote_function(" not in text and "register_float_function(" not in text
+    assert "change nothing here" in text
+
+
+def amp_half_for(level: str) -> torch.dtype:
+    from ampatch import levels
+    return levels.resolve(level).half_dtype
+
+
+@pytest.mark.parametrize("level", ["O2", "O3", "O5"])
+def test_the_fixes_the_cast_model_hint_names_fix_the_repro(level: str) -> None:
+    import ampatch as amp
+    _o2_error(_ConstantNet(), level)  # the repro fails ...
+    for fix in ("cast", "buffer"):    # ... cast the tensor, or make it a buffer: it runs
+        torch.manual_seed(0)
+        model = amp.initialize(_ConstantNet(fix), opt_level=level, verbosity=0)
+        out = model(torch.randn(3, 4))
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    torch.manual_seed(0)
+    model = amp.initialize(_ConstantNet(), opt_level="O1", verbosity=0)  # ... or use O1
+    assert torch.isfinite(model(torch.randn(3, 4))).all()
+
+    # a module kept in FP32: the hint says to call it on x.float(), which fixes it
+    assert "x.float()" in _notes(_o2_error(_Fp32HeadNet(), level))
+    model = amp.initialize(_Fp32HeadNet(fix=True), opt_level=level, verbosity=0)
+    model.head.float()
+    out = model(torch.randn(3, 4))
+    assert out.dtype == torch.float32 and model.head.weight.dtype == torch.float32
+
+
+def test_o1_hint_is_unchanged_by_the_model_dtype_argument() -> None:
+    exc = _error(MISMATCHES["torch.mm"])
+    assert "register_promote_function(torch, \"mm\")" in tips.explain_dtype_error(exc, "torch.mm")
+    model_hint = tips.explain_dtype_error(exc, "torch.mm", model_dtype=torch.float16)
+    assert "a float16 tensor met an FP32 one" in model_hint and "register_promote_function(" not in model_hint

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from importlib import resources
 
@@ -14,6 +16,8 @@ import ampatch as amp
 log = logging.getLogger("ampatch.workloads")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+MIN_STEPS = 3        # a --deadline never stops a run before this many steps
+EXIT_MARGIN_S = 0.3  # time kept, before the deadline, for writing the report and exiting
 
 
 def parse_args(name: str, argv: Sequence[str] | None, default_steps: int) -> argparse.Namespace:
@@ -26,10 +30,25 @@ def parse_args(name: str, argv: Sequence[str] | None, default_steps: int) -> arg
     p.add_argument("--half-dtype", choices=("bfloat16", "float16"), default=None,
                    help="half type (default: ampatch's auto choice)")
     p.add_argument("--log-every", type=int, default=0, help="log the loss every N steps")
+    p.add_argument("--device", default="auto",
+                   help="device to train on: auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads (0: torch's default; `ampatch compare` passes 1)")
+    p.add_argument("--deadline", type=float, default=None, metavar="EPOCH",
+                   help="stop early (after at least %d steps) when the next step would end after this "
+                        "time.time() value; `ampatch compare --budget` sets it" % MIN_STEPS)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    args.device = resolve_device(args.device)
     return args
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else CPU; anything else as torch.device parses it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def load_corpus() -> str:
@@ -62,16 +81,25 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch],
           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
           args: argparse.Namespace) -> float:
-    """The standard amp loop; returns the last loss."""
+    """The standard amp loop; returns the last loss. With ``args.deadline`` it stops before
+    the step that would end past it (estimated from the last steps), never before MIN_STEPS."""
     half = getattr(torch, args.half_dtype) if args.half_dtype else None
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, half_dtype=half)
     model.train()
+    durations: list[float] = []
     for step, (x, y) in enumerate(batches, start=1):
+        if args.deadline is not None and step > MIN_STEPS:
+            if time.time() + statistics.median(durations[-5:]) + EXIT_MARGIN_S > args.deadline:
+                log.info("time budget reached: stopping after %d of %d steps", step - 1, len(batches))
+                break
+        start = time.perf_counter()
+        x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
         optimizer.step()
+        durations.append(time.perf_counter() - start)
         if args.log_every and (step % args.log_every == 0 or step == len(batches)):
             log.info("step %d/%d loss %.4f", step, len(batches), loss.item())
     return loss.item()
@@ -84,6 +112,8 @@ def run(name: str, argv: Sequence[str] | None, default_steps: int,
     args = parse_args(name, argv, default_steps)
     if args.log_every:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, optimizer, batches, loss_fn = build(args)
     train(model, optimizer, batches, loss_fn, args)

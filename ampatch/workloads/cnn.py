@@ -53,7 +53,7 @@ def make_batches(steps: int, seed: int) -> list[_common.Batch]:
 
 def build(args: argparse.Namespace):
     """Model, optimizer, batches and loss for ``args``."""
-    model = SmallConvNet()
+    model = SmallConvNet().to(args.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, optimizer, make_batches(args.steps, args.seed + 1), F.cross_entropy
 

@@ -48,7 +48,7 @@ class CharTransformer(nn.Module):
 def build(args: argparse.Namespace):
     """Model, optimizer, batches and loss for ``args``."""
     ids, vocab = _common.encode_corpus()
-    model = CharTransformer(vocab)
+    model = CharTransformer(vocab).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     batches = _common.text_batches(ids, args.steps, BATCH, SEQ, args.seed + 1)
     return model, optimizer, batches, _common.lm_loss

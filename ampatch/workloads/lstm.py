@@ -35,7 +35,7 @@ class CharLSTM(nn.Module):
 def build(args: argparse.Namespace):
     """Model, optimizer, batches and loss for ``args``."""
     ids, vocab = _common.encode_corpus()
-    model = CharLSTM(vocab)
+    model = CharLSTM(vocab).to(args.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     batches = _common.text_batches(ids, args.steps, BATCH, SEQ, args.seed + 1)
     return model, optimizer, batches, _common.lm_loss

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Where O2's peak memory goes, against torch.autocast, measured on CPU (issue 13's proxy).
+
+On a GPU, `scripts/bench.py --device cuda` measures the peak with max_memory_allocated. On a
+CPU there is no allocator counter, so this measures, for one training step of a transformer,
+in a fresh process per mode (Linux only):
+
+- persistent: exact bytes of the storages that live across steps (params, FP32 masters,
+  optimizer state), after zero_grad(set_to_none=True);
+- the growth of the peak RSS over the step, read after each phase (forward, backward,
+  scale_loss exit, optimizer step), with malloc returning freed blocks to the OS
+  (MALLOC_MMAP_THRESHOLD_), after two warm-up steps.
+
+peak = persistent + the largest growth. Issue 13's target: O2 peak <= autocast peak + the FP32
+master copy.
+
+    python scripts/o2_memory.py                 # d_model 512, 4 layers, batch 4 x 128, bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampatch as amp
+
+MODES = ("autocast", "O2")
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _storage_bytes(tensors: list) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def child(mode: str, a: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(a.d_model, a.heads, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, a.layers, enable_nested_tensor=False)
+    x, y = torch.randn(a.batch, a.seq, a.d_model), torch.randn(a.batch, a.seq, a.d_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = sum(p.numel() for p in model.parameters())
+    half = getattr(torch, a.dtype)
+    if mode != "autocast":
+        model, opt = amp.initialize(model, opt, opt_level=mode, half_dtype=half, verbosity=0)
+    for i in range(3):
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        persistent = _storage_bytes(list(model.parameters()) + list(amp.master_params(opt))
+                                    + [v for st in opt.state.values() for v in st.values()])
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS (VmHWM) restarts from the current RSS
+        start = _kib("VmRSS")
+        growth: dict[str, int] = {}
+
+        def mark(name: str) -> None:
+            growth[name] = (_kib("VmHWM") - start) * 1024
+
+        if mode == "autocast":
+            with torch.autocast("cpu", dtype=half):
+                loss = F.mse_loss(model(x), y)
+            mark("forward")
+            loss.backward()
+            mark("backward")
+        else:
+            loss = F.mse_loss(model(x), y)
+            mark("forward")
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+                mark("backward")
+            mark("scale_loss exit")
+        opt.step()
+        mark("step")
+        del loss
+    amp.deinitialize()
+    return {"params": params, "master_bytes": params * 4 if mode != "autocast" else 0,
+            "persistent": persistent, "growth": growth, "peak": persistent + max(growth.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--_child", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a._child:
+        print(json.dumps(child(a._child, a)))
+        return 0
+    if not os.path.exists("/proc/self/clear_refs"):
+        print("needs Linux's /proc/self/clear_refs", file=sys.stderr)
+        return 2
+    args = [f"--d-model={a.d_model}", f"--heads={a.heads}", f"--layers={a.layers}", f"--batch={a.batch}",
+            f"--seq={a.seq}", f"--dtype={a.dtype}"]
+    res = {}
+    for mode in MODES:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--_child", mode],
+                              capture_output=True, text=True, check=True,
+                              env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
+        res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    mib = 2 ** 20
+    print(f"O2 memory vs autocast, CPU proxy: TransformerEncoder(d_model {a.d_model}, {a.heads} heads, {a.layers} "
+          f"layers), batch {a.batch} x {a.seq}, AdamW, {a.dtype}; {res['O2']['params'] / 1e6:.1f}M params, "
+          f"torch {torch.__version__}")
+    print(f"command: python scripts/o2_memory.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    for mode in MODES:
+        r = res[mode]
+        phases = ", ".join(f"{k} +{v / mib:.1f}" for k, v in r["growth"].items())
+        print(f"  {mode:<9} persistent {r['persistent'] / mib:7.1f} MiB; peak RSS growth through {phases}; "
+              f"peak {r['peak'] / mib:.1f} MiB")
+    masters = res["O2"]["master_bytes"]
+    ratio = res["O2"]["peak"] / (res["autocast"]["peak"] + masters)
+    print(f"  O2 peak / (autocast peak + FP32 masters {masters / mib:.1f} MiB) = {ratio:.3f} (target <= 1)")
+    half_grads = res["O2"]["params"] * 2
+    print(f"  at O2's scale_loss exit the {a.dtype} model grads ({half_grads / mib:.1f} MiB) and the new FP32 "
+          f"master grads ({masters / mib:.1f} MiB) are alive together")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
