@@ -44,6 +44,7 @@ from .scaler import distributed, overflowed, unscale_
 logger = logging.getLogger("ampatch")
 
 MASTERS_KEY = "ampatch_masters"
+_COPY_CHUNK = 16  # model grads converted into FP32 master grads per foreach call
 
 
 def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
@@ -192,16 +193,23 @@ class OptimizerHandle:
                 mp.grad = None
         if not masters:
             return found_inf
-        new, dense_to, dense_from = [], [], []
-        for m, g in zip(masters, model_grads):
+        new: list = [None] * len(masters)
+        dense = []
+        for i, (m, g) in enumerate(zip(masters, model_grads)):
             if g.is_sparse:  # FP32 and coalesced: the duplicates are summed without overflow
-                new.append(g.to(m.dtype).coalesce())
+                new[i] = g.to(m.dtype).coalesce()
             else:
-                new.append(torch.empty_like(m))
-                dense_to.append(new[-1])
-                dense_from.append(g)
-        if dense_to:
-            torch._foreach_copy_(dense_to, dense_from)
+                dense.append(i)
+        del g
+        # Dense grads convert in chunks, each chunk's half grads released as soon as it is
+        # copied: all the half grads and all their FP32 copies never exist at once (O2's peak).
+        for start in range(0, len(dense), _COPY_CHUNK):
+            chunk = dense[start:start + _COPY_CHUNK]
+            out = [torch.empty_like(masters[i]) for i in chunk]
+            torch._foreach_copy_(out, [model_grads[i] for i in chunk])
+            for i, o in zip(chunk, out):
+                new[i] = o
+                model_grads[i] = None
         if check:
             found_inf = unscale_(new, inv_scale, found_inf)
         elif inv_scale != 1.0:

@@ -134,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ratio = res["O2"]["peak"] / (res["autocast"]["peak"] + masters)
     print(f"  O2 peak / (autocast peak + FP32 masters {masters / mib:.1f} MiB) = {ratio:.3f} (target <= 1)")
     half_grads = res["O2"]["params"] * 2
-    print(f"  at O2's scale_loss exit the {a.dtype} model grads ({half_grads / mib:.1f} MiB) and the new FP32 "
-          f"master grads ({masters / mib:.1f} MiB) are alive together")
+    print(f"  O2's scale_loss exit turns the {a.dtype} model grads ({half_grads / mib:.1f} MiB) into FP32 master "
+          f"grads ({masters / mib:.1f} MiB), a chunk at a time (master.py): its growth over backward is the masters' "
+          "grads plus at most a chunk")
     return 0
 
 
