@@ -13,7 +13,6 @@ the root; then the optimizer; then `amp.initialize`. Each rank trains on its own
 """
 from __future__ import annotations
 
-import datetime
 import io
 import os
 import sys
@@ -423,24 +422,7 @@ def run_all(rank: int, only: set[str] | None = None) -> dict[str, Any]:
     return results
 
 
-def main(argv: list[str]) -> None:
-    rank, world, rdzv, out_file = int(argv[1]), int(argv[2]), argv[3], argv[4]
-    only = set(argv[5].split(",")) if len(argv) > 5 and argv[5] else None
-    torch.set_num_threads(1)  # two ranks share a small machine
-    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    status = 0
-    try:
-        results = run_all(rank, only)
-    except BaseException:
-        results, status = {"error": traceback.format_exc()}, 1
-    torch.save(results, out_file + ".part")
-    os.replace(out_file + ".part", out_file)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    from _ranks import worker_main
+
+    worker_main(sys.argv, lambda rank, world, args: run_all(rank, set(args[0].split(",")) if args and args[0] else None))

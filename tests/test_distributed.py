@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import _dist_worker as worker
+from _ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -42,44 +43,7 @@ ACCUM_RTOL = {"O1-fp16": 3e-3, "O2-fp16": 3e-3, "O2-bf16": 3e-2}
 def ranks(tmp_path_factory) -> list[dict]:
     """Run the worker pair once; the results of rank 0 and rank 1."""
     tmp = tmp_path_factory.mktemp("dist")
-    script = Path(worker.__file__)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("AMPATCH_OPT_LEVEL", None)
-    env.pop("AMPATCH_HALF_DTYPE", None)
-    env.pop("AMPATCH_REPORT", None)
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = open(tmp / f"rank{rank}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(WORLD), str(tmp / "rdzv"), str(tmp / f"rank{rank}.pt")],
-            stdout=log, stderr=subprocess.STDOUT, env=env))
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read()[-4000:])
-        log.close()
-    results = []
-    for rank, p in enumerate(procs):
-        path = tmp / f"rank{rank}.pt"
-        if not path.exists():
-            pytest.fail(f"rank {rank} exited with {p.returncode} and no results:\n{outputs[rank]}")
-        r = torch.load(path, weights_only=False)
-        if "error" in r:
-            pytest.fail(f"rank {rank} failed:\n{r['error']}\n{outputs[rank]}")
-        results.append(r)
-    return results
+    return run_ranks(worker.__file__, tmp, WORLD, TIMEOUT_S)
 
 
 def _same(a, b) -> bool:

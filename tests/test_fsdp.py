@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import _fsdp_worker as worker
+from _ranks import run_ranks
 import ampatch as amp
 
 pytestmark = pytest.mark.distributed
@@ -43,40 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def ranks(tmp_path_factory) -> list[dict]:
     """Run the worker pair once; the results of rank 0 and rank 1."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = open(tmp / f"rank{rank}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, worker.__file__, str(rank), str(WORLD), str(tmp / "rdzv"), str(tmp / f"rank{rank}.pt")],
-            stdout=log, stderr=subprocess.STDOUT, env=env))
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read()[-4000:])
-        log.close()
-    results = []
-    for rank, p in enumerate(procs):
-        path = tmp / f"rank{rank}.pt"
-        if not path.exists():
-            pytest.fail(f"rank {rank} exited with {p.returncode} and no results:\n{outputs[rank]}")
-        r = torch.load(path, weights_only=False)
-        if "error" in r:
-            pytest.fail(f"rank {rank} failed:\n{r['error']}\n{outputs[rank]}")
-        results.append(r)
-    return results
+    return run_ranks(worker.__file__, tmp, WORLD, TIMEOUT_S)
 
 
 def scenario(ranks: list[dict], name: str) -> list[dict]:
