@@ -376,3 +376,35 @@ def test_out_argument_under_torch_compile(half):
     out = torch.empty(4, 4)
     assert torch.equal(torch.compile(fn, backend="eager")(a, out), expected) and torch.equal(out, expected)
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ reentrant checkpointing (probe: wav2vec2)
+def test_reentrant_checkpoint_gives_the_gradients_of_the_plain_forward(half):
+    """A reentrant checkpoint segment gets its input as a detached leaf that requires grad.
+    Cast once through the cache and shared by the segment's ops (wav2vec2's q/k/v
+    projections), its gradients were summed in half before reaching the FP32 input, so
+    checkpointing changed the gradients; only parameters are cached now (as in Apex)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(32, 32)) for _ in range(6)]
+    x0 = torch.randn(4, 32)
+
+    def block(x):
+        return sum(F.linear(x, w) for w in weights)
+
+    def grads(ckpt):
+        x = x0.clone().requires_grad_()
+        h = x * 1.0
+        out = checkpoint(block, h, use_reentrant=True) if ckpt else block(h)
+        out.float().pow(2).sum().backward()
+        g = [x.grad] + [w.grad.clone() for w in weights]
+        for w in weights:
+            w.grad = None
+        return g
+
+    o1(half, loss_scale=1.0)
+    plain, checkpointed = grads(False), grads(True)
+    for a, b in zip(plain, checkpointed):
+        assert torch.equal(a, b)
+    assert _cache().hits > 0  # the weights themselves are still cast once and reused
