@@ -1,7 +1,10 @@
 """The per-iteration cast cache: each parameter is cast to a given dtype once, then reused.
 
-Only leaf tensors that require grad (parameters) are cached: activations change every
-call. An entry is valid while the parameter is at the same version (an in-place update
+Only parameters (`nn.Parameter`s that require grad) are cached, as in Apex: activations
+change every call, and a leaf activation that requires grad (the detached input of a
+reentrant `torch.utils.checkpoint` segment, an input given `requires_grad=True`) fed to
+several ops would share one cast, so their gradients would be summed in half precision
+before reaching it, instead of in FP32 as without checkpointing. An entry is valid while the parameter is at the same version (an in-place update
 such as `optimizer.step()` bumps `_version`), its `.data` has not been touched since (see
 `watch_data`: `p.data.copy_(...)`, `p.data = ...` and `vector_to_parameters` change a
 parameter without a version bump), and, when gradients are needed now, only if the cast
@@ -69,6 +72,7 @@ class CastCache:
         plain = _PLAIN if fast is not None else ()
         hits, misses = self._hits, self._misses
         grad_enabled = _grad_enabled
+        parameter = torch.nn.Parameter
         ref = weakref.ref
         drop = entries.pop
 
@@ -81,7 +85,7 @@ class CastCache:
                     and (entry[2] or not grad_enabled())):
                 next(hits)
                 return entry[3]
-            if t.requires_grad and t.is_leaf:
+            if t.requires_grad and isinstance(t, parameter) and t.is_leaf:
                 next(misses)
                 out = fast(t) if type(t) in plain else t.to(dtype)
                 entries[key] = (ref(t, lambda _, key=key: drop(key, None)), t._version, grad_enabled(), out)

@@ -17,9 +17,18 @@ back by `deinitialize`, like every other patch):
 The patch's own call of the original method comes back to these entry points; a per-thread
 stack of the names being traced lets it through. If this torch's Dynamo lacks the entry
 points, `install` logs a warning and compiled code keeps only the function casts.
+
+The backend then compiles the captured graph, casts included, and must see torch as it is:
+AOT Autograd traces it through torch's own Python decompositions (`aten.matmul`'s calls
+`Tensor.bmm`), where a patched op would cast torch's internal FP32 math back to half
+(SDPA's math path with dropout then failed in backward). So the backend compile, and the
+lazy compile of the backward graph, run with casts off in their thread, as torch runs them
+with autocast off (`_BACKEND_COMPILE`).
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import logging
 import operator
@@ -33,7 +42,7 @@ import torch
 import wrapt
 
 from . import cache, patching, rnn
-from .patching import Patcher, _FunctionWrapper
+from .patching import Patcher, _FunctionWrapper, disable_casts
 
 logger = logging.getLogger("ampatch")
 
@@ -43,6 +52,14 @@ _OPERATORS: dict[Callable, tuple[str, str | None]] = {
     operator.pow: ("__pow__", "__rpow__"),
     operator.truediv: ("__truediv__", "__rtruediv__"),
 }
+
+
+# (module, class, method) of the steps that compile a captured graph: Dynamo's hand-over to the
+# backend (AOT Autograd traces forward and backward there) and AOT's lazy backward compile
+_BACKEND_COMPILE: tuple[tuple[str, str, str], ...] = (
+    ("torch._dynamo.output_graph", "OutputGraph", "call_user_compiler"),
+    ("torch._functorch._aot_autograd.runtime_wrappers", "_AutogradBackwardCompiler", "get_or_compile"),
+)
 
 
 class _Tracing(threading.local):
@@ -157,8 +174,31 @@ def _install_now(patcher: Patcher) -> None:
                 return _trace_method(tx, names[1], [right, left], {})
         return call_function(self, tx, args, kwargs)
 
+    _compile_without_casts(patcher)
     from torch._dynamo.eval_frame import skip_code
     for code in _eager_codes():  # a set in torch: adding twice is harmless
         skip_code(code)
     patcher.patch(TensorVariable, "call_method", tensor_call_method)
     patcher.patch(BuiltinVariable, "call_function", builtin_call_function)
+
+
+def _compile_without_casts(patcher: Patcher) -> None:
+    """Run each `_BACKEND_COMPILE` step with casts off (see the module doc)."""
+    for module, cls_name, name in _BACKEND_COMPILE:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+            original = vars(cls)[name]
+        except (ImportError, AttributeError, KeyError) as exc:
+            logger.warning("ampatch: this torch has no %s.%s.%s (%s); under torch.compile, backends that trace "
+                           "the graph again (aot_eager, inductor) may see torch's own code cast.", module,
+                           cls_name, name, exc)
+            continue
+        patcher.patch(cls, name, _without_casts(original))
+
+
+def _without_casts(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def method(*args: Any, **kwargs: Any) -> Any:
+        with disable_casts():
+            return original(*args, **kwargs)
+    return method

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import huggingface
 from .tips import hint_dtype_error
 
 logger = logging.getLogger("ampatch")
@@ -106,6 +107,9 @@ class ModelHandle:
         self._hooks: list[Any] = []
         self._on_load: list[Callable[[dict[int, torch.Tensor], list[torch.Tensor]], None]] = []
         seen = {} if seen is None else seen
+        # what `model.dtype` says before the cast (transformers' convention: the first floating param)
+        self.original_dtype = next((seen.get(id(p), p.dtype) for p in model.parameters() if p.is_floating_point()),
+                                   None)
         for m in modules_to_cast(model, keep_batchnorm_fp32):
             own: dict[str, _Cast] = {}
             for name, p in m._parameters.items():
@@ -138,6 +142,13 @@ class ModelHandle:
         # forward bound to itself, or every replica would run the original's weights (Apex's
         # O2 + DataParallel device-mismatch bug).
         patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
+        # Hugging Face entry points that reach submodules without passing forward (generate,
+        # get_image_features, ...): inputs cast the same way; their calls of forward cast as usual
+        for name in huggingface.entry_points(model):
+            patcher.patch(model, name, _CastForward(getattr(model, name), self.dtype, output_dtype, nests=False))
+        if self.original_dtype is not None and huggingface.saves_config_dtype(model):
+            patcher.patch(model, "save_pretrained", huggingface.SavePretrained(model.save_pretrained,
+                                                                               self.original_dtype))
 
     def on_load(self, callback: Callable[[dict[int, torch.Tensor], list[torch.Tensor]], None]) -> None:
         """Run `callback(incoming, params)` after a `load_state_dict` of the model or any of its
@@ -202,18 +213,21 @@ class _CastForward:
     """
 
     def __init__(self, inner: Callable[..., Any], dtype: torch.dtype | None,
-                 output_dtype: torch.dtype | None) -> None:
+                 output_dtype: torch.dtype | None, nests: bool = True) -> None:
         self.__wrapped__ = inner
         self.dtype = dtype  # None: inputs pass as they are (outputs-only wrapper)
         self.only_low = output_dtype is None
         self.output_dtype = output_dtype or torch.float32
+        # False for an entry point other than forward (generate): the forwards it calls are
+        # not nested in it, so they hand it FP32 outputs as they hand the user
+        self.nests = nests
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.dtype is not None:
             args, kwargs = cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
         nesting = _nesting.__dict__
         depth = nesting.get("depth", 0)
-        nesting["depth"] = depth + 1
+        nesting["depth"] = depth + 1 if self.nests else depth
         try:
             out = self.__wrapped__(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an FP32 constant meets half

@@ -139,6 +139,14 @@ _CASTABLE_TO_HALF = (torch.float32, torch.float16, torch.bfloat16)
 _SEQ = (list, tuple)
 
 
+# A call with an explicit `out=` tensor is never cast (as under torch.autocast, where such
+# calls are not eligible): a cast `out` would be a temporary copy, the result would land in
+# it and the caller's tensor would stay as it was (torch.compile's inductor code calls
+# `torch.bmm(a, b, out=buf)` on FP32 buffers while a session patches torch, and read
+# uninitialized memory back). The op runs as the caller wrote it, mixed dtypes included.
+_NOT_ELIGIBLE = "out"
+
+
 def widest(args: tuple, kwargs: dict) -> torch.dtype | None:
     """The promoted floating dtype over every floating tensor among args, kwargs and lists."""
     found = None
@@ -248,6 +256,8 @@ def _cast_wrapper(original: Any, tick: Any, needs: frozenset, cast: Callable[[to
     perf = time.perf_counter
 
     def convert_call(instance: Any, args: tuple, kwargs: dict) -> Any:
+        if kwargs and _NOT_ELIGIBLE in kwargs:
+            return original(*args, **kwargs) if instance is None else original(instance, *args, **kwargs)
         if timed:
             start = perf()
         out = [] if instance is None else [seq(instance)]  # `seq` converts any one argument
@@ -382,6 +392,8 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
                     break
             else:
                 return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+            if kwargs and _NOT_ELIGIBLE in kwargs:
+                return wrapped(*args, **kwargs)
             if instance is not None:
                 args = (instance,) + args
             args, kwargs = convert(args, kwargs)
@@ -447,6 +459,8 @@ def make_traceable(kind: str, op: str, original: Any, half_dtype: torch.dtype, a
             return a
 
         def traceable(*args: Any, **kwargs: Any) -> Any:
+            if _NOT_ELIGIBLE in kwargs:
+                return original(*args, **kwargs)
             return original(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
     elif kind in (PROMOTE, SEQUENCE_PROMOTE):
         in_place = op.endswith("_") and not op.endswith("__")
@@ -473,7 +487,7 @@ def make_traceable(kind: str, op: str, original: Any, half_dtype: torch.dtype, a
                 dtype = args[0].dtype
             else:
                 dtype = widest_of(list(kwargs.values()), widest_of(args, None))
-            if dtype is None:
+            if dtype is None or _NOT_ELIGIBLE in kwargs:
                 return original(*args, **kwargs)
             return original(*[to_exact(a, dtype) for a in args], **{k: to_exact(v, dtype) for k, v in kwargs.items()})
     elif kind == BANNED:

@@ -120,6 +120,13 @@ class Session:
         self.guard = fsdp.ParamGuard(models, self.optimizers)  # fsdp hook
         for h in self.optimizers:
             h.install(self.patcher)
+        lost = tips.eps_lost_in_float16(optimizers)
+        if lost:
+            self.warn(f"ampatch: {'; '.join(lost)}: float16 rounds that eps to 0, and at {props.opt_level} these "
+                      "float16 parameters are stepped in float16 (no FP32 master weights), so every weight whose "
+                      "gradient is 0 (an embedding row missing from the batch) becomes 0/0 = NaN at the first "
+                      "step. Use O2 (FP32 master weights), bfloat16, or an eps float16 can hold (1e-4 is usual "
+                      "for float16 Adam).")
         if props.patch_torch_functions:
             self._patch_torch()
         if self.telemetry.record:

@@ -3,6 +3,9 @@
 - `dims_not_multiple_of_8(models)`: Linear and convolution layers whose feature or channel
   counts are not multiples of 8, which half-precision matmul units (Tensor Cores) prefer;
   `log_dims_tip` logs that list once, at `initialize`.
+- `eps_lost_in_float16(optimizers)`: optimizer groups that step float16 parameters in
+  float16 with an `eps` that float16 rounds to 0 (Adam's 1e-8): every weight whose
+  gradient is 0 becomes 0/0 = NaN at the first step. The session warns at `initialize`.
 - `explain_dtype_error(exc, op_name, model_dtype)`: when a dtype-mismatch error escapes a call
   under mixed precision, what fixes it: at O1/O4 the registration for the op; inside the
   forward of a model cast to half (O2/O3/O5, `model_dtype`), the tensor the cast did not reach
@@ -18,12 +21,13 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["dims_not_multiple_of_8", "log_dims_tip", "explain_dtype_error", "attach_hint", "hint_dtype_error",
-           "qualified_name"]
+__all__ = ["dims_not_multiple_of_8", "log_dims_tip", "eps_lost_in_float16", "explain_dtype_error", "attach_hint",
+           "hint_dtype_error", "qualified_name"]
 
 _MULTIPLE = 8
 
@@ -73,6 +77,24 @@ def log_dims_tip(models: nn.Module | Iterable[nn.Module], verbosity: int = 1, op
                     "are multiples of 8; these layers are not (pad or resize them where you can; an input "
                     "layer with 3 colour channels is expected): %s%s", "; ".join(found[:limit]), more)
     return found
+
+
+def eps_lost_in_float16(optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
+    """One line per optimizer param group that holds float16 parameters (stepped in float16:
+    no FP32 master weights, as at O3) and an `eps` that is 0 in float16, unless the group is
+    `fused` (a fused kernel adds eps in FP32). torch's Adam, AdamW, RMSprop, Adagrad, ...
+    then divide by sqrt(0) + 0 for any weight whose gradient is 0, and the weights turn NaN
+    at the first step (plain `model.half()` training does the same)."""
+    out = []
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            eps = group.get("eps")
+            if (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0
+                    or torch.tensor(eps, dtype=torch.float16).item() != 0 or group.get("fused")):
+                continue
+            if any(isinstance(p, torch.Tensor) and p.dtype == torch.float16 for p in group["params"]):
+                out.append(f"optimizers[{i}] ({type(opt).__name__}) param group {j}: eps={eps:g}")
+    return out
 
 
 # Messages of dtype-mismatch errors from torch (checked against torch 2.x CPU and CUDA).

@@ -175,6 +175,57 @@ def test_sdpa_model_backward(backend):
     opt.step()
 
 
+class DropoutAttention(nn.Module):
+    """SDPA with attention dropout in training (BERT's and T5's pattern): on the CPU its math
+    path runs in FP32, and AOT Autograd traces it through torch's Python decomposition of
+    matmul, which calls `Tensor.bmm`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 4, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_backend_traces_torch_internals_without_casts(backend, half):
+    """The backend's own tracing sees torch uncast: before, the patched `Tensor.bmm` cast the
+    FP32 math of the decomposition back to half and the backward graph failed ("expected
+    scalar type Float but found BFloat16")."""
+    torch.manual_seed(0)
+    model = DropoutAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = o1(model, half, optimizers=opt, loss_scale=1.0)  # the graph is the point, not the scale
+    compiler, graphs = recording(backend)
+    compiled = torch.compile(model, backend=compiler)
+    out = compiled(torch.randn(2, 4, 8), torch.zeros(2, 1, 4, 4))
+    assert out.dtype == half
+    with amp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    for p in model.parameters():
+        assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+    assert set(input_dtypes(graphs, lambda t: t is F.scaled_dot_product_attention
+                            or getattr(t, "__name__", "") == "scaled_dot_product_attention")) == {half}
+    opt.step()
+    amp.deinitialize()  # the compile steps are torch's own again
+    from torch._dynamo.output_graph import OutputGraph
+    assert "ampatch" not in OutputGraph.call_user_compiler.__module__
+
+
+@pytest.mark.slow
+def test_inductor_fp32_matmul_while_a_session_patches_torch():
+    """Inductor's generated code calls `torch.bmm(a, b, out=buf)` on FP32 buffers at run time,
+    where the session's patched torch.bmm is live: before, it cast `buf` into a temporary and
+    the compiled function returned uninitialized memory."""
+    o1(nn.Linear(2, 2))
+    a, b = torch.randn(2, 64, 64), torch.randn(2, 64, 64)
+    fn = torch.compile(lambda x, y: torch.ops.aten.bmm(x, y) * 2, backend="inductor")
+    assert torch.allclose(fn(a, b), torch.ops.aten.bmm(a, b) * 2, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_transformer_layer_trains_compiled(backend):
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)

@@ -317,3 +317,94 @@ def test_binary_cross_entropy_is_banned_for_half_inputs_only(half):
     assert F.binary_cross_entropy(p, target).dtype == torch.float32  # FP32 inputs: nothing to protect
     with pytest.raises(NotImplementedError, match="allow_banned"):
         F.binary_cross_entropy(p.to(half), target)
+
+
+# ------------------------------------------------------------------ out= (probe: torch.compile + inductor)
+OUT_CALLS = {  # one op of each kind, called with an FP32 `out`; the inputs mix FP32 and half
+    "mm (half)": lambda a, h, out: torch.mm(a, h.float(), out=out),
+    "bmm (half)": lambda a, h, out: torch.bmm(a[None], a[None], out=out[None]),
+    "addmm (half)": lambda a, h, out: torch.addmm(a, a, a, out=out),
+    "exp (float)": lambda a, h, out: torch.exp(h, out=out),
+    "sum (float)": lambda a, h, out: torch.sum(h, 0, keepdim=True, out=out[:1]),
+}
+
+
+@pytest.mark.parametrize("call", list(OUT_CALLS), ids=list(OUT_CALLS))
+def test_out_argument_is_written_and_never_cast(half, call):
+    """A call with `out=` runs as written, as under torch.autocast (where it is not
+    eligible): before, the wrapper cast `out` into a temporary, the result landed there and
+    the caller's tensor stayed unwritten (inductor's FP32 `extern_kernels.bmm(..., out=buf)`
+    then returned uninitialized memory as gradients)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 4, generator=g)
+    h = torch.randn(4, 4, generator=g).to(half)
+    expected = torch.full((4, 4), 7.0)
+    OUT_CALLS[call](a, h, expected)
+    o1(half)
+    out = torch.full((4, 4), 7.0)
+    result = OUT_CALLS[call](a, h, out)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    assert result.data_ptr() == out.data_ptr() or result.data_ptr() in (out[None].data_ptr(), out[:1].data_ptr())
+    assert torch.mm(a, a).dtype == half  # the same op without out= still casts
+
+
+def test_out_argument_of_a_promote_op_is_never_cast(half):
+    """Promotion would have made a half `out` an FP32 temporary; the call now fails on the
+    mixed dtypes exactly as in plain torch (and as under torch.autocast)."""
+    a, h = torch.randn(3, 3), torch.randn(3, 3).to(half)
+    with pytest.raises(RuntimeError) as plain:
+        torch.cross(h, a, dim=1, out=torch.empty(3, 3, dtype=half))
+    o1(half)
+    out = torch.full((3, 3), 7.0, dtype=half)
+    with pytest.raises(RuntimeError) as patched:
+        torch.cross(h, a, dim=1, out=out)
+    assert str(patched.value) == str(plain.value)
+    torch.cross(h, a.to(half), dim=1, out=out)  # matching dtypes: written
+    assert torch.equal(out, torch.linalg.cross(h, a.to(half), dim=1))
+
+
+def test_out_argument_under_torch_compile(half):
+    torch._dynamo.reset()
+    a = torch.randn(4, 4)
+    expected = torch.mm(a, a)
+    o1(half)
+
+    def fn(x, buf):
+        torch.mm(x, x, out=buf)
+        return buf * 1
+
+    out = torch.empty(4, 4)
+    assert torch.equal(torch.compile(fn, backend="eager")(a, out), expected) and torch.equal(out, expected)
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ reentrant checkpointing (probe: wav2vec2)
+def test_reentrant_checkpoint_gives_the_gradients_of_the_plain_forward(half):
+    """A reentrant checkpoint segment gets its input as a detached leaf that requires grad.
+    Cast once through the cache and shared by the segment's ops (wav2vec2's q/k/v
+    projections), its gradients were summed in half before reaching the FP32 input, so
+    checkpointing changed the gradients; only parameters are cached now (as in Apex)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(32, 32)) for _ in range(6)]
+    x0 = torch.randn(4, 32)
+
+    def block(x):
+        return sum(F.linear(x, w) for w in weights)
+
+    def grads(ckpt):
+        x = x0.clone().requires_grad_()
+        h = x * 1.0
+        out = checkpoint(block, h, use_reentrant=True) if ckpt else block(h)
+        out.float().pow(2).sum().backward()
+        g = [x.grad] + [w.grad.clone() for w in weights]
+        for w in weights:
+            w.grad = None
+        return g
+
+    o1(half, loss_scale=1.0)
+    plain, checkpointed = grads(False), grads(True)
+    for a, b in zip(plain, checkpointed):
+        assert torch.equal(a, b)
+    assert _cache().hits > 0  # the weights themselves are still cast once and reused

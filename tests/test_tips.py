@@ -274,3 +274,56 @@ def test_o1_hint_is_unchanged_by_the_model_dtype_argument() -> None:
     assert "register_promote_function(torch, \"mm\")" in tips.explain_dtype_error(exc, "torch.mm")
     model_hint = tips.explain_dtype_error(exc, "torch.mm", model_dtype=torch.float16)
     assert "a float16 tensor met an FP32 one" in model_hint and "register_promote_function(" not in model_hint
+
+
+# ------------------------------------------------------------------ eps lost in float16
+class Tagger(nn.Module):
+    """An embedding whose rows outside the batch get a gradient of exactly 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(idx))
+
+
+def _first_step(level: str, half: torch.dtype, **adam) -> tuple[bool, list[str]]:
+    import warnings
+
+    import ampatch as amp
+
+    torch.manual_seed(0)
+    model = Tagger()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **adam)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=1)
+    with amp.scale_loss(model(torch.tensor([[1, 2]])).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    amp.deinitialize()
+    return finite, [str(w.message) for w in caught if "eps" in str(w.message)]
+
+
+def test_float16_steps_with_an_eps_float16_rounds_to_zero_warn() -> None:
+    """O3 float16 + AdamW's eps=1e-8: torch's own float16 AdamW turns the untouched embedding
+    rows NaN at the first step (model.half() does the same); the warning names the way out."""
+    finite, warned = _first_step("O3", torch.float16)
+    assert not finite and len(warned) == 1
+    assert "eps=1e-08" in warned[0] and "O2" in warned[0] and "1e-4" in warned[0]
+    assert tips.eps_lost_in_float16([torch.optim.AdamW(Tagger().half().parameters())]) == [
+        "optimizers[0] (AdamW) param group 0: eps=1e-08"]
+
+
+@pytest.mark.parametrize("level,half,adam", [
+    ("O3", torch.float16, {"eps": 1e-4}),   # an eps float16 can hold
+    ("O3", torch.bfloat16, {}),             # bfloat16 holds 1e-8
+    ("O2", torch.float16, {}),              # FP32 masters: the optimizer steps FP32
+    ("O3", torch.float16, {"fused": True}),  # the fused kernel adds eps in FP32
+], ids=["eps1e-4", "bf16", "O2", "fused"])
+def test_no_eps_warning_where_the_step_is_safe(level, half, adam) -> None:
+    finite, warned = _first_step(level, half, **adam)
+    assert finite and warned == []
