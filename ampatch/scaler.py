@@ -27,6 +27,7 @@ DEFAULT_MIN_LOSS_SCALE = 2.0 ** -16  # the floor of a dynamic scale when min_los
 # Any scale (a static one, min_loss_scale, max_loss_scale) lies in this range: the scale and
 # its inverse are finite, normal FP32 numbers.
 USABLE_RANGE = (2.0 ** -126, 2.0 ** 126)
+HISTORY_POINTS = 1000  # a scale history longer than this is thinned (a long run stays bounded)
 
 
 def check_scale_value(value: object, name: str) -> float:
@@ -40,6 +41,11 @@ def check_scale_value(value: object, name: str) -> float:
                          "2**126 (the scale and its inverse must be finite FP32 numbers); typical values are "
                          "1.0 to 2**24.")
     return value
+
+
+def downsample(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Every other change point of a long history, keeping the first and the last."""
+    return history[:-1:2] + [history[-1]]
 
 
 class StateDictKeyError(KeyError, ValueError):
@@ -125,14 +131,6 @@ class LossScaler:
         taken = self.clamp(scale) if self.dynamic else self.scale
         self.scale = taken
         return scale if taken != scale else None
-
-
-HISTORY_POINTS = 1000  # a scale history longer than this is thinned (a long run stays bounded)
-
-
-def downsample(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """Every other change point of a long history, keeping the first and the last."""
-    return history[:-1:2] + [history[-1]]
 
 
 def unscale_(grads: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.Tensor | None) -> torch.Tensor:
