@@ -227,6 +227,22 @@ def test_loss_scaler_view_reads_and_writes_the_live_scaler(half) -> None:
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 7}
 
 
+def test_a_loss_scale_write_that_does_not_take_says_so() -> None:
+    """A static scale stays, a dynamic one is clamped into its range (as amp.load_state_dict
+    does): either way the write is not silently dropped."""
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), opt_level="O1", loss_scale=128.0)
+    view = amp._amp_state.loss_scalers[0]
+    with pytest.warns(UserWarning, match=r"_loss_scale = 1024 .*static \(128"):
+        view._loss_scale = 1024
+    assert view.loss_scale() == 128.0
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), opt_level="O1", loss_scale="dynamic",
+                   max_loss_scale=2.0 ** 20)
+    view = amp._amp_state.loss_scalers[0]
+    with pytest.warns(UserWarning, match=r"outside .*it is now 1.04858e\+06"):
+        view._loss_scale = 2 ** 30
+    assert view.loss_scale() == 2.0 ** 20
+
+
 @pytest.mark.parametrize("bad, error", [(0.0, ValueError), (-4.0, ValueError), (float("inf"), ValueError),
                                         (float("nan"), ValueError), ("big", ValueError), (True, TypeError)])
 def test_loss_scale_writes_are_validated_like_load_state_dict(bad, error) -> None:

@@ -39,11 +39,11 @@ class LossScalerView:
         self._session.resolve_pending()  # a deferred overflow verdict may still change the scale
         return self._scaler
 
-    def _load(self, **change: Any) -> None:
+    def _load(self, **change: Any) -> float | None:
         """Write `change` into the live scaler through its own `load_state_dict`, which
-        validates it as `amp.load_state_dict` does."""
+        validates it as `amp.load_state_dict` does; returns the scale when it was not taken."""
         scaler = self._resolved()
-        scaler.load_state_dict({**scaler.state_dict(), **change})
+        return scaler.load_state_dict({**scaler.state_dict(), **change})
 
     def loss_scale(self) -> float:
         """The current scale (Apex's method)."""
@@ -57,7 +57,15 @@ class LossScalerView:
     def _loss_scale(self, value: float) -> None:
         if isinstance(value, bool):  # float(True) would pass the state check
             raise TypeError(f"_loss_scale must be a number, got {value!r}.")
-        self._load(loss_scale=value)
+        asked = self._load(loss_scale=value)
+        if asked is not None:  # not taken, as in amp.load_state_dict: a static scale stays, a dynamic one is clamped
+            s, i = self._scaler, self._session.scalers.index(self._scaler)
+            what = f"ampatch: _amp_state.loss_scalers[{i}]._loss_scale = {asked:g}"
+            self._session.warn(
+                f"{what} is outside this scaler's range [{s.floor:g}, {s.max_loss_scale:g}] (min_loss_scale, "
+                f"max_loss_scale); it is now {s.scale:g}." if s.dynamic else
+                f"{what} has no effect: this session's loss scale is static ({s.scale:g}); pass "
+                f"loss_scale='dynamic' or loss_scale={asked:g} to amp.initialize instead.")
 
     @property
     def _unskipped(self) -> int:
