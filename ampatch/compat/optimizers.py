@@ -50,7 +50,16 @@ def _deprecated_step_args(name: str, **kwargs: Any) -> None:
                            "call step() with no arguments.")
 
 
-class FusedAdam(torch.optim.Adam):
+class _SetGradNone:
+    """Apex's `set_grad_none`: what `zero_grad()` does when not told (`set_to_none`)."""
+
+    set_grad_none: bool
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)  # type: ignore[misc]
+
+
+class FusedAdam(_SetGradNone, torch.optim.Adam):
     """`apex.optimizers.FusedAdam`: Apex's defaults are AdamW semantics (`adam_w_mode=True`,
     decoupled weight decay) and `zero_grad()` setting grads to None (`set_grad_none=True`);
     `adam_w_mode=False` is Adam with L2 weight decay."""
@@ -75,9 +84,6 @@ class FusedAdam(torch.optim.Adam):
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
-
     def step(self, closure: Callable[[], Any] | None = None, grads: Any = None, output_params: Any = None,
              scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
         _deprecated_step_args("FusedAdam", grads=grads, output_params=output_params, scale=scale,
@@ -85,7 +91,7 @@ class FusedAdam(torch.optim.Adam):
         return super().step(closure)
 
 
-class FusedSGD(torch.optim.SGD):
+class FusedSGD(_SetGradNone, torch.optim.SGD):
     """`apex.optimizers.FusedSGD`: `lr` is required and `zero_grad()` zeroes in place
     (`set_grad_none=False`), as in Apex."""
 
@@ -105,11 +111,8 @@ class FusedSGD(torch.optim.SGD):
         self.materialize_master_grads = materialize_master_grads
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
-
-class FusedAdagrad(torch.optim.Adagrad):
+class FusedAdagrad(_SetGradNone, torch.optim.Adagrad):
     """`apex.optimizers.FusedAdagrad` as `torch.optim.Adagrad` (foreach)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0,
@@ -119,9 +122,6 @@ class FusedAdagrad(torch.optim.Adagrad):
                                       "weight decay; use weight_decay (L2) or torch.optim.AdamW.")
         super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
         self.set_grad_none = set_grad_none
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
 
 def _unavailable(name: str, algorithm: str, alternatives: str) -> type:
