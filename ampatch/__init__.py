@@ -274,9 +274,8 @@ def register_bfloat16_function(module: Any, name: str) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """Apex names ampatch does not have (amp.init, _amp_state, ...) fail with the ampatch way."""
-    from .compat import legacy_attribute
-    return legacy_attribute(name)
+    """Apex `amp` names ampatch does not have (AmpHandle, LossScaler, ...) fail with the ampatch way."""
+    return _compat.legacy_attribute(name)
 
 
 def _decorator(kind: str) -> Callable[[Callable], Callable]:
