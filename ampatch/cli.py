@@ -778,15 +778,8 @@ def _announce_machine(device: str, levels: Sequence[str], half_dtype: str | None
 @contextmanager
 def apex_alias(env: dict[str, str]) -> Iterator[None]:
     """Put a ``sitecustomize`` on the child's path that aliases ``apex.amp`` to ampatch."""
-    try:
-        from ampatch import compat
-        compat.install_apex_alias  # noqa: B018 - fail here, not in the child
-    except (ImportError, AttributeError) as exc:
-        raise CliError(f"--apex-alias needs ampatch.compat.install_apex_alias, which this "
-                       f"ampatch does not provide ({exc})") from None
     with tempfile.TemporaryDirectory(prefix="ampatch-apex-") as tmp:
         Path(tmp, "sitecustomize.py").write_text(SITECUSTOMIZE)
-        env["AMPATCH_APEX_ALIAS"] = "1"
         _prepend_path(env, tmp)
         yield
 
