@@ -804,7 +804,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ``--opt-level`` the script keeps its own ``opt_level``."""
     cmd = resolve_command(args.command)
     _check_output_path(args.report, "--report")
-    if args.half_dtype == "float16" and args.opt_level in ("O4", "O5"):
+    if args.half_dtype == "float16" and args.opt_level in _levels_policy.BFLOAT16_LEVELS:
         raise CliError(f"{args.opt_level} always uses bfloat16; --half-dtype float16 "
                        "contradicts it (use O1-O3 for float16)")
     env = child_env(args.opt_level, args.half_dtype,
