@@ -464,3 +464,14 @@ def test_readme_commands_run_as_shown(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "final loss" in proc.stdout
     assert json.loads(report.read_text())["opt_level"] == "O2"
+
+
+@pytest.mark.parametrize("level", ["O4", "O5"])
+def test_run_refuses_float16_at_a_bfloat16_level(level, capsys) -> None:
+    """`ampatch run --opt-level O4/O5 --half-dtype float16` is a contradiction, refused before
+    anything runs (the script would fail loudly if it ran)."""
+    from ampatch import cli
+    code = cli.main(["run", "--apex-alias", "--opt-level", level, "--half-dtype", "float16", "--",
+                     "python", "-c", "raise SystemExit(7)"])
+    assert code == 2
+    assert f"{level} always uses bfloat16" in capsys.readouterr().err
