@@ -99,12 +99,11 @@ def model_grads_to_master_grads(model_params: list[torch.Tensor], master_params:
 
 def master_params_to_model_params(model_params: list[torch.Tensor], master_params: list[torch.Tensor],
                                   flat_master: bool = False) -> None:
-    """Copy the FP32 masters into the model's parameters."""
+    """Copy the FP32 masters (views of the flat one with `flat_master=True`) into the model's parameters."""
     with torch.no_grad():
         if flat_master:
-            for model, master in zip(model_params, _unflatten_dense_tensors(master_params[0], model_params)):
-                model.copy_(master)
-        elif model_params:
+            master_params = _unflatten_dense_tensors(master_params[0], model_params)
+        if model_params:
             torch._foreach_copy_(list(model_params), list(master_params))
 
 
