@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .alias import not_provided_class
+
 logger = logging.getLogger("ampatch")
 
 __all__ = ["FusedAdam", "FusedSGD", "FusedAdagrad", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad",
@@ -125,13 +127,10 @@ class FusedAdagrad(_SetGradNone, torch.optim.Adagrad):
 
 
 def _unavailable(name: str, algorithm: str, alternatives: str) -> type:
-    """A class that imports fine and raises, naming the alternatives, when constructed."""
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(f"apex.optimizers.{name}: PyTorch has no {algorithm} optimizer and ampatch does not "
-                                  f"re-implement Apex's fused kernel. Alternatives: {alternatives}. Any "
-                                  "torch.optim.Optimizer works with amp.initialize.")
-    return type(name, (torch.optim.Optimizer,), {"__init__": __init__, "__doc__": f"Not provided: {algorithm}.",
-                                                 "__module__": __name__})
+    """An optimizer class PyTorch does not have: importable, raises naming the alternatives."""
+    return not_provided_class(name, __name__, f"apex.optimizers.{name}: PyTorch has no {algorithm} optimizer and "
+                              f"ampatch does not re-implement Apex's fused kernel. Alternatives: {alternatives}. Any "
+                              "torch.optim.Optimizer works with amp.initialize.", base=torch.optim.Optimizer)
 
 
 _LAMB_ALTERNATIVES = ("torch.optim.AdamW(fused=True) (Adam without LAMB's layer-wise trust ratio), or a LAMB "
@@ -142,13 +141,10 @@ FusedNovoGrad = _unavailable("FusedNovoGrad", "NovoGrad",
                              "torch.optim.AdamW(fused=True), or a NovoGrad implementation such as "
                              "torch-optimizer's NovoGrad (pip install torch-optimizer)")
 
-
-class FP16_Optimizer:  # noqa: N801 - Apex's name
-    """Apex's deprecated FP16 wrapper: not provided; amp.initialize does its job."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "FP16_Optimizer is Apex's deprecated manual-master-weights wrapper and is not provided. Use amp "
-            "instead:\n    model, optimizer = amp.initialize(model, optimizer, opt_level='O2')\n"
-            "    with amp.scale_loss(loss, optimizer) as scaled_loss:\n        scaled_loss.backward()\n"
-            "    optimizer.step()\n(FP32 master weights and dynamic loss scaling included.)")
+# Apex's deprecated FP16 wrapper (also apex.fp16_utils.FP16_Optimizer): amp.initialize does its job.
+FP16_Optimizer = not_provided_class(  # noqa: N816 - Apex's name
+    "FP16_Optimizer", __name__,
+    "FP16_Optimizer is Apex's deprecated manual-master-weights wrapper and is not provided. Use amp "
+    "instead:\n    model, optimizer = amp.initialize(model, optimizer, opt_level='O2')\n"
+    "    with amp.scale_loss(loss, optimizer) as scaled_loss:\n        scaled_loss.backward()\n"
+    "    optimizer.step()\n(FP32 master weights and dynamic loss scaling included.)")
