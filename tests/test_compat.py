@@ -271,6 +271,22 @@ def test_the_view_keeps_no_copy() -> None:
     assert state.loss_scalers == []
 
 
+def test_a_loss_scaler_view_held_past_its_session_refuses() -> None:
+    """A scaler view kept across a new initialize would read and write a scaler nothing uses
+    any more; it says so instead."""
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), opt_level="O1", half_dtype=F16,
+                   verbosity=0)
+    held = amp._amp_state.loss_scalers[0]
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), opt_level="O1", half_dtype=F16,
+                   verbosity=0)
+    with pytest.raises(RuntimeError, match="session has ended"):
+        held._loss_scale = 8.0
+    with pytest.raises(RuntimeError, match="session has ended"):
+        held.loss_scale()
+    amp._amp_state.loss_scalers[0]._loss_scale = 8.0
+    assert amp.loss_scale() == 8.0
+
+
 @pytest.mark.parametrize("level, half, expected", [
     ("O0", F16, dict(cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
                      master_weights=False, loss_scale=1.0)),

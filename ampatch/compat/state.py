@@ -36,6 +36,9 @@ class LossScalerView:
         object.__setattr__(self, "_scaler", scaler)
 
     def _resolved(self) -> Any:
+        if self._session.closed:
+            raise RuntimeError("_amp_state.loss_scalers[i]: this loss scaler's amp session has ended (amp.initialize "
+                               "was called again, or amp.deinitialize()); take amp._amp_state.loss_scalers[i] again.")
         self._session.resolve_pending()  # a deferred overflow verdict may still change the scale
         return self._scaler
 
