@@ -130,7 +130,6 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
                            master_weights=master_weights, loss_scale=loss_scale,
                            hard_override=_amp_state.hard_override)
     if props.loss_scale != "dynamic":
-        check_scale_value(props.loss_scale, "loss_scale")
         if min_loss_scale is not None or max_loss_scale != 2.0 ** 24:
             logger.info("ampatch: min_loss_scale/max_loss_scale bound a dynamic loss scale; this session's is "
                         "static (%g), so they do not apply.", props.loss_scale)
@@ -274,9 +273,8 @@ def register_bfloat16_function(module: Any, name: str) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """Apex names ampatch does not have (amp.init, _amp_state, ...) fail with the ampatch way."""
-    from .compat import legacy_attribute
-    return legacy_attribute(name)
+    """Apex `amp` names ampatch does not have (AmpHandle, LossScaler, ...) fail with the ampatch way."""
+    return _compat.legacy_attribute(name)
 
 
 def _decorator(kind: str) -> Callable[[Callable], Callable]:

@@ -778,15 +778,8 @@ def _announce_machine(device: str, levels: Sequence[str], half_dtype: str | None
 @contextmanager
 def apex_alias(env: dict[str, str]) -> Iterator[None]:
     """Put a ``sitecustomize`` on the child's path that aliases ``apex.amp`` to ampatch."""
-    try:
-        from ampatch import compat
-        compat.install_apex_alias  # noqa: B018 - fail here, not in the child
-    except (ImportError, AttributeError) as exc:
-        raise CliError(f"--apex-alias needs ampatch.compat.install_apex_alias, which this "
-                       f"ampatch does not provide ({exc})") from None
     with tempfile.TemporaryDirectory(prefix="ampatch-apex-") as tmp:
         Path(tmp, "sitecustomize.py").write_text(SITECUSTOMIZE)
-        env["AMPATCH_APEX_ALIAS"] = "1"
         _prepend_path(env, tmp)
         yield
 
@@ -811,7 +804,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ``--opt-level`` the script keeps its own ``opt_level``."""
     cmd = resolve_command(args.command)
     _check_output_path(args.report, "--report")
-    if args.half_dtype == "float16" and args.opt_level in ("O4", "O5"):
+    if args.half_dtype == "float16" and args.opt_level in _levels_policy.BFLOAT16_LEVELS:
         raise CliError(f"{args.opt_level} always uses bfloat16; --half-dtype float16 "
                        "contradicts it (use O1-O3 for float16)")
     env = child_env(args.opt_level, args.half_dtype,

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .scaler import check_scale_value
+
 logger = logging.getLogger("ampatch")
 
 DYNAMIC = "dynamic"
@@ -120,7 +122,8 @@ def _parse_bool(value: Any, what: str) -> bool | None:
 
 
 def parse_loss_scale(value: Any) -> float | str | None:
-    """A positive number, a numeric string, or "dynamic"."""
+    """A usable scale given as a number (numpy scalars and 0-dim tensors too, as float() took
+    them in Apex) or a numeric string, or "dynamic"."""
     if value is None or value == DYNAMIC:
         return value
     if isinstance(value, bool):
@@ -130,15 +133,12 @@ def parse_loss_scale(value: Any) -> float | str | None:
             value = float(value)
         except ValueError:
             raise ValueError(f"loss_scale={value!r}: use a number such as 128.0, or 'dynamic'.") from None
-    if not isinstance(value, (int, float)):
-        try:  # numpy scalars, 0-dim tensors: float() took them in Apex
+    else:
+        try:
             value = float(value)
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(f"loss_scale must be a number or 'dynamic', got {type(value).__name__}.") from None
-    value = float(value)
-    if not (value > 0 and value != float("inf")):
-        raise ValueError(f"loss_scale must be a finite positive number, got {value}.")
-    return value
+    return check_scale_value(value, "loss_scale")
 
 
 def default_half_dtype(device: torch.device | None) -> torch.dtype:

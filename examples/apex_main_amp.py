@@ -8,7 +8,7 @@ data is synthetic (ten classes of 16x16 images), so it runs anywhere in seconds.
 Apex installed, `ampatch run --apex-alias` makes those imports load ampatch:
 
     ampatch run --apex-alias -- python examples/apex_main_amp.py --opt-level O2 --steps 10
-    ampatch run --apex-alias -- torchrun --nproc_per_node 2 examples/apex_main_amp.py --sync_bn
+    ampatch run --apex-alias -- torchrun --standalone --nproc_per_node 2 examples/apex_main_amp.py --sync_bn
 
 On CPU the processes join a gloo group, on GPUs an nccl group (one GPU per process).
 """

@@ -10,12 +10,12 @@ process (rendezvous through a file in a temp dir), at O2 in float16 as Apex woul
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _ranks import clean_env
 
 pytestmark = pytest.mark.distributed
 
@@ -28,9 +28,7 @@ TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("apex_dist")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", AMPATCH_HALF_DTYPE="float16")
-    env.pop("AMPATCH_OPT_LEVEL", None)
-    env.pop("AMPATCH_REPORT", None)
+    env = clean_env(AMPATCH_HALF_DTYPE="float16")
     procs = [subprocess.Popen(
         [sys.executable, "-m", "ampatch", "run", "--apex-alias", "--", "python", str(SCRIPT), "--steps", "8",
          "--sync_bn", "--init-loss-scale", "1024", "--dist-url", f"file://{tmp}/rdzv", "--world-size", str(WORLD),

@@ -227,6 +227,22 @@ def test_loss_scaler_view_reads_and_writes_the_live_scaler(half) -> None:
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 7}
 
 
+def test_a_loss_scale_write_that_does_not_take_says_so() -> None:
+    """A static scale stays, a dynamic one is clamped into its range (as amp.load_state_dict
+    does): either way the write is not silently dropped."""
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), opt_level="O1", loss_scale=128.0)
+    view = amp._amp_state.loss_scalers[0]
+    with pytest.warns(UserWarning, match=r"_loss_scale = 1024 .*static \(128"):
+        view._loss_scale = 1024
+    assert view.loss_scale() == 128.0
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), opt_level="O1", loss_scale="dynamic",
+                   max_loss_scale=2.0 ** 20)
+    view = amp._amp_state.loss_scalers[0]
+    with pytest.warns(UserWarning, match=r"outside .*it is now 1.04858e\+06"):
+        view._loss_scale = 2 ** 30
+    assert view.loss_scale() == 2.0 ** 20
+
+
 @pytest.mark.parametrize("bad, error", [(0.0, ValueError), (-4.0, ValueError), (float("inf"), ValueError),
                                         (float("nan"), ValueError), ("big", ValueError), (True, TypeError)])
 def test_loss_scale_writes_are_validated_like_load_state_dict(bad, error) -> None:
@@ -253,6 +269,22 @@ def test_the_view_keeps_no_copy() -> None:
     assert state.loss_scalers[0].loss_scale() == 2.0 ** 16 and state.opt_properties.opt_level == "O2"
     amp.deinitialize()
     assert state.loss_scalers == []
+
+
+def test_a_loss_scaler_view_held_past_its_session_refuses() -> None:
+    """A scaler view kept across a new initialize would read and write a scaler nothing uses
+    any more; it says so instead."""
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), opt_level="O1", half_dtype=F16,
+                   verbosity=0)
+    held = amp._amp_state.loss_scalers[0]
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), opt_level="O1", half_dtype=F16,
+                   verbosity=0)
+    with pytest.raises(RuntimeError, match="session has ended"):
+        held._loss_scale = 8.0
+    with pytest.raises(RuntimeError, match="session has ended"):
+        held.loss_scale()
+    amp._amp_state.loss_scalers[0]._loss_scale = 8.0
+    assert amp.loss_scale() == 8.0
 
 
 @pytest.mark.parametrize("level, half, expected", [
@@ -448,3 +480,14 @@ def test_readme_commands_run_as_shown(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "final loss" in proc.stdout
     assert json.loads(report.read_text())["opt_level"] == "O2"
+
+
+@pytest.mark.parametrize("level", ["O4", "O5"])
+def test_run_refuses_float16_at_a_bfloat16_level(level, capsys) -> None:
+    """`ampatch run --opt-level O4/O5 --half-dtype float16` is a contradiction, refused before
+    anything runs (the script would fail loudly if it ran)."""
+    from ampatch import cli
+    code = cli.main(["run", "--apex-alias", "--opt-level", level, "--half-dtype", "float16", "--",
+                     "python", "-c", "raise SystemExit(7)"])
+    assert code == 2
+    assert f"{level} always uses bfloat16" in capsys.readouterr().err

@@ -94,6 +94,14 @@ class NotProvidedError(ImportError):
     the message by a bare "cannot import name"."""
 
 
+def not_provided_class(name: str, module: str, message: str, base: type = object) -> type:
+    """A stand-in for an Apex class ampatch does not provide: it imports fine (scripts import
+    Apex's names unconditionally) and constructing it raises NotImplementedError(message)."""
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(message)
+    return type(name, (base,), {"__init__": __init__, "__module__": module, "__doc__": f"Not provided: {message}"})
+
+
 def not_provided_message(fullname: str) -> str:
     """Why `fullname` cannot be imported under the alias, with the PyTorch replacement."""
     if fullname in EXTENSIONS:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .alias import not_provided_class
 from .optimizers import FP16_Optimizer
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
@@ -99,21 +100,18 @@ def model_grads_to_master_grads(model_params: list[torch.Tensor], master_params:
 
 def master_params_to_model_params(model_params: list[torch.Tensor], master_params: list[torch.Tensor],
                                   flat_master: bool = False) -> None:
-    """Copy the FP32 masters into the model's parameters."""
+    """Copy the FP32 masters (views of the flat one with `flat_master=True`) into the model's parameters."""
     with torch.no_grad():
         if flat_master:
-            for model, master in zip(model_params, _unflatten_dense_tensors(master_params[0], model_params)):
-                model.copy_(master)
-        elif model_params:
+            master_params = _unflatten_dense_tensors(master_params[0], model_params)
+        if model_params:
             torch._foreach_copy_(list(model_params), list(master_params))
 
 
 def _not_provided(name: str) -> type:
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(f"apex.fp16_utils.{name} belongs to Apex's deprecated FP16_Optimizer workflow "
-                                  "and is not provided; amp.initialize(model, optimizer, opt_level='O2') gives "
-                                  "FP32 master weights, and dynamic loss scaling through amp.scale_loss.")
-    return type(name, (), {"__init__": __init__, "__module__": __name__})
+    return not_provided_class(name, __name__, f"apex.fp16_utils.{name} belongs to Apex's deprecated FP16_Optimizer "
+                              "workflow and is not provided; amp.initialize(model, optimizer, opt_level='O2') gives "
+                              "FP32 master weights, and dynamic loss scaling through amp.scale_loss.")
 
 
 FP16_Module = _not_provided("FP16_Module")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .. import levels
+from ..patching import disable_casts as casts_off
 
 logger = logging.getLogger("ampatch")
 
@@ -56,12 +56,9 @@ class Handle:
             import ampatch
             ampatch.deinitialize()
 
-    @contextlib.contextmanager
-    def _disable_casts(self) -> Iterator[None]:
+    def _disable_casts(self) -> contextlib.AbstractContextManager:
         """No casting inside the block (this thread), as `amp.disable_casts()`."""
-        import ampatch
-        with ampatch.disable_casts():
-            yield
+        return casts_off()
 
     disable_casts = _disable_casts
 

@@ -16,22 +16,23 @@ from torch import nn
 __all__ = ["FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm"]
 
 
-class FusedLayerNorm(nn.LayerNorm):
+class _ApexConstructor:
+    """Apex's constructor over a torch norm: `eps=1e-5` (torch's RMSNorm defaults to None),
+    and `memory_efficient` kept as an attribute."""
+
+    def __init__(self, normalized_shape: Any, eps: float = 1e-5, elementwise_affine: bool = True,
+                 memory_efficient: bool = False, **torch_kwargs: Any) -> None:
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,  # type: ignore[call-arg]
+                         **torch_kwargs)
+        self.memory_efficient = memory_efficient
+
+
+class FusedLayerNorm(_ApexConstructor, nn.LayerNorm):
     """`apex.normalization.FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True)`."""
 
-    def __init__(self, normalized_shape: Any, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False, **torch_kwargs: Any) -> None:
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, **torch_kwargs)
-        self.memory_efficient = memory_efficient
 
-
-class FusedRMSNorm(nn.RMSNorm):
+class FusedRMSNorm(_ApexConstructor, nn.RMSNorm):
     """`apex.normalization.FusedRMSNorm(normalized_shape, eps=1e-5, elementwise_affine=True)`."""
-
-    def __init__(self, normalized_shape: Any, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False, **torch_kwargs: Any) -> None:
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, **torch_kwargs)
-        self.memory_efficient = memory_efficient
 
 
 def _affine_only(name: str, kwargs: dict) -> None:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .alias import not_provided_class
+
 logger = logging.getLogger("ampatch")
 
 __all__ = ["FusedAdam", "FusedSGD", "FusedAdagrad", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad",
@@ -50,7 +52,16 @@ def _deprecated_step_args(name: str, **kwargs: Any) -> None:
                            "call step() with no arguments.")
 
 
-class FusedAdam(torch.optim.Adam):
+class _SetGradNone:
+    """Apex's `set_grad_none`: what `zero_grad()` does when not told (`set_to_none`)."""
+
+    set_grad_none: bool
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)  # type: ignore[misc]
+
+
+class FusedAdam(_SetGradNone, torch.optim.Adam):
     """`apex.optimizers.FusedAdam`: Apex's defaults are AdamW semantics (`adam_w_mode=True`,
     decoupled weight decay) and `zero_grad()` setting grads to None (`set_grad_none=True`);
     `adam_w_mode=False` is Adam with L2 weight decay."""
@@ -75,9 +86,6 @@ class FusedAdam(torch.optim.Adam):
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
-
     def step(self, closure: Callable[[], Any] | None = None, grads: Any = None, output_params: Any = None,
              scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
         _deprecated_step_args("FusedAdam", grads=grads, output_params=output_params, scale=scale,
@@ -85,7 +93,7 @@ class FusedAdam(torch.optim.Adam):
         return super().step(closure)
 
 
-class FusedSGD(torch.optim.SGD):
+class FusedSGD(_SetGradNone, torch.optim.SGD):
     """`apex.optimizers.FusedSGD`: `lr` is required and `zero_grad()` zeroes in place
     (`set_grad_none=False`), as in Apex."""
 
@@ -105,11 +113,8 @@ class FusedSGD(torch.optim.SGD):
         self.materialize_master_grads = materialize_master_grads
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
-
-class FusedAdagrad(torch.optim.Adagrad):
+class FusedAdagrad(_SetGradNone, torch.optim.Adagrad):
     """`apex.optimizers.FusedAdagrad` as `torch.optim.Adagrad` (foreach)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0,
@@ -120,18 +125,12 @@ class FusedAdagrad(torch.optim.Adagrad):
         super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
-
 
 def _unavailable(name: str, algorithm: str, alternatives: str) -> type:
-    """A class that imports fine and raises, naming the alternatives, when constructed."""
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(f"apex.optimizers.{name}: PyTorch has no {algorithm} optimizer and ampatch does not "
-                                  f"re-implement Apex's fused kernel. Alternatives: {alternatives}. Any "
-                                  "torch.optim.Optimizer works with amp.initialize.")
-    return type(name, (torch.optim.Optimizer,), {"__init__": __init__, "__doc__": f"Not provided: {algorithm}.",
-                                                 "__module__": __name__})
+    """An optimizer class PyTorch does not have: importable, raises naming the alternatives."""
+    return not_provided_class(name, __name__, f"apex.optimizers.{name}: PyTorch has no {algorithm} optimizer and "
+                              f"ampatch does not re-implement Apex's fused kernel. Alternatives: {alternatives}. Any "
+                              "torch.optim.Optimizer works with amp.initialize.", base=torch.optim.Optimizer)
 
 
 _LAMB_ALTERNATIVES = ("torch.optim.AdamW(fused=True) (Adam without LAMB's layer-wise trust ratio), or a LAMB "
@@ -142,13 +141,10 @@ FusedNovoGrad = _unavailable("FusedNovoGrad", "NovoGrad",
                              "torch.optim.AdamW(fused=True), or a NovoGrad implementation such as "
                              "torch-optimizer's NovoGrad (pip install torch-optimizer)")
 
-
-class FP16_Optimizer:  # noqa: N801 - Apex's name
-    """Apex's deprecated FP16 wrapper: not provided; amp.initialize does its job."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "FP16_Optimizer is Apex's deprecated manual-master-weights wrapper and is not provided. Use amp "
-            "instead:\n    model, optimizer = amp.initialize(model, optimizer, opt_level='O2')\n"
-            "    with amp.scale_loss(loss, optimizer) as scaled_loss:\n        scaled_loss.backward()\n"
-            "    optimizer.step()\n(FP32 master weights and dynamic loss scaling included.)")
+# Apex's deprecated FP16 wrapper (also apex.fp16_utils.FP16_Optimizer): amp.initialize does its job.
+FP16_Optimizer = not_provided_class(  # noqa: N816 - Apex's name
+    "FP16_Optimizer", __name__,
+    "FP16_Optimizer is Apex's deprecated manual-master-weights wrapper and is not provided. Use amp "
+    "instead:\n    model, optimizer = amp.initialize(model, optimizer, opt_level='O2')\n"
+    "    with amp.scale_loss(loss, optimizer) as scaled_loss:\n        scaled_loss.backward()\n"
+    "    optimizer.step()\n(FP32 master weights and dynamic loss scaling included.)")

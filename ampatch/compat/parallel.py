@@ -50,11 +50,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise NotImplementedError("gradient_average=False (summed instead of averaged gradients) has no "
                                       "equivalent in torch.nn.parallel.DistributedDataParallel, which averages; "
                                       "multiply the loss by the world size to get summed gradients.")
-        given = dict(delay_allreduce=delay_allreduce, allreduce_trigger_params=allreduce_trigger_params,
-                     retain_allreduce_buffers=retain_allreduce_buffers, allreduce_always_fp32=allreduce_always_fp32,
-                     num_allreduce_streams=num_allreduce_streams, allreduce_communicators=allreduce_communicators,
-                     gradient_predivide_factor=gradient_predivide_factor,
-                     gradient_average_split_factor=gradient_average_split_factor, prof=prof)
+        given = {k: v for k, v in locals().items() if k in _APEX_ONLY}  # the arguments named in _APEX_ONLY
         ignored = [k for k, v in given.items() if v is not _APEX_ONLY[k] and v != _APEX_ONLY[k]]
         if ignored:
             logger.info("ampatch: apex.parallel.DistributedDataParallel: %s tune Apex's own all-reduce and have no "

@@ -22,13 +22,6 @@ __all__ = ["AmpState", "LossScalerView", "PropertiesView"]
 _SETTABLE = ("hard_override", "allow_incoming_model_not_fp32", "verbosity")
 
 
-def _scale_state(value: Any, unskipped: Any, what: str) -> dict:
-    """A scaler state for `LossScaler.check_state` (the validation of `amp.load_state_dict`)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be a number, got {value!r}.")
-    return {"loss_scale": value, "unskipped": unskipped}
-
-
 class LossScalerView:
     """`_amp_state.loss_scalers[i]`: Apex's `LossScaler` attributes over the session's scaler.
 
@@ -43,8 +36,17 @@ class LossScalerView:
         object.__setattr__(self, "_scaler", scaler)
 
     def _resolved(self) -> Any:
+        if self._session.closed:
+            raise RuntimeError("_amp_state.loss_scalers[i]: this loss scaler's amp session has ended (amp.initialize "
+                               "was called again, or amp.deinitialize()); take amp._amp_state.loss_scalers[i] again.")
         self._session.resolve_pending()  # a deferred overflow verdict may still change the scale
         return self._scaler
+
+    def _load(self, **change: Any) -> float | None:
+        """Write `change` into the live scaler through its own `load_state_dict`, which
+        validates it as `amp.load_state_dict` does; returns the scale when it was not taken."""
+        scaler = self._resolved()
+        return scaler.load_state_dict({**scaler.state_dict(), **change})
 
     def loss_scale(self) -> float:
         """The current scale (Apex's method)."""
@@ -52,12 +54,21 @@ class LossScalerView:
 
     @property
     def _loss_scale(self) -> float:
-        return self._resolved().scale
+        return self.loss_scale()
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
-        scaler = self._resolved()
-        scaler.load_state_dict(_scale_state(value, scaler.unskipped, "_loss_scale"))
+        if isinstance(value, bool):  # float(True) would pass the state check
+            raise TypeError(f"_loss_scale must be a number, got {value!r}.")
+        asked = self._load(loss_scale=value)
+        if asked is not None:  # not taken, as in amp.load_state_dict: a static scale stays, a dynamic one is clamped
+            s, i = self._scaler, self._session.scalers.index(self._scaler)
+            what = f"ampatch: _amp_state.loss_scalers[{i}]._loss_scale = {asked:g}"
+            self._session.warn(
+                f"{what} is outside this scaler's range [{s.floor:g}, {s.max_loss_scale:g}] (min_loss_scale, "
+                f"max_loss_scale); it is now {s.scale:g}." if s.dynamic else
+                f"{what} has no effect: this session's loss scale is static ({s.scale:g}); pass "
+                f"loss_scale='dynamic' or loss_scale={asked:g} to amp.initialize instead.")
 
     @property
     def _unskipped(self) -> int:
@@ -65,10 +76,9 @@ class LossScalerView:
 
     @_unskipped.setter
     def _unskipped(self, value: int) -> None:
-        scaler = self._resolved()
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, int):  # int(-1.5) would pass the state check
             raise TypeError(f"_unskipped must be a non-negative int, got {value!r}.")
-        scaler.load_state_dict({"loss_scale": scaler.scale, "unskipped": value})
+        self._load(unskipped=value)
 
     @property
     def _has_overflow(self) -> bool:
