@@ -25,7 +25,8 @@ from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
 from .policy import user as _user_policy
 from .scaler import INITIAL_LOSS_SCALE, check_scale_value
-from .session import Session, warn
+from .notices import warn
+from .session import Session
 from .telemetry import Report
 
 __version__ = "0.1.0"

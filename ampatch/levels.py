@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .notices import warn
 from .scaler import check_scale_value
 
 logger = logging.getLogger("ampatch")
@@ -42,8 +42,7 @@ def warn_or_err(message: str, hard_override: bool = False) -> None:
     """Apex's rule: raise, unless the user asked for `_amp_state.hard_override = True`."""
     if not hard_override:
         raise OverrideError(message)
-    logger.warning("ampatch: hard_override: %s", message)
-    warnings.warn(f"hard_override: {message}", UserWarning, stacklevel=4)
+    warn(f"ampatch: hard_override: {message}")
 
 
 @dataclass(frozen=True)

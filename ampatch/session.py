@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from .cache import CastCache, watch_data
 from .levels import Properties
 from .master import OptimizerHandle
 from .model import ModelHandle, params_to_cast, wrap_outputs
+from .notices import warn
 from .patching import (BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
                        WrapContext, resolve_owner, wrap)
 from .policy import user as user_policy
@@ -51,14 +51,6 @@ def _check_one_master_each(optimizers: list[torch.optim.Optimizer], cast_ids: se
                         f"a parameter of shape {tuple(p.shape)} is in optimizers[{owner[id(p)]}] and "
                         f"optimizers[{i}]; with FP32 master weights (O2/O5) each half parameter must belong to "
                         "one optimizer (give it to one of them, or use O1).")
-
-
-def warn(message: str, verbosity: int, category: type[Warning] = UserWarning) -> None:
-    """A warning the user must see: logged, and a Python warning (seen even where logging is
-    not set up); verbosity=0 silences both."""
-    logger.warning(message)
-    if verbosity >= 1:
-        warnings.warn(message, category, stacklevel=4)
 
 
 class Session:

@@ -894,3 +894,22 @@ def test_cuda_frozen_params_kept_on_the_cpu_and_restored_exactly():
     assert bag.emb.weight.grad.is_sparse and float(bag.emb.weight.grad.coalesce().values().abs().max()) < 100
     opt.step()
     assert amp.report().skipped_steps == []
+
+
+def test_warnings_point_at_the_users_line():
+    """A warning decided deep inside ampatch (initialize, load_state_dict, a hard_override,
+    a run of skipped steps) names the user's file and line, not ampatch's."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16, min_loss_scale=2.0 ** 20)
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0 ** 30, "unskipped": 0}})
+        amp._amp_state.hard_override = True
+        try:
+            amp.initialize(model, opt, opt_level="O1", master_weights=True)
+        finally:
+            amp._amp_state.hard_override = False
+    assert len(caught) >= 3, [str(w.message) for w in caught]
+    for w in caught:
+        assert w.filename == __file__, (w.filename, str(w.message))
