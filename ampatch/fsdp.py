@@ -191,16 +191,17 @@ def _probe(states: Sequence[Any], groups: Sequence[Any], params: Sequence[Any]) 
             for name in _INTERNALS[kind]:
                 getattr(obj, name)
     for fp in params:
-        _ = fp._module_info.param_name
+        info = fp._module_info
+        _ = info.module, info.param_name, info.shared_modules, info.shared_param_names
 
 
 class ShardedModel:
     """One FSDP2-sharded model at O2/O3/O5: the level set on its units, undone by `restore`."""
 
-    def __init__(self, model: nn.Module, props: Properties, patcher: Any) -> None:
+    def __init__(self, units: _Units, props: Properties, patcher: Any) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy  # imported already: the model is sharded
-        self.model = model
-        self.units = units = _Units(model)
+        self.units = units
+        model = units.model
         half, keep_bn = props.cast_model_type, props.keep_batchnorm_fp32
         masters = bool(props.master_weights)
         fp32_units = self._check(keep_bn, masters)  # everything checked before anything changes
@@ -251,7 +252,7 @@ class ShardedModel:
                     "keep_batchnorm_fp32=False.")
         if masters:
             managed = units.managed_slots()
-            loose = [f"{prefix}{'.' if prefix else ''}{n}" for prefix, m in self.model.named_modules()
+            loose = [f"{prefix}{'.' if prefix else ''}{n}" for prefix, m in units.model.named_modules()
                      for n, p in m._parameters.items()
                      if p is not None and p.is_floating_point() and (id(m), n) not in managed]
             if loose:
@@ -352,16 +353,16 @@ def _check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
 def setup(session: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Fill `session.models` and `session.optimizers` for FSDP2-sharded models (see the module docstring)."""
     props = session.properties
-    if props.casts_model and not all(sharded_modules(m) for m in models):
+    units = [_Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
+    if props.casts_model and not all(u.modules for u in units):
         raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
                          "of them.")
     _check_order(models, optimizers)
-    units = [_Units(m) for m in models]
     masters = props.casts_model and bool(props.master_weights)
     session.optimizers = [ShardedOptimizerHandle(opt, i, session, masters, units) for i, opt in enumerate(optimizers)]
     if props.casts_model:
-        for m in models:
-            session.models.append(ShardedModel(m, props, session.patcher))
+        for u in units:
+            session.models.append(ShardedModel(u, props, session.patcher))
         for h in session.optimizers:
             h.recast_state()
     elif props.cast_model_outputs is not None:
@@ -383,6 +384,8 @@ class ParamGuard:
 
     def __init__(self, models: Sequence[nn.Module], handles: Sequence[OptimizerHandle]) -> None:
         self.models = list(models)
+        # FSDP2's parameter records of the models that were sharded at initialize (see setup)
+        self._units = {id(u.model): u for h in handles if isinstance(h, ShardedOptimizerHandle) for u in h.units}
         self._held: dict[int, torch.Tensor] = {}
         for h in handles:
             for p in h.params():
@@ -397,7 +400,7 @@ class ParamGuard:
         sharded: list[tuple[Any, torch.Tensor, str]] = []
         held = self._held
         for model in self.models:
-            units = _Units(model) if sharded_modules(model) else None
+            units = self._units.get(id(model))
             managed = units.managed_slots() if units else set()
             names = {id(m): prefix for prefix, m in model.named_modules()}
             for fp in units.params if units else ():
