@@ -221,6 +221,25 @@ def test_parameters_replaced_after_initialize_raise_at_step():
             step()
 
 
+def test_parameter_guard_checks_the_optimizer_that_steps():
+    """Each optimizer's step watches its own parameters (no optimizer re-checks the others' at
+    every step): a parameter replaced under the second optimizer fails that one's step, and
+    only that one's, with the parameter's name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opts = [torch.optim.SGD(model[i].parameters(), lr=0.1) for i in range(2)]
+    model, opts = amp.initialize(model, opts, opt_level="O0", verbosity=0)
+    model[1].weight = nn.Parameter(model[1].weight.detach().clone())
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+        opts[0].step()
+        for _ in range(2):  # and it keeps raising
+            with pytest.raises(RuntimeError, match=r"'1.weight' was replaced after amp.initialize"):
+                opts[1].step()
+    finally:
+        amp.deinitialize()
+
+
 def test_only_rank_0_writes_the_report(tmp_path):
     """Under torchrun every rank gets the same AMPATCH_REPORT path: rank 1 must not write it
     (two writers of one file can leave a torn or the wrong rank's report)."""
