@@ -54,7 +54,7 @@ from torch import nn
 
 from .levels import Properties
 from .master import MASTERS_KEY, OptimizerHandle
-from .model import modules_to_cast, wrap_outputs
+from .model import modules_to_cast, params_to_cast, wrap_outputs
 
 logger = logging.getLogger("ampatch")
 
@@ -222,9 +222,7 @@ class ShardedModel:
                     param_dtype=None if id(state) in fp32_units else half,
                     reduce_dtype=torch.float32 if masters else None, output_dtype=None, cast_forward_inputs=True))
             if not masters:  # O3: the sharded parameters themselves go to half
-                keep = {id(p) for m in model.modules() if keep_bn and _is_batchnorm(m) for p in m.parameters(False)}
-                self._cast = [(p, p.dtype) for p in _unique(model.parameters())
-                              if p.is_floating_point() and p.dtype != half and id(p) not in keep]
+                self._cast = [(p, p.dtype) for p in params_to_cast(model, keep_bn) if p.dtype != half]
                 units.swap_dtype([p for p, _ in self._cast], lambda p: half)
             units.refresh_dtypes()
             for m in modules_to_cast(model, keep_bn):
@@ -280,10 +278,6 @@ class ShardedModel:
             b = m._buffers.get(name)
             if b is not None:
                 m._buffers[name] = b.to(dtype)
-
-
-def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return list({id(t): t for t in tensors}.values())
 
 
 def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
