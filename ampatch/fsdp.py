@@ -34,10 +34,10 @@ all-reduced, so every rank skips the same steps. A backward under
 scaled: their unscale and overflow verdict wait for the backward that syncs, as with
 `scale_loss(..., delay_unscale=True)`.
 
-`ParamGuard` (every session, sharded or not) catches the other orders: a parameter the
-optimizers step that the model no longer holds (`fully_shard` or another wrapper that
-swaps parameters after `initialize`, `load_state_dict(assign=True)`) raises at the next
-`optimizer.step()`, instead of training orphans while the model never changes.
+`ParamGuard` (every session, sharded or not) catches the other orders: a parameter an
+optimizer steps that the model no longer holds (`fully_shard` or another wrapper that
+swaps parameters after `initialize`, `load_state_dict(assign=True)`) raises at that
+optimizer's next `step()`, instead of training orphans while the model never changes.
 
 FSDP2 has no public API to change a unit's mixed-precision policy or parameter dtype after
 `fully_shard`; the internals used for it are confined to `_Units` below (torch 2.6+).
