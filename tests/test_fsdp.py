@@ -12,7 +12,9 @@ tests/_fsdp_worker.py once for the whole module; the tests compare what the rank
 - a checkpoint (per-rank state dicts, or torch.distributed.checkpoint full state dicts)
   resumes bit for bit at O2 and O5;
 - the wrong orders raise a RuntimeError that shows the right one; what FSDP2 cannot honour
-  (keep_batchnorm_fp32 inside a unit) raises a ValueError;
+  (keep_batchnorm_fp32 inside a unit, a parameter in no unit at O2, sharded and unsharded
+  models together at O2) raises a ValueError, FSDP2 internals ampatch does not know a
+  RuntimeError;
 - examples/fsdp.py runs at every level, and AMPATCH_OPT_LEVEL forces its level.
 Plus, in this process: the parameter guard without FSDP, and (slow) `ampatch compare`
 over examples/fsdp.py under torchrun.
@@ -164,6 +166,16 @@ def test_batchnorm_under_fsdp2(ranks):
         assert own["seen"] == {"weight": F32, "input": BF16, "running_mean": F32}
         o3 = r["o3_inside_unit"]
         assert o3["dtypes"] == [BF16] and o3["state_dict"] == [F32] and r["o3_restored"] == [F32]
+
+
+def test_what_initialize_refuses_on_sharded_models(ranks):
+    for r in scenario(ranks, "bad_input"):
+        assert r["no_root"].startswith("ValueError") and "belong to no fully_shard unit" in r["no_root"]
+        assert "fully_shard(model) on the root" in r["no_root"]
+        assert r["mixed"].startswith("ValueError") and "all of them sharded" in r["mixed"]
+        assert r["other_torch"].startswith("RuntimeError") and "renamed_by_a_later_torch" in r["other_torch"]
+        assert "FSDP2 internals of this torch" in r["other_torch"]
+        assert r["unchanged"]  # refused before the model changed
 
 
 def test_initialize_again_on_the_same_sharded_model(ranks):
