@@ -34,10 +34,10 @@ all-reduced, so every rank skips the same steps. A backward under
 scaled: their unscale and overflow verdict wait for the backward that syncs, as with
 `scale_loss(..., delay_unscale=True)`.
 
-`ParamGuard` (every session, sharded or not) catches the other orders: a parameter the
-optimizers step that the model no longer holds (`fully_shard` or another wrapper that
-swaps parameters after `initialize`, `load_state_dict(assign=True)`) raises at the next
-`optimizer.step()`, instead of training orphans while the model never changes.
+`ParamGuard` (every session, sharded or not) catches the other orders: a parameter an
+optimizer steps that the model no longer holds (`fully_shard` or another wrapper that
+swaps parameters after `initialize`, `load_state_dict(assign=True)`) raises at that
+optimizer's next `step()`, instead of training orphans while the model never changes.
 
 FSDP2 has no public API to change a unit's mixed-precision policy or parameter dtype after
 `fully_shard`; the internals used for it are confined to `_Units` below (torch 2.6+).
@@ -54,7 +54,7 @@ from torch import nn
 
 from .levels import Properties
 from .master import MASTERS_KEY, OptimizerHandle
-from .model import modules_to_cast, wrap_outputs
+from .model import modules_to_cast, params_to_cast, wrap_outputs
 
 logger = logging.getLogger("ampatch")
 
@@ -191,16 +191,19 @@ def _probe(states: Sequence[Any], groups: Sequence[Any], params: Sequence[Any]) 
             for name in _INTERNALS[kind]:
                 getattr(obj, name)
     for fp in params:
-        _ = fp._module_info.param_name
+        info = fp._module_info
+        _ = info.module, info.param_name, info.shared_modules, info.shared_param_names
+        if "sharded_param" not in vars(fp):  # ParamGuard watches it in the instance dict
+            raise AttributeError("FSDPParam.sharded_param is no longer an instance attribute")
 
 
 class ShardedModel:
     """One FSDP2-sharded model at O2/O3/O5: the level set on its units, undone by `restore`."""
 
-    def __init__(self, model: nn.Module, props: Properties, patcher: Any) -> None:
+    def __init__(self, units: _Units, props: Properties, patcher: Any) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy  # imported already: the model is sharded
-        self.model = model
-        self.units = units = _Units(model)
+        self.units = units
+        model = units.model
         half, keep_bn = props.cast_model_type, props.keep_batchnorm_fp32
         masters = bool(props.master_weights)
         fp32_units = self._check(keep_bn, masters)  # everything checked before anything changes
@@ -219,9 +222,7 @@ class ShardedModel:
                     param_dtype=None if id(state) in fp32_units else half,
                     reduce_dtype=torch.float32 if masters else None, output_dtype=None, cast_forward_inputs=True))
             if not masters:  # O3: the sharded parameters themselves go to half
-                keep = {id(p) for m in model.modules() if keep_bn and _is_batchnorm(m) for p in m.parameters(False)}
-                self._cast = [(p, p.dtype) for p in _unique(model.parameters())
-                              if p.is_floating_point() and p.dtype != half and id(p) not in keep]
+                self._cast = [(p, p.dtype) for p in params_to_cast(model, keep_bn) if p.dtype != half]
                 units.swap_dtype([p for p, _ in self._cast], lambda p: half)
             units.refresh_dtypes()
             for m in modules_to_cast(model, keep_bn):
@@ -251,7 +252,7 @@ class ShardedModel:
                     "keep_batchnorm_fp32=False.")
         if masters:
             managed = units.managed_slots()
-            loose = [f"{prefix}{'.' if prefix else ''}{n}" for prefix, m in self.model.named_modules()
+            loose = [f"{prefix}{'.' if prefix else ''}{n}" for prefix, m in units.model.named_modules()
                      for n, p in m._parameters.items()
                      if p is not None and p.is_floating_point() and (id(m), n) not in managed]
             if loose:
@@ -277,10 +278,6 @@ class ShardedModel:
             b = m._buffers.get(name)
             if b is not None:
                 m._buffers[name] = b.to(dtype)
-
-
-def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return list({id(t): t for t in tensors}.values())
 
 
 def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
@@ -352,16 +349,16 @@ def _check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
 def setup(session: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Fill `session.models` and `session.optimizers` for FSDP2-sharded models (see the module docstring)."""
     props = session.properties
-    if props.casts_model and not all(sharded_modules(m) for m in models):
+    units = [_Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
+    if props.casts_model and not all(u.modules for u in units):
         raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
                          "of them.")
     _check_order(models, optimizers)
-    units = [_Units(m) for m in models]
     masters = props.casts_model and bool(props.master_weights)
     session.optimizers = [ShardedOptimizerHandle(opt, i, session, masters, units) for i, opt in enumerate(optimizers)]
     if props.casts_model:
-        for m in models:
-            session.models.append(ShardedModel(m, props, session.patcher))
+        for u in units:
+            session.models.append(ShardedModel(u, props, session.patcher))
         for h in session.optimizers:
             h.recast_state()
     elif props.cast_model_outputs is not None:
@@ -370,74 +367,69 @@ def setup(session: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.
 
 
 class ParamGuard:
-    """Watches the model-side parameters the optimizers step; `check()` raises when one of
-    them left the model after `initialize`.
+    """Watches the model-side parameters the optimizers step; `check(handle)`, at each
+    `handle.step()`, raises when one that this optimizer steps left the model after `initialize`.
 
-    Fast path, every `step()`: one identity comparison per watched registration (module
-    slot, or FSDP2's record of its sharded parameter, so FSDP's switching between sharded
-    and unsharded parameters in forward and backward is no change). When a registration
-    changed, the model is searched again: a parameter that only moved (a parametrization
-    registered after initialize) is fine; one that is gone was replaced, and every later
-    check raises too.
+    Fast path: one identity comparison per registration of the optimizer's parameters (a
+    module's `_parameters` slot; for an FSDP2-sharded parameter, FSDP2's record of it, so
+    FSDP's switching between sharded and unsharded parameters in forward and backward is no
+    change). When one changed, the models are searched again: a parameter that only moved (a
+    parametrization registered after initialize) is watched where it is now; one that is gone
+    was replaced, and this and every later check of its optimizer raise.
     """
 
     def __init__(self, models: Sequence[nn.Module], handles: Sequence[OptimizerHandle]) -> None:
         self.models = list(models)
-        self._held: dict[int, torch.Tensor] = {}
-        for h in handles:
-            for p in h.params():
-                t = h.model_of.get(id(p), p)
-                self._held[id(t)] = t
-        self._gone: str | None = None
-        self._snapshot()
-        self._names = {id(p): name for *_, p, name in self._plain} | {id(p): name for _, p, name in self._sharded}
+        # FSDP2's parameter records of the models that were sharded at initialize (see setup)
+        self._units = {id(u.model): u for h in handles if isinstance(h, ShardedOptimizerHandle) for u in h.units}
+        self._held = {id(h): [h.model_of.get(id(p), p) for p in h.params()] for h in handles}
+        where = self._registrations()
+        self._watch = {hid: self._watched(hid, where) for hid in self._held}
 
-    def _snapshot(self) -> None:
-        plain: list[tuple[dict, str, torch.Tensor, str]] = []
-        sharded: list[tuple[Any, torch.Tensor, str]] = []
-        held = self._held
-        for model in self.models:
-            units = _Units(model) if sharded_modules(model) else None
-            managed = units.managed_slots() if units else set()
-            names = {id(m): prefix for prefix, m in model.named_modules()}
-            for fp in units.params if units else ():
-                p = fp.sharded_param
-                if id(p) in held:
-                    m, n = units.slots(fp)[0]
-                    sharded.append((fp, p, _qualified(names.get(id(m), "?"), n)))
-            for prefix, m in model.named_modules():
-                for n, p in m._parameters.items():
-                    if p is not None and id(p) in held and (id(m), n) not in managed:
-                        plain.append((m._parameters, n, p, _qualified(prefix, n)))
-        self._plain, self._sharded = plain, sharded
-
-    def check(self) -> None:
-        if self._gone is not None:
-            self._fail(self._gone)
-        for params, name, p, _ in self._plain:
-            if params.get(name) is not p:
-                return self._search()
-        for fp, p, _ in self._sharded:
-            if fp.sharded_param is not p:
-                return self._search()
+    def check(self, handle: OptimizerHandle) -> None:
+        # .get: an optimizer brought in after initialize (amp.init's wrap_optimizer) is not watched
+        for slots, key, p, _ in self._watch.get(id(handle), ()):
+            if slots.get(key) is not p:
+                return self._search(id(handle))
         return None
 
-    def _search(self) -> None:
-        self._snapshot()
-        present = {id(p) for *_, p, _ in self._plain} | {id(p) for _, p, _ in self._sharded}
-        gone = [name for i, name in self._names.items() if i not in present]
-        if gone:
-            self._gone = gone[0]
-            self._fail(self._gone)
+    def _registrations(self) -> dict[int, list[tuple[dict, str, torch.Tensor, str]]]:
+        """id(held tensor) -> where the models hold it: (dict, key, tensor, qualified name),
+        `dict[key] is tensor` while it is there."""
+        held = {id(t) for ts in self._held.values() for t in ts}
+        where: dict[int, list[tuple[dict, str, torch.Tensor, str]]] = {}
+        for model in self.models:
+            named = list(model.named_modules())
+            units = self._units.get(id(model))
+            managed = units.managed_slots() if units else set()
+            if units:
+                prefixes = {id(m): prefix for prefix, m in named}
+                for fp in units.params:
+                    p = fp.sharded_param
+                    if id(p) in held:
+                        m, n = units.slots(fp)[0]
+                        where.setdefault(id(p), []).append(
+                            (vars(fp), "sharded_param", p, _qualified(prefixes.get(id(m), "?"), n)))
+            for prefix, m in named:
+                for n, p in m._parameters.items():
+                    if p is not None and id(p) in held and (id(m), n) not in managed:
+                        where.setdefault(id(p), []).append((m._parameters, n, p, _qualified(prefix, n)))
+        return where
 
-    @staticmethod
-    def _fail(name: str) -> None:
-        raise RuntimeError(
-            f"ampatch: the model's parameter {name!r} was replaced after amp.initialize (by fully_shard, FSDP, "
-            "load_state_dict(assign=True) or another wrapper that swaps parameters), so the optimizer steps a "
-            f"tensor the model no longer uses and training would silently do nothing. Under FSDP2: {ORDER}. "
-            "Otherwise call amp.initialize after the wrapper, or wrap with one that keeps the parameters "
-            "(DistributedDataParallel) after initialize.")
+    def _watched(self, hid: int, where: dict[int, list]) -> list[tuple[dict, str, torch.Tensor, str]]:
+        return [r for t in self._held[hid] for r in where.get(id(t), ())]
+
+    def _search(self, hid: int) -> None:
+        where = self._registrations()
+        gone = [name for *_, p, name in self._watch[hid] if id(p) not in where]
+        if gone:  # the watch stays as it was: the next check finds the change again
+            raise RuntimeError(
+                f"ampatch: the model's parameter {gone[0]!r} was replaced after amp.initialize (by fully_shard, "
+                "FSDP, load_state_dict(assign=True) or another wrapper that swaps parameters), so the optimizer "
+                f"steps a tensor the model no longer uses and training would silently do nothing. Under FSDP2: "
+                f"{ORDER}. Otherwise call amp.initialize after the wrapper, or wrap with one that keeps the "
+                "parameters (DistributedDataParallel) after initialize.")
+        self._watch[hid] = self._watched(hid, where)
 
 
 def _qualified(prefix: str, name: str) -> str:

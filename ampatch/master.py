@@ -346,7 +346,7 @@ class OptimizerHandle:
     def _step(self, inner: Callable, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
         session = self.session
         if session.guard is not None:  # fsdp hook: parameters swapped after initialize (fsdp.ParamGuard)
-            session.guard.check()
+            session.guard.check(self)
         if closure is not None and session.scaling_active(self):
             raise NotImplementedError(
                 "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "

@@ -330,6 +330,42 @@ def batchnorm(rank: int) -> dict[str, Any]:
     return out
 
 
+def bad_input(rank: int) -> dict[str, Any]:
+    """What initialize refuses on a sharded model: parameters in no unit at O2, sharded and
+    unsharded models together at O2, FSDP2 internals other than ampatch knows (nothing changed)."""
+    from unittest import mock
+
+    import ampatch.fsdp
+
+    def refused(make: Callable[[], None]) -> str | None:
+        try:
+            make()
+            return None
+        except (ValueError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            amp.deinitialize()
+
+    def no_root() -> None:  # the batch norm's parameters belong to the root, which has no unit
+        model = Net("batch")
+        for layer in (model.fc1, model.fc2, model.fc3):
+            fully_shard(layer)
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+
+    def mixed() -> None:
+        models = [shard(Net()), Net()]
+        opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+        amp.initialize(models, opt, opt_level="O2", verbosity=0)
+
+    model, opt = build(None)
+    internals = dict(ampatch.fsdp._INTERNALS, group=(*ampatch.fsdp._INTERNALS["group"], "renamed_by_a_later_torch"))
+    with mock.patch.dict(ampatch.fsdp._INTERNALS, internals):
+        other_torch = refused(lambda: amp.initialize(model, opt, opt_level="O2", verbosity=0))
+    return {"no_root": refused(no_root), "mixed": refused(mixed), "other_torch": other_torch,
+            "unchanged": model._get_fsdp_state()._mp_policy == MixedPrecisionPolicy()
+            and {p.dtype for p in model.parameters()} == {torch.float32}}
+
+
 def example(rank: int) -> dict[str, Any]:
     """examples/fsdp.py inside this process group, at every level (and a level forced through
     AMPATCH_OPT_LEVEL wins over --opt-level)."""
@@ -404,7 +440,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple]] = (
     + [("resume/O2-fp16-state_dict", resume, ("O2", torch.float16, "state_dict")),
        ("resume/O5-dcp", resume, ("O5", torch.bfloat16, "dcp"))]
     + [("wrong_orders", wrong_orders, ()), ("batchnorm", batchnorm, ()), ("custom_policy", custom_policy, ()),
-       ("reinitialize", reinitialize, ()),
+       ("reinitialize", reinitialize, ()), ("bad_input", bad_input, ()),
        ("unscale_local", unscale_local, ()), ("example", example, ())]
 )
 

@@ -12,7 +12,9 @@ tests/_fsdp_worker.py once for the whole module; the tests compare what the rank
 - a checkpoint (per-rank state dicts, or torch.distributed.checkpoint full state dicts)
   resumes bit for bit at O2 and O5;
 - the wrong orders raise a RuntimeError that shows the right one; what FSDP2 cannot honour
-  (keep_batchnorm_fp32 inside a unit) raises a ValueError;
+  (keep_batchnorm_fp32 inside a unit, a parameter in no unit at O2, sharded and unsharded
+  models together at O2) raises a ValueError, FSDP2 internals ampatch does not know a
+  RuntimeError;
 - examples/fsdp.py runs at every level, and AMPATCH_OPT_LEVEL forces its level.
 Plus, in this process: the parameter guard without FSDP, and (slow) `ampatch compare`
 over examples/fsdp.py under torchrun.
@@ -166,6 +168,16 @@ def test_batchnorm_under_fsdp2(ranks):
         assert o3["dtypes"] == [BF16] and o3["state_dict"] == [F32] and r["o3_restored"] == [F32]
 
 
+def test_what_initialize_refuses_on_sharded_models(ranks):
+    for r in scenario(ranks, "bad_input"):
+        assert r["no_root"].startswith("ValueError") and "belong to no fully_shard unit" in r["no_root"]
+        assert "fully_shard(model) on the root" in r["no_root"]
+        assert r["mixed"].startswith("ValueError") and "all of them sharded" in r["mixed"]
+        assert r["other_torch"].startswith("RuntimeError") and "renamed_by_a_later_torch" in r["other_torch"]
+        assert "FSDP2 internals of this torch" in r["other_torch"]
+        assert r["unchanged"]  # refused before the model changed
+
+
 def test_initialize_again_on_the_same_sharded_model(ranks):
     for r in scenario(ranks, "reinitialize"):
         for key, res in r.items():
@@ -219,6 +231,25 @@ def test_parameters_replaced_after_initialize_raise_at_step():
     for _ in range(2):  # and it keeps raising
         with pytest.raises(RuntimeError, match=r"'0.weight' was replaced after amp.initialize"):
             step()
+
+
+def test_parameter_guard_checks_the_optimizer_that_steps():
+    """Each optimizer's step watches its own parameters (no optimizer re-checks the others' at
+    every step): a parameter replaced under the second optimizer fails that one's step, and
+    only that one's, with the parameter's name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opts = [torch.optim.SGD(model[i].parameters(), lr=0.1) for i in range(2)]
+    model, opts = amp.initialize(model, opts, opt_level="O0", verbosity=0)
+    model[1].weight = nn.Parameter(model[1].weight.detach().clone())
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+        opts[0].step()
+        for _ in range(2):  # and it keeps raising
+            with pytest.raises(RuntimeError, match=r"'1.weight' was replaced after amp.initialize"):
+                opts[1].step()
+    finally:
+        amp.deinitialize()
 
 
 def test_only_rank_0_writes_the_report(tmp_path):
