@@ -10,6 +10,7 @@ Runs on CPU (gloo) or one GPU per rank (nccl):
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import sys
@@ -85,9 +86,20 @@ def main(argv: list[str] | None = None) -> float:
     return total
 
 
-if __name__ == "__main__":
-    main()
-    # gloo can abort during interpreter teardown after a clean destroy_process_group()
-    # ("terminate called without an active exception"); everything is flushed, so leave now.
+_finished = False
+
+
+def _leave() -> None:
+    """The last exit handler (registered first): gloo can abort during interpreter teardown after
+    a clean destroy_process_group() ("terminate called without an active exception"); once the
+    other handlers ran (ampatch's report under `ampatch compare`), a finished run leaves now."""
     sys.stdout.flush()
-    os._exit(0)
+    sys.stderr.flush()
+    if _finished:
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    atexit.register(_leave)
+    main()
+    _finished = True

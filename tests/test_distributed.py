@@ -17,6 +17,7 @@ Plus examples/distributed.py under torchrun (marked slow: it starts three interp
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -156,17 +157,20 @@ def test_not_distributed_means_no_collective():
 
 @pytest.mark.slow
 def test_example_runs_under_torchrun(tmp_path):
-    """examples/distributed.py under torchrun: both ranks finish with the same parameters."""
+    """examples/distributed.py under torchrun: both ranks finish with the same parameters, and
+    rank 0 writes its report (what `ampatch compare -- torchrun ...` collects)."""
     example = Path(__file__).resolve().parents[1] / "examples" / "distributed.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            str(example), "--opt-level", "O2", "--half-dtype", "float16", "--steps", "3", "--accum", "2",
            "--batch", "16"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
     env["OMP_NUM_THREADS"] = "1"
+    env["AMPATCH_REPORT"] = str(tmp_path / "report.json")
     if torch.cuda.device_count() < WORLD:  # the example puts rank i on cuda:i: too few GPUs, so CPU (gloo)
         env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "report.json").read_text())["opt_level"] == "O2"
     # the ranks share one pipe: match the final lines anywhere, not line by line
     finals = sorted(re.findall(r"rank (\d+)\s+final loss .*?checksum (\S+?)\)", proc.stdout))
     assert [rank for rank, _ in finals] == ["0", "1"], proc.stdout + proc.stderr
