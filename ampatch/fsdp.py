@@ -54,7 +54,7 @@ from torch import nn
 
 from .levels import Properties
 from .master import MASTERS_KEY, OptimizerHandle
-from .model import modules_to_cast, params_to_cast, wrap_outputs
+from .model import is_batchnorm, modules_to_cast, params_to_cast, wrap_outputs
 
 logger = logging.getLogger("ampatch")
 
@@ -86,10 +86,6 @@ def sharded_modules(model: nn.Module) -> list[nn.Module]:
 def is_sharded(models: Iterable[nn.Module]) -> bool:
     """Whether any of `models` has FSDP2-sharded modules."""
     return any(sharded_modules(m) for m in models)
-
-
-def _is_batchnorm(module: nn.Module) -> bool:
-    return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
 class _Units:
@@ -240,11 +236,11 @@ class ShardedModel:
         """Raise what cannot be honoured; returns the ids of units that stay FP32 (batch norms)."""
         units, fp32_units = self.units, set()
         for state in units.states:
-            kinds = {_is_batchnorm(m) for g in _param_groups(state) for m in units.group_modules(g)}
+            kinds = {is_batchnorm(m) for g in _param_groups(state) for m in units.group_modules(g)}
             if keep_bn and kinds == {True}:
                 fp32_units.add(id(state))
             elif keep_bn and True in kinds:
-                bn = next(m for g in _param_groups(state) for m in units.group_modules(g) if _is_batchnorm(m))
+                bn = next(m for g in _param_groups(state) for m in units.group_modules(g) if is_batchnorm(m))
                 raise ValueError(
                     f"keep_batchnorm_fp32=True cannot be honoured under FSDP2: the batch norm {type(bn).__name__} "
                     "shares a fully_shard unit with other layers, and FSDP2 all-gathers one dtype per unit. Call "

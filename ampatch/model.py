@@ -27,13 +27,14 @@ logger = logging.getLogger("ampatch")
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def _is_batchnorm(module: nn.Module) -> bool:
+def is_batchnorm(module: nn.Module) -> bool:
+    """A batch norm (SyncBatchNorm included): what keep_batchnorm_fp32 keeps in FP32."""
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
 def modules_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None) -> list[nn.Module]:
     """The modules whose own parameters and buffers go to half."""
-    return [m for m in model.modules() if not (keep_batchnorm_fp32 and _is_batchnorm(m))]
+    return [m for m in model.modules() if not (keep_batchnorm_fp32 and is_batchnorm(m))]
 
 
 def params_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None) -> list[nn.Parameter]:
