@@ -1,7 +1,7 @@
 """Running a test worker on several real gloo ranks, shared by the distributed tests.
 
 `run_ranks` (the test side) starts one process per rank, each `python WORKER rank world
-rdzv out_file ARGS...`, waits with a timeout so that a hung collective cannot hang the
+rdzv out_file` (a worker run by hand may take more arguments), waits with a timeout so that a hung collective cannot hang the
 suite, and returns what each rank saved. `worker_main` (the worker side) joins the group
 through a `file://` rendezvous, saves the results (or the traceback) and leaves with
 `os._exit`, since gloo can abort in interpreter teardown (DESIGN pitfalls).
@@ -25,8 +25,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_ranks(worker: str | Path, tmp: Path, world: int, timeout_s: float, env: dict[str, str] | None = None,
-              args: Sequence[str] = ()) -> list[dict]:
+def run_ranks(worker: str | Path, tmp: Path, world: int, timeout_s: float) -> list[dict]:
     """Run `worker` on `world` ranks; the results each rank saved (pytest.fail if one has none)."""
     import pytest
     import torch
@@ -36,8 +35,8 @@ def run_ranks(worker: str | Path, tmp: Path, world: int, timeout_s: float, env: 
         log = open(tmp / f"rank{rank}.log", "w+")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, str(worker), str(rank), str(world), str(tmp / "rdzv"), str(tmp / f"rank{rank}.pt"),
-             *args], stdout=log, stderr=subprocess.STDOUT, env=clean_env() if env is None else env))
+            [sys.executable, str(worker), str(rank), str(world), str(tmp / "rdzv"), str(tmp / f"rank{rank}.pt")],
+            stdout=log, stderr=subprocess.STDOUT, env=clean_env()))
     try:
         for p in procs:
             p.wait(timeout=timeout_s)
