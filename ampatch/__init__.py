@@ -25,7 +25,7 @@ from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
 from .policy import user as _user_policy
 from .scaler import INITIAL_LOSS_SCALE, check_scale_value
-from .notices import warn
+from .notices import set_verbosity, warn
 from .session import Session
 from .telemetry import Report
 
@@ -117,7 +117,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
     if not isinstance(verbosity, int):
         raise TypeError(f"verbosity must be an int (0 silences ampatch), got {verbosity!r}.")
     # before resolve(): its messages (a forced level dropping overrides) follow this call's verbosity
-    logger.setLevel(logging.ERROR if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG)
+    set_verbosity(verbosity)
     if min_loss_scale is not None:
         min_loss_scale = check_scale_value(min_loss_scale, "min_loss_scale")
     max_loss_scale = check_scale_value(max_loss_scale, "max_loss_scale")

@@ -14,6 +14,11 @@ logger = logging.getLogger("ampatch")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def set_verbosity(verbosity: int) -> None:
+    """The "ampatch" logger's level for a session's `verbosity`: 0 errors only, 1 info, 2 debug."""
+    logger.setLevel(logging.ERROR if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG)
+
+
 def user_stacklevel() -> int:
     """The `stacklevel` that makes `warnings.warn`, called by the function that calls this,
     name the first frame outside the ampatch package (1 would name that function, 2 its

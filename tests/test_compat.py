@@ -335,8 +335,10 @@ def test_flags_are_plain_settable_flags() -> None:
     state.verbosity = 0
     amp.initialize(_model(), opt_level="O1", verbosity=2)
     assert state.verbosity == 2  # initialize's verbosity, as in Apex
+    assert logging.getLogger("ampatch").level == logging.DEBUG
     state.verbosity = 0
     assert amp._amp_state.session().verbosity == 0
+    assert logging.getLogger("ampatch").level == logging.ERROR  # silenced, as initialize(verbosity=0) does
 
 
 # ------------------------------------------------------------------ amp.init

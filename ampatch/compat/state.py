@@ -15,6 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..notices import set_verbosity
+
 logger = logging.getLogger("ampatch")
 
 __all__ = ["AmpState", "LossScalerView", "PropertiesView"]
@@ -203,8 +205,9 @@ class AmpState:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"verbosity must be an int, got {value!r}.")
             s = self._current()
-            if s is not None:
+            if s is not None:  # what initialize(verbosity=...) sets: the session's and the logger's
                 s.verbosity = value
+                set_verbosity(value)
         elif not isinstance(value, bool):
             raise TypeError(f"_amp_state.{name} must be True or False, got {value!r}.")
         self._flags[name] = value
