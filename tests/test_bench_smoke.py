@@ -74,3 +74,13 @@ def test_bench_quick_gpu_section(tmp_path: Path) -> None:
     assert set(data["targets"]) >= {"gpu.O1/autocast", "gpu.O2/autocast"}
     assert data["meta"]["machine"].startswith(data["meta"]["device"].split(":")[0] + ": ")
     assert data["meta"]["sections"] == ["gpu"]
+
+
+def test_check_cost_runs() -> None:
+    """scripts/check_cost.py builds the lm workload through the workload's own parser, so it
+    keeps running when the workloads grow an argument (it broke when they gained --device)."""
+    script = BENCH.parent / "check_cost.py"
+    proc = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checked / unchecked:" in proc.stdout and "check alone:" in proc.stdout
