@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
+from ampatch import hardware
 
 MODES = ("fp32", "autocast", "O1", "O2", "O3")
 SECTIONS = ("transformer", "mlp", "cnn", "micro", "memory", "compiled", "gpu")
@@ -960,19 +961,13 @@ def render(results: dict, flat: dict[str, float], meta: dict) -> str:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return platform.machine()
+    """The CPU model and its core count, as ampatch.hardware detected them."""
+    cpu = hardware.describe("cpu")
+    return f"{cpu.name}, {cpu.cores} cores"
 
 
 def machine_line(env: Env) -> str:
     """ampatch.hardware's line for the bench's device: name, flags or capability, half native?"""
-    from ampatch import hardware
     return hardware.machine_line(hardware.describe(env.device).to_dict(), [str(env.half).removeprefix("torch.")])
 
 
