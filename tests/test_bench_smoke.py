@@ -84,3 +84,17 @@ def test_check_cost_runs() -> None:
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checked / unchecked:" in proc.stdout and "check alone:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_o2_memory_runs() -> None:
+    """scripts/o2_memory.py (README's CPU proxy for O2's peak memory) on a tiny transformer: it
+    runs, with bench.py's memory measure, and prints the ratio the README quotes."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("the CPU memory measure needs Linux's /proc/self/clear_refs")
+    script = BENCH.parent / "o2_memory.py"
+    proc = subprocess.run([sys.executable, str(script), "--d-model", "32", "--heads", "2", "--layers", "1",
+                           "--batch", "1", "--seq", "8"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "O2 peak / (autocast peak + FP32 masters" in proc.stdout
+    assert "scale_loss exit +" in proc.stdout
