@@ -469,14 +469,15 @@ class Budget:
             self.exit_s = max(self.exit_s, exit_s)
 
 
-CommandFor = Callable[[int | None, float | None], list[str]]
+CommandFor = Callable[[int | None, float | None], list[str]]  # (step cap, deadline) -> a level's command
 
 
-def run_all(cmd_for: dict[str, list[str] | CommandFor], half_dtype: str | None,
+def run_all(cmd_for: dict[str, CommandFor], half_dtype: str | None,
             budget: Budget | None = None, steps: int | None = None) -> tuple[list[dict[str, Any]], bool]:
     """Run every level in turn: a line on stderr when each starts and ends, live progress in
-    between. ``cmd_for`` maps a level to its command, or (built-in workloads) to a function of
-    (step cap, deadline) giving it. Returns the finished rows and whether Ctrl-C stopped it."""
+    between. ``cmd_for`` maps a level to the function of (step cap, deadline) that gives its
+    command (a user script's ignores both). Returns the finished rows and whether Ctrl-C
+    stopped it."""
     rows: list[dict[str, Any]] = []
     start, n = time.perf_counter(), len(cmd_for)
     i, level = 0, ""
@@ -486,7 +487,7 @@ def run_all(cmd_for: dict[str, list[str] | CommandFor], half_dtype: str | None,
             if budget is not None:
                 done = [r["report"].get("steps") for r in rows if r["ok"] and r["report"]]
                 cap, deadline = budget.next_run(list(cmd_for)[i - 1:], [s for s in done if s])
-            cmd = make(cap, deadline) if callable(make) else make
+            cmd = make(cap, deadline)
             total, expected = cap, False
             if total is None:  # a user script: expect as many steps as the last finished level
                 total = next((r["report"].get("steps") for r in reversed(rows) if r["ok"] and r["report"]),
@@ -659,7 +660,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise CliError(f"{'/'.join(given)} apply to the built-in workloads; "
                            "give your script its own options after --")
         cmd = resolve_command(args.command)
-        cmd_for: dict[str, Any] = {level: cmd for level in args.levels}
+        cmd_for: dict[str, CommandFor] = {level: lambda cap, deadline: cmd for level in args.levels}
         header: dict[str, Any] = {"command": list(args.command)}
         title = f"ampatch compare: {' '.join(args.command)}"
         rows, interrupted = run_all(cmd_for, args.half_dtype)
