@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 from ampatch import hardware
 from ampatch import levels as _levels_policy
 from ampatch.telemetry import PROGRESS_ENV
@@ -673,10 +675,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         fallback = device
         _announce_machine(device, args.levels, args.half_dtype)
         if seconds is not None:
-            budget = Budget(seconds, steps, _step_weights(device, args.levels, args.half_dtype))
             # this process imported torch and ampatch as each run will: its CPU time so far is the
             # first guess of a run's start-up (exec keeps it; the runs then teach the real one)
-            budget.start_s = time.process_time() + FIRST_STEP_S
+            budget = Budget(seconds, steps, _step_weights(device, args.levels, args.half_dtype),
+                            start_s=time.process_time() + FIRST_STEP_S)
         threads = DEFAULT_THREADS if args.threads is None else args.threads
         cmd_for = {level: _workload_command(workload, level, device, threads) for level in args.levels}
         header = {"workload": workload, "steps": steps, "budget_s": seconds, "device": device,
@@ -685,10 +687,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ran = common_steps(rows)
         upto = ran if budget is not None else None
         where = f"{device}, {threads} torch thread{'s' if threads != 1 else ''}" if threads else device
-        title = f"ampatch compare: workload {workload} ({where}), {steps} steps"
-        if budget is not None:
-            title = (f"ampatch compare: workload {workload} ({where}), up to {steps} steps in a {seconds:g}s "
-                     "budget" + (f" (losses compared over the first {ran} steps)" if ran is not None else ""))
+        scope = f"{steps} steps" if budget is None else (
+            f"up to {steps} steps in a {seconds:g}s budget"
+            + (f" (losses compared over the first {ran} steps)" if ran is not None else ""))
+        title = f"ampatch compare: workload {workload} ({where}), {scope}"
     rows = summarize_all(rows, upto)
     machine, note = machine_of(rows, fallback)
     notes = [note or ""]
@@ -720,10 +722,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _workload_device(name: str | None) -> str:
     """The device the built-in workloads train on: ``auto`` (default) is CUDA when available."""
     if name in (None, "auto"):
-        import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        import torch
         torch.device(name)
     except (RuntimeError, ValueError) as exc:
         raise CliError(f"--device: {exc}") from None
@@ -748,7 +748,6 @@ SLOW_HALF_WEIGHT = 3.0  # a half level's step against O0's where the half dtype 
 
 def _half_dtypes(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, str]:
     """The half dtype each level will use on ``device`` (O0: none)."""
-    import torch
     default = half_dtype if half_dtype in ("bfloat16", "float16") else \
         str(_levels_policy.default_half_dtype(torch.device(device))).removeprefix("torch.")
     return {lv: "bfloat16" if lv in _levels_policy.BFLOAT16_LEVELS else default for lv in levels if lv != "O0"}
