@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from ampatch import cli
 
@@ -163,6 +164,9 @@ def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
     (["compare", "--device", "cpu", "--", "python", "x.py"], "--device apply to the built-in workloads"),
     (["compare", "--threads", "2", "--", "python", "x.py"], "--threads apply to the built-in workloads"),
     (["compare", "--threads", "-1"], "--threads must be"),
+    (["compare", "--device", "tpu"], "--device: Expected one of cpu"),
+    pytest.param(["compare", "--device", "cuda"], "--device cuda: ",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str],
                                             message: str) -> None:
