@@ -282,6 +282,17 @@ def test_workload_stops_at_its_deadline_after_the_minimum_steps() -> None:
     assert amp.report().steps == _common.MIN_STEPS
 
 
+@pytest.mark.parametrize("args, message", [(["--device", "tpu"], "--device: Expected one of cpu"),
+                                           (["--threads", "-1"], "--threads must be 0")])
+def test_workload_bad_arguments_are_one_clear_line(capsys, args: list[str], message: str) -> None:
+    from ampatch.workloads import lstm
+    with pytest.raises(SystemExit) as exc:
+        lstm.main(["--steps", "1", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_progress_line() -> None:
     import io
     stream = io.StringIO()
