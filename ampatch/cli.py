@@ -520,18 +520,21 @@ def run_all(cmd_for: dict[str, CommandFor], half_dtype: str | None,
 def summarize(row: dict[str, Any], baseline: dict[str, Any] | None,
               upto: int | None = None) -> dict[str, Any]:
     """Add the table's numbers (and the curves) to a run's row; ``baseline`` is O0's row.
-    ``upto``: final loss and deviation from the first ``upto`` losses only (a budget let the
-    levels run different numbers of steps: they compare at the step all of them reached)."""
+    ``upto``: final loss and deviation from the losses before that step only (a budget let the
+    levels run different numbers of steps: they compare at the step all of them reached).
+    Losses compare at the same step, also where a long run's curve was thinned more than the
+    baseline's (``losses_every``)."""
     rep = row["report"] or {}
     times = rep.get("step_times_s") or []
     losses = [float(x) if x is not None else math.nan for x in rep.get("losses") or []]
+    at = _losses_by_step(losses, rep.get("losses_every") or 1, upto)
     steady = times[int(len(times) * WARMUP_FRACTION):] or times
     row["half_dtype"] = None if row["level"] == "O0" else rep.get("half_dtype")
     row["steps"] = rep.get("steps")
     row["median_step_ms"] = 1000 * statistics.median(steady) if steady else None
     row["peak_memory_mib"] = rep["peak_memory_bytes"] / 2**20 \
         if rep.get("peak_memory_bytes") else None
-    tail = losses[:upto][-FINAL_LOSS_WINDOW:]
+    tail = list(at.values())[-FINAL_LOSS_WINDOW:]
     row["final_loss"] = sum(tail) / len(tail) if tail else None
     row["losses"] = losses
     row["losses_every"] = rep.get("losses_every") or 1  # a long run's curve is thinned
@@ -543,7 +546,8 @@ def summarize(row: dict[str, Any], baseline: dict[str, Any] | None,
     base_ms = baseline.get("median_step_ms") if base_ok else None
     row["speedup_vs_O0"] = base_ms / row["median_step_ms"] \
         if base_ms and row["median_step_ms"] else None
-    pairs = list(zip(losses[:upto], baseline["losses"][:upto])) if base_ok else []
+    base_at = _losses_by_step(baseline["losses"], baseline["losses_every"], upto) if base_ok else {}
+    pairs = [(loss, base_at[step]) for step, loss in at.items() if step in base_at]
     row["max_loss_dev_vs_O0"] = max((abs(a - b) if math.isfinite(a - b) else math.inf
                                      for a, b in pairs), default=None)
     return row
@@ -559,9 +563,16 @@ def summarize_all(rows: list[dict[str, Any]], upto: int | None = None) -> list[d
     return rows
 
 
+def _losses_by_step(losses: Sequence[float], every: int, upto: int | None) -> dict[int, float]:
+    """{step: loss} of a (thinned: ``losses[i]`` is step ``i * every``) loss curve, before ``upto``."""
+    return {i * every: loss for i, loss in enumerate(losses) if upto is None or i * every < upto}
+
+
 def common_steps(rows: list[dict[str, Any]]) -> int | None:
-    """The number of losses every finished run recorded (None without any)."""
-    counts = [len((r["report"] or {}).get("losses") or []) for r in rows if r["ok"]]
+    """The number of steps whose loss every finished run recorded (None without any): the
+    steps before the last recorded loss of the shortest run, that one included."""
+    counts = [(len(rep.get("losses") or []) - 1) * (rep.get("losses_every") or 1) + 1
+              for rep in (r["report"] or {} for r in rows if r["ok"])]
     return min(counts) if counts else None
 
 

@@ -351,6 +351,20 @@ def test_summary_compares_levels_at_the_steps_all_of_them_ran() -> None:
     assert cli.format_table(rows, "t").splitlines()[1].split()[-1] == "steps"
 
 
+def test_losses_compare_at_the_same_step_when_one_curve_was_thinned() -> None:
+    """A long run's report keeps every other loss once its curve is full (losses_every=2):
+    its losses[i] is step 2i, compared with the other run's loss at step 2i, not at step i."""
+    base = {"opt_level": "O0", "steps": 7, "losses": [10.0, 8.0, 6.0, 4.0], "losses_every": 2}
+    half = {"opt_level": "O1", "steps": 7, "losses": [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0]}
+    rows = [{"level": "O0", "ok": True, "report": base}, {"level": "O1", "ok": True, "report": half}]
+    assert cli.common_steps(rows) == 7
+    o0, o1 = cli.summarize_all(rows, upto=cli.common_steps(rows))
+    assert o1["max_loss_dev_vs_O0"] == 0            # same curve, compared at steps 0, 2, 4, 6
+    assert o0["final_loss"] == pytest.approx(7.0) and o1["final_loss"] == pytest.approx(6.0)
+    o0, o1 = cli.summarize_all(rows, upto=5)          # steps 0-4 only
+    assert o1["final_loss"] == pytest.approx(8.0) and o0["final_loss"] == pytest.approx(8.0)
+
+
 def test_table_says_which_machine_and_when_half_is_emulated() -> None:
     device = {"type": "cpu", "name": "Old CPU", "cores": 2, "features": ["avx2"], "lacks": ["avx512_bf16"],
               "native": {"bfloat16": False, "float16": False}, "basis": {"bfloat16": "no AVX512-BF16 or AMX"},
