@@ -991,6 +991,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--_fsdp-rank", dest="fsdp_rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_fsdp-rdzv", dest="fsdp_rdzv", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        p.error(f"--device: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here (torch {torch.__version__}); the CPU sections "
+                "run without --device")
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

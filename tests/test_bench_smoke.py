@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
@@ -60,6 +61,18 @@ def test_bench_rejects_unknown_section() -> None:
                           timeout=60, check=False)
     assert proc.returncode == 2
     assert "unknown section" in proc.stderr
+
+
+
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "--device: Expected one of cpu"),
+    pytest.param("cuda", "no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+])
+def test_bench_rejects_a_device_it_cannot_use(device: str, message: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), "--device", device, "--quick"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bench_quick_gpu_section(tmp_path: Path) -> None:
