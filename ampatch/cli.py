@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 from ampatch import hardware
 from ampatch import levels as _levels_policy
 from ampatch.telemetry import PROGRESS_ENV
@@ -469,14 +471,15 @@ class Budget:
             self.exit_s = max(self.exit_s, exit_s)
 
 
-CommandFor = Callable[[int | None, float | None], list[str]]
+CommandFor = Callable[[int | None, float | None], list[str]]  # (step cap, deadline) -> a level's command
 
 
-def run_all(cmd_for: dict[str, list[str] | CommandFor], half_dtype: str | None,
+def run_all(cmd_for: dict[str, CommandFor], half_dtype: str | None,
             budget: Budget | None = None, steps: int | None = None) -> tuple[list[dict[str, Any]], bool]:
     """Run every level in turn: a line on stderr when each starts and ends, live progress in
-    between. ``cmd_for`` maps a level to its command, or (built-in workloads) to a function of
-    (step cap, deadline) giving it. Returns the finished rows and whether Ctrl-C stopped it."""
+    between. ``cmd_for`` maps a level to the function of (step cap, deadline) that gives its
+    command (a user script's ignores both). Returns the finished rows and whether Ctrl-C
+    stopped it."""
     rows: list[dict[str, Any]] = []
     start, n = time.perf_counter(), len(cmd_for)
     i, level = 0, ""
@@ -486,7 +489,7 @@ def run_all(cmd_for: dict[str, list[str] | CommandFor], half_dtype: str | None,
             if budget is not None:
                 done = [r["report"].get("steps") for r in rows if r["ok"] and r["report"]]
                 cap, deadline = budget.next_run(list(cmd_for)[i - 1:], [s for s in done if s])
-            cmd = make(cap, deadline) if callable(make) else make
+            cmd = make(cap, deadline)
             total, expected = cap, False
             if total is None:  # a user script: expect as many steps as the last finished level
                 total = next((r["report"].get("steps") for r in reversed(rows) if r["ok"] and r["report"]),
@@ -517,18 +520,21 @@ def run_all(cmd_for: dict[str, list[str] | CommandFor], half_dtype: str | None,
 def summarize(row: dict[str, Any], baseline: dict[str, Any] | None,
               upto: int | None = None) -> dict[str, Any]:
     """Add the table's numbers (and the curves) to a run's row; ``baseline`` is O0's row.
-    ``upto``: final loss and deviation from the first ``upto`` losses only (a budget let the
-    levels run different numbers of steps: they compare at the step all of them reached)."""
+    ``upto``: final loss and deviation from the losses before that step only (a budget let the
+    levels run different numbers of steps: they compare at the step all of them reached).
+    Losses compare at the same step, also where a long run's curve was thinned more than the
+    baseline's (``losses_every``)."""
     rep = row["report"] or {}
     times = rep.get("step_times_s") or []
     losses = [float(x) if x is not None else math.nan for x in rep.get("losses") or []]
+    at = _losses_by_step(losses, rep.get("losses_every") or 1, upto)
     steady = times[int(len(times) * WARMUP_FRACTION):] or times
     row["half_dtype"] = None if row["level"] == "O0" else rep.get("half_dtype")
     row["steps"] = rep.get("steps")
     row["median_step_ms"] = 1000 * statistics.median(steady) if steady else None
     row["peak_memory_mib"] = rep["peak_memory_bytes"] / 2**20 \
         if rep.get("peak_memory_bytes") else None
-    tail = losses[:upto][-FINAL_LOSS_WINDOW:]
+    tail = list(at.values())[-FINAL_LOSS_WINDOW:]
     row["final_loss"] = sum(tail) / len(tail) if tail else None
     row["losses"] = losses
     row["losses_every"] = rep.get("losses_every") or 1  # a long run's curve is thinned
@@ -540,7 +546,8 @@ def summarize(row: dict[str, Any], baseline: dict[str, Any] | None,
     base_ms = baseline.get("median_step_ms") if base_ok else None
     row["speedup_vs_O0"] = base_ms / row["median_step_ms"] \
         if base_ms and row["median_step_ms"] else None
-    pairs = list(zip(losses[:upto], baseline["losses"][:upto])) if base_ok else []
+    base_at = _losses_by_step(baseline["losses"], baseline["losses_every"], upto) if base_ok else {}
+    pairs = [(loss, base_at[step]) for step, loss in at.items() if step in base_at]
     row["max_loss_dev_vs_O0"] = max((abs(a - b) if math.isfinite(a - b) else math.inf
                                      for a, b in pairs), default=None)
     return row
@@ -556,9 +563,16 @@ def summarize_all(rows: list[dict[str, Any]], upto: int | None = None) -> list[d
     return rows
 
 
+def _losses_by_step(losses: Sequence[float], every: int, upto: int | None) -> dict[int, float]:
+    """{step: loss} of a (thinned: ``losses[i]`` is step ``i * every``) loss curve, before ``upto``."""
+    return {i * every: loss for i, loss in enumerate(losses) if upto is None or i * every < upto}
+
+
 def common_steps(rows: list[dict[str, Any]]) -> int | None:
-    """The number of losses every finished run recorded (None without any)."""
-    counts = [len((r["report"] or {}).get("losses") or []) for r in rows if r["ok"]]
+    """The number of steps whose loss every finished run recorded (None without any): the
+    steps before the last recorded loss of the shortest run, that one included."""
+    counts = [(len(rep.get("losses") or []) - 1) * (rep.get("losses_every") or 1) + 1
+              for rep in (r["report"] or {} for r in rows if r["ok"])]
     return min(counts) if counts else None
 
 
@@ -659,7 +673,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise CliError(f"{'/'.join(given)} apply to the built-in workloads; "
                            "give your script its own options after --")
         cmd = resolve_command(args.command)
-        cmd_for: dict[str, Any] = {level: cmd for level in args.levels}
+        cmd_for: dict[str, CommandFor] = {level: lambda cap, deadline: cmd for level in args.levels}
         header: dict[str, Any] = {"command": list(args.command)}
         title = f"ampatch compare: {' '.join(args.command)}"
         rows, interrupted = run_all(cmd_for, args.half_dtype)
@@ -672,10 +686,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         fallback = device
         _announce_machine(device, args.levels, args.half_dtype)
         if seconds is not None:
-            budget = Budget(seconds, steps, _step_weights(device, args.levels, args.half_dtype))
             # this process imported torch and ampatch as each run will: its CPU time so far is the
             # first guess of a run's start-up (exec keeps it; the runs then teach the real one)
-            budget.start_s = time.process_time() + FIRST_STEP_S
+            budget = Budget(seconds, steps, _step_weights(device, args.levels, args.half_dtype),
+                            start_s=time.process_time() + FIRST_STEP_S)
         threads = DEFAULT_THREADS if args.threads is None else args.threads
         cmd_for = {level: _workload_command(workload, level, device, threads) for level in args.levels}
         header = {"workload": workload, "steps": steps, "budget_s": seconds, "device": device,
@@ -684,10 +698,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ran = common_steps(rows)
         upto = ran if budget is not None else None
         where = f"{device}, {threads} torch thread{'s' if threads != 1 else ''}" if threads else device
-        title = f"ampatch compare: workload {workload} ({where}), {steps} steps"
-        if budget is not None:
-            title = (f"ampatch compare: workload {workload} ({where}), up to {steps} steps in a {seconds:g}s "
-                     "budget" + (f" (losses compared over the first {ran} steps)" if ran is not None else ""))
+        scope = f"{steps} steps" if budget is None else (
+            f"up to {steps} steps in a {seconds:g}s budget"
+            + (f" (losses compared over the first {ran} steps)" if ran is not None else ""))
+        title = f"ampatch compare: workload {workload} ({where}), {scope}"
     rows = summarize_all(rows, upto)
     machine, note = machine_of(rows, fallback)
     notes = [note or ""]
@@ -719,10 +733,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _workload_device(name: str | None) -> str:
     """The device the built-in workloads train on: ``auto`` (default) is CUDA when available."""
     if name in (None, "auto"):
-        import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        import torch
         torch.device(name)
     except (RuntimeError, ValueError) as exc:
         raise CliError(f"--device: {exc}") from None
@@ -747,7 +759,6 @@ SLOW_HALF_WEIGHT = 3.0  # a half level's step against O0's where the half dtype 
 
 def _half_dtypes(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, str]:
     """The half dtype each level will use on ``device`` (O0: none)."""
-    import torch
     default = half_dtype if half_dtype in ("bfloat16", "float16") else \
         str(_levels_policy.default_half_dtype(torch.device(device))).removeprefix("torch.")
     return {lv: "bfloat16" if lv in _levels_policy.BFLOAT16_LEVELS else default for lv in levels if lv != "O0"}

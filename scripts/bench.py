@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
+from ampatch import hardware
 
 MODES = ("fp32", "autocast", "O1", "O2", "O3")
 SECTIONS = ("transformer", "mlp", "cnn", "micro", "memory", "compiled", "gpu")
@@ -145,33 +146,45 @@ WORKLOADS = {"transformer": transformer_workload, "mlp": mlp_workload, "cnn": cn
 
 
 def make_mode(mode: str, base: nn.Module, data: tuple, loss_fn: Callable, env: Env) -> tuple[Callable, Any]:
-    """(one full training step, the optimizer) for `mode` on a fresh deep copy of `base`.
-
-    ampatch modes call amp.initialize here; the caller calls amp.deinitialize() after."""
+    """(one full training step, returning its loss; the optimizer) for `mode` on a fresh deep
+    copy of `base`: fp32, autocast (with a GradScaler when the half type is float16, as torch's
+    recipe says), or an ampatch level, which calls amp.initialize here: the caller calls
+    amp.deinitialize() after."""
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = data
     if mode == "fp32":
-        def step() -> None:
+        def step() -> torch.Tensor:
             opt.zero_grad()
-            loss_fn(model(x), y).backward()
+            loss = loss_fn(model(x), y)
+            loss.backward()
             opt.step()
+            return loss
     elif mode == "autocast":
-        def step() -> None:
+        scaler = torch.amp.GradScaler(env.device.type) if env.half == torch.float16 else None
+
+        def step() -> torch.Tensor:
             opt.zero_grad()
             with env.autocast():
                 loss = loss_fn(model(x), y)
-            loss.backward()  # bfloat16 needs no GradScaler
-            opt.step()
+            if scaler is None:  # bfloat16 needs no GradScaler
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            return loss
     else:
         model, opt = amp.initialize(model, opt, opt_level=mode, half_dtype=env.half, verbosity=0)
 
-        def step() -> None:
+        def step() -> torch.Tensor:
             opt.zero_grad()
             loss = loss_fn(model(x), y)
             with amp.scale_loss(loss, opt) as scaled:
                 scaled.backward()
             opt.step()
+            return loss
     return step, opt
 
 
@@ -184,6 +197,20 @@ def quiet_gc():
         yield
     finally:
         gc.enable()
+
+
+def timed_steps(step: Callable[[], Any], steps: int, env: Env) -> tuple[list[float], Any]:
+    """Seconds of each of `steps` calls of `step` (device synchronized around each, no garbage
+    collection in between), and what the last call returned."""
+    times, out = [], None
+    with quiet_gc():
+        for _ in range(steps):
+            env.sync()
+            t0 = CLOCK()
+            out = step()
+            env.sync()
+            times.append(CLOCK() - t0)
+    return times, out
 
 
 def rotated(items: Sequence[str], r: int) -> list[str]:
@@ -211,14 +238,7 @@ def bench_training(name: str, env: Env, cfg: dict[str, int], log: Callable[[str]
             try:
                 for _ in range(cfg["warmup"]):
                     step()
-                times = []
-                with quiet_gc():
-                    for _ in range(cfg["steps"]):
-                        env.sync()
-                        t0 = CLOCK()
-                        step()
-                        env.sync()
-                        times.append(CLOCK() - t0)
+                times = timed_steps(step, cfg["steps"], env)[0]
             finally:
                 amp.deinitialize()
             per_round[mode].append(statistics.median(times))
@@ -707,14 +727,7 @@ def bench_compiled(env: Env, quick: bool, log: Callable[[str], None], backend: s
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             for r in range(rounds):
                 for mode in rotated(("autocast", level), r):
-                    times = []
-                    with quiet_gc():
-                        for _ in range(steps):
-                            env.sync()
-                            t0 = CLOCK()
-                            step(mode)
-                            env.sync()
-                            times.append(CLOCK() - t0)
+                    times = timed_steps(lambda: step(mode), steps, env)[0]
                     per_round[level if mode == level else f"autocast@{level}"].append(statistics.median(times))
                 log(f"  compiled: {level} round {r + 1}/{rounds}")
             recompiles += torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
@@ -776,44 +789,6 @@ def gpu_transformer_workload(env: Env, c: dict[str, int]) -> tuple[nn.Module, tu
     return model.to(env.device), (x, y), mse_loss
 
 
-def gpu_step(mode: str, base: nn.Module, data: tuple, loss_fn: Callable, env: Env) -> tuple[Callable, Any, Any]:
-    """(one training step returning the loss, the optimizer, the model) for `mode`: fp32,
-    autocast (with a GradScaler when the half type is float16, as torch's recipe says), or
-    an ampatch level. The caller calls amp.deinitialize() after."""
-    model = copy.deepcopy(base)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = data
-    if mode == "fp32":
-        def step() -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-    elif mode == "autocast":
-        scaler = torch.amp.GradScaler(env.device.type, enabled=env.half == torch.float16)
-
-        def step() -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            with env.autocast():
-                loss = loss_fn(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            return loss
-    else:
-        model, opt = amp.initialize(model, opt, opt_level=mode, half_dtype=env.half, verbosity=0)
-
-        def step() -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            return loss
-    return step, opt, model
-
-
 def _allocated() -> int:
     return torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
 
@@ -836,20 +811,13 @@ def bench_gpu(env: Env, c: dict[str, int], log: Callable[[str], None]) -> dict:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             before = _allocated()
-            step, opt, _model = gpu_step(mode, base, data, loss_fn, env)
+            step, opt = make_mode(mode, base, data, loss_fn, env)
             try:
                 if mode == "O2":
                     master_bytes = sum(p.numel() * p.element_size() for p in amp.master_params(opt))
                 for _ in range(c["warmup"]):
                     step()
-                times = []
-                with quiet_gc():
-                    for _ in range(c["steps"]):
-                        env.sync()
-                        t0 = CLOCK()
-                        loss = step()
-                        env.sync()
-                        times.append(CLOCK() - t0)
+                times, loss = timed_steps(step, c["steps"], env)
                 losses[mode] = float(loss.detach().float())
                 if env.cuda:  # before deinitialize, which casts the model back to FP32
                     torch.cuda.synchronize()
@@ -857,7 +825,7 @@ def bench_gpu(env: Env, c: dict[str, int], log: Callable[[str], None]) -> dict:
             finally:
                 amp.deinitialize()
             per_round[mode].append(statistics.median(times))
-            del step, opt, _model, loss  # the loss's graph holds the params (AccumulateGrad): free them all
+            del step, opt, loss  # the loss's graph holds the params (AccumulateGrad): free them all
         log(f"  gpu: round {r + 1}/{c['rounds']}")
     pairs = [("O1", "autocast"), ("O2", "autocast"), ("O3", "autocast"), ("O2", "O3"),
              ("autocast", "fp32"), ("O1", "fp32"), ("O2", "fp32"), ("O3", "fp32")]
@@ -993,19 +961,13 @@ def render(results: dict, flat: dict[str, float], meta: dict) -> str:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return platform.machine()
+    """The CPU model and its core count, as ampatch.hardware detected them."""
+    cpu = hardware.describe("cpu")
+    return f"{cpu.name}, {cpu.cores} cores"
 
 
 def machine_line(env: Env) -> str:
     """ampatch.hardware's line for the bench's device: name, flags or capability, half native?"""
-    from ampatch import hardware
     return hardware.machine_line(hardware.describe(env.device).to_dict(), [str(env.half).removeprefix("torch.")])
 
 
@@ -1029,6 +991,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--_fsdp-rank", dest="fsdp_rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_fsdp-rdzv", dest="fsdp_rdzv", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        p.error(f"--device: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here (torch {torch.__version__}); the CPU sections "
+                "run without --device")
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

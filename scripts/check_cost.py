@@ -18,13 +18,18 @@ import torch
 
 import ampatch as amp
 from ampatch.scaler import unscale_
-from ampatch.workloads import lm
+from ampatch.workloads import _common, lm
+
+
+def lm_args(steps: int) -> argparse.Namespace:
+    """The lm workload's own arguments (its parser's defaults: seed 0), on the CPU."""
+    return _common.parse_args("lm", ["--steps", str(steps), "--device", "cpu"], steps)
 
 
 def check_alone(steps: int, reps: int = 50) -> float:
     """Median seconds of one fused unscale + inf/NaN check + flag read on the lm's grads."""
     torch.manual_seed(0)
-    model, opt, batches, loss_fn = lm.build(argparse.Namespace(steps=steps, seed=0))
+    model, opt, batches, loss_fn = lm.build(lm_args(steps))
     x, y = batches[0]
     loss_fn(model(x), y).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -38,8 +43,7 @@ def check_alone(steps: int, reps: int = 50) -> float:
 
 def step_times(loss_scale: float | str, steps: int) -> list[float]:
     torch.manual_seed(0)
-    args = argparse.Namespace(steps=steps, seed=0)
-    model, opt, batches, loss_fn = lm.build(args)
+    model, opt, batches, loss_fn = lm.build(lm_args(steps))
     model, opt = amp.initialize(model, opt, opt_level="O4", loss_scale=loss_scale, verbosity=0)
     times = []
     for x, y in batches:

@@ -2,7 +2,7 @@
 # Set up .venv (if needed) and compare all opt levels on the built-in workload, within
 # `ampatch compare`'s default 120-second budget, with live progress per level; Ctrl-C prints
 # the levels that finished. Extra arguments go to `ampatch compare`, e.g.:
-#   scripts/demo.sh --levels O0,O4,O5 --budget 60s --plot out/curves.png
+#   scripts/demo.sh --levels O0,O4,O5 --budget 60s --plot curves.png
 #   scripts/demo.sh --steps 150            # exactly 150 steps per level, no budget
 #   scripts/demo.sh -- python examples/basic.py --steps 50
 EXTRAS="dev,plot"  # matplotlib, for --plot

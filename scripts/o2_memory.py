@@ -30,25 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
+# bench.py's memory section measures the same way (exact storage bytes + peak RSS growth):
+# one implementation, so the two scripts' figures stay comparable
+from bench import _persistent_bytes, _status_kib
 
 MODES = ("autocast", "O2")
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _storage_bytes(tensors: list) -> int:
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def child(mode: str, a: argparse.Namespace) -> dict:
@@ -65,15 +51,14 @@ def child(mode: str, a: argparse.Namespace) -> dict:
     for i in range(3):
         opt.zero_grad(set_to_none=True)
         gc.collect()
-        persistent = _storage_bytes(list(model.parameters()) + list(amp.master_params(opt))
-                                    + [v for st in opt.state.values() for v in st.values()])
+        persistent = _persistent_bytes(model, opt)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak RSS (VmHWM) restarts from the current RSS
-        start = _kib("VmRSS")
+        start = _status_kib("VmRSS")
         growth: dict[str, int] = {}
 
         def mark(name: str) -> None:
-            growth[name] = (_kib("VmHWM") - start) * 1024
+            growth[name] = (_status_kib("VmHWM") - start) * 1024
 
         if mode == "autocast":
             with torch.autocast("cpu", dtype=half):

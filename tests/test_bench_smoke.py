@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
@@ -62,6 +63,18 @@ def test_bench_rejects_unknown_section() -> None:
     assert "unknown section" in proc.stderr
 
 
+
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "--device: Expected one of cpu"),
+    pytest.param("cuda", "no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+])
+def test_bench_rejects_a_device_it_cannot_use(device: str, message: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), "--device", device, "--quick"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bench_quick_gpu_section(tmp_path: Path) -> None:
     """Issue 13's GPU-sized transformer section, shrunk by --quick so its code runs on any device."""
     data = _run(tmp_path, "gpu")
@@ -74,3 +87,27 @@ def test_bench_quick_gpu_section(tmp_path: Path) -> None:
     assert set(data["targets"]) >= {"gpu.O1/autocast", "gpu.O2/autocast"}
     assert data["meta"]["machine"].startswith(data["meta"]["device"].split(":")[0] + ": ")
     assert data["meta"]["sections"] == ["gpu"]
+
+
+def test_check_cost_runs() -> None:
+    """scripts/check_cost.py builds the lm workload through the workload's own parser, so it
+    keeps running when the workloads grow an argument (it broke when they gained --device)."""
+    script = BENCH.parent / "check_cost.py"
+    proc = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checked / unchecked:" in proc.stdout and "check alone:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_o2_memory_runs() -> None:
+    """scripts/o2_memory.py (README's CPU proxy for O2's peak memory) on a tiny transformer: it
+    runs, with bench.py's memory measure, and prints the ratio the README quotes."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("the CPU memory measure needs Linux's /proc/self/clear_refs")
+    script = BENCH.parent / "o2_memory.py"
+    proc = subprocess.run([sys.executable, str(script), "--d-model", "32", "--heads", "2", "--layers", "1",
+                           "--batch", "1", "--seq", "8"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "O2 peak / (autocast peak + FP32 masters" in proc.stdout
+    assert "scale_loss exit +" in proc.stdout

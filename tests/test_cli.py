@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from ampatch import cli
 
@@ -163,6 +164,9 @@ def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
     (["compare", "--device", "cpu", "--", "python", "x.py"], "--device apply to the built-in workloads"),
     (["compare", "--threads", "2", "--", "python", "x.py"], "--threads apply to the built-in workloads"),
     (["compare", "--threads", "-1"], "--threads must be"),
+    (["compare", "--device", "tpu"], "--device: Expected one of cpu"),
+    pytest.param(["compare", "--device", "cuda"], "--device cuda: ",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str],
                                             message: str) -> None:
@@ -278,6 +282,17 @@ def test_workload_stops_at_its_deadline_after_the_minimum_steps() -> None:
     assert amp.report().steps == _common.MIN_STEPS
 
 
+@pytest.mark.parametrize("args, message", [(["--device", "tpu"], "--device: Expected one of cpu"),
+                                           (["--threads", "-1"], "--threads must be 0")])
+def test_workload_bad_arguments_are_one_clear_line(capsys, args: list[str], message: str) -> None:
+    from ampatch.workloads import lstm
+    with pytest.raises(SystemExit) as exc:
+        lstm.main(["--steps", "1", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_progress_line() -> None:
     import io
     stream = io.StringIO()
@@ -334,6 +349,20 @@ def test_summary_compares_levels_at_the_steps_all_of_them_ran() -> None:
     assert o5["max_loss_dev_vs_O0"] == pytest.approx(0.5)
     assert (o0["steps"], o5["steps"]) == (6, 3) and len(o0["losses"]) == 6   # the curves stay whole
     assert cli.format_table(rows, "t").splitlines()[1].split()[-1] == "steps"
+
+
+def test_losses_compare_at_the_same_step_when_one_curve_was_thinned() -> None:
+    """A long run's report keeps every other loss once its curve is full (losses_every=2):
+    its losses[i] is step 2i, compared with the other run's loss at step 2i, not at step i."""
+    base = {"opt_level": "O0", "steps": 7, "losses": [10.0, 8.0, 6.0, 4.0], "losses_every": 2}
+    half = {"opt_level": "O1", "steps": 7, "losses": [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0]}
+    rows = [{"level": "O0", "ok": True, "report": base}, {"level": "O1", "ok": True, "report": half}]
+    assert cli.common_steps(rows) == 7
+    o0, o1 = cli.summarize_all(rows, upto=cli.common_steps(rows))
+    assert o1["max_loss_dev_vs_O0"] == 0            # same curve, compared at steps 0, 2, 4, 6
+    assert o0["final_loss"] == pytest.approx(7.0) and o1["final_loss"] == pytest.approx(6.0)
+    o0, o1 = cli.summarize_all(rows, upto=5)          # steps 0-4 only
+    assert o1["final_loss"] == pytest.approx(8.0) and o0["final_loss"] == pytest.approx(8.0)
 
 
 def test_table_says_which_machine_and_when_half_is_emulated() -> None:

@@ -40,7 +40,12 @@ def parse_args(name: str, argv: Sequence[str] | None, default_steps: int) -> arg
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
-    args.device = resolve_device(args.device)
+    if args.threads < 0:
+        p.error("--threads must be 0 (torch's default) or a positive number")
+    try:
+        args.device = resolve_device(args.device)
+    except (RuntimeError, ValueError) as exc:  # torch.device's message lists the device types
+        p.error(f"--device: {exc}")
     return args
 
 
