@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from . import compat as _compat
-from . import levels
+from . import hardware, levels
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
 from .policy import user as _user_policy
-from .scaler import INITIAL_LOSS_SCALE, check_scale_value
 from .notices import set_verbosity, warn
+from .scaler import INITIAL_LOSS_SCALE, check_scale_value
 from .session import Session
 from .telemetry import Report
 
@@ -124,7 +124,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
     if min_loss_scale is not None and min_loss_scale > max_loss_scale:
         raise ValueError(f"min_loss_scale={min_loss_scale} exceeds max_loss_scale={max_loss_scale}.")
     _check_process_group(process_group)
-    device = next((p.device for m in model_list for p in m.parameters()), None)
+    device = hardware.model_device(model_list)  # the same device hardware.check_half describes
     props = levels.resolve(opt_level, device=device, enabled=enabled, half_dtype=half_dtype,
                            cast_model_outputs=cast_model_outputs, cast_model_type=cast_model_type,
                            patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
