@@ -6,12 +6,14 @@
     optimizer.step()
 
 This module is the public API and nothing else; each function delegates to the current
-`Session` (see session.py). DESIGN.md is the contract.
+`Session` (see session.py). Apex's compatibility names (`_amp_state`, `init`) come from
+`ampatch.compat`, imported only when first used.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import compat as _compat
 from . import hardware, levels
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
@@ -27,6 +28,9 @@ from .policy import user as _user_policy
 from .notices import set_verbosity, warn
 from .scaler import INITIAL_LOSS_SCALE, check_scale_value
 from .session import Session
+from .session import current as _current
+from .session import set_current as _set_current
+from .settings import SETTINGS as _SETTINGS
 from .telemetry import Report
 
 __version__ = "0.1.0"
@@ -41,14 +45,8 @@ logger = logging.getLogger("ampatch")
 logger.addHandler(logging.NullHandler())
 
 
-class _Current:
-    """Holds the one live session (a single reference, not scattered globals)."""
-
-    session: Session | None = None
-
-
 def _session(what: str) -> Session:
-    s = _Current.session
+    s = _current()
     if s is None:
         raise RuntimeError(f"amp.{what}() was called before amp.initialize(); call "
                            "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first.")
@@ -129,7 +127,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
                            cast_model_outputs=cast_model_outputs, cast_model_type=cast_model_type,
                            patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
                            master_weights=master_weights, loss_scale=loss_scale,
-                           hard_override=_amp_state.hard_override)
+                           hard_override=_SETTINGS.hard_override)
     if props.loss_scale != "dynamic":
         if min_loss_scale is not None or max_loss_scale != 2.0 ** 24:
             logger.info("ampatch: min_loss_scale/max_loss_scale bound a dynamic loss scale; this session's is "
@@ -142,7 +140,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
 
     deinitialize()  # first: a model cast by the previous session is back in FP32
     if props.enabled:
-        levels.check_models(model_list, _amp_state.allow_incoming_model_not_fp32, _amp_state.hard_override)
+        levels.check_models(model_list, _SETTINGS.allow_incoming_model_not_fp32, _SETTINGS.hard_override)
     session = Session(props, num_losses=num_losses, min_loss_scale=min_loss_scale,
                       max_loss_scale=float(max_loss_scale), allow_banned=allow_banned,
                       verbosity=verbosity, process_group=process_group)
@@ -151,7 +149,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
     except BaseException:
         session.close()
         raise
-    _Current.session = session
+    _set_current(session)
 
     out_models = model_list[0] if single_model else model_list
     if optimizers is None:
@@ -217,21 +215,18 @@ def loss_scale(loss_id: int = 0) -> float:
 def deinitialize() -> None:
     """Undo the session: torch's attributes back to the very same objects, models to their
     original dtypes, optimizers to their own params and methods."""
-    session, _Current.session = _Current.session, None
+    session = _set_current(None)
     if session is not None:
         session.close()
 
 
 def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
-         allow_banned: bool = False, patch_type: Any = None) -> _compat.Handle:
+         allow_banned: bool = False, patch_type: Any = None) -> Any:
     """Apex's older O1-only entry point: patch torch (no models or optimizers yet) and return
     a handle with `scale_loss(loss, optimizer)`, `wrap_optimizer`, `disable_casts`,
     `is_active` and `_deactivate`. `initialize` is the API to use."""
-    return _compat.init(enabled, loss_scale, enable_caching, verbose, allow_banned, patch_type)
-
-
-# Apex's `amp._amp_state`: a view of the live session (see ampatch/compat/state.py).
-_amp_state = _compat.AmpState(lambda: _Current.session)
+    from .compat.handle import init as apex_init
+    return apex_init(enabled, loss_scale, enable_caching, verbose, allow_banned, patch_type)
 
 
 def report() -> Report:
@@ -249,8 +244,9 @@ def disable_casts() -> Iterator[None]:
 # ------------------------------------------------------------------ registration
 def _register(module: Any, name: str, kind: str) -> None:
     _user_policy.register(module, name, kind)
-    if _Current.session is not None:
-        _Current.session.register_now(module, name, kind)
+    s = _current()
+    if s is not None:
+        s.register_now(module, name, kind)
 
 
 def register_half_function(module: Any, name: str) -> None:
@@ -274,15 +270,23 @@ def register_bfloat16_function(module: Any, name: str) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """Apex `amp` names ampatch does not have (AmpHandle, LossScaler, ...) fail with the ampatch way."""
-    return _compat.legacy_attribute(name)
+    """`_amp_state`, Apex's global state, made on first use as a view of the live session
+    (ampatch.compat.state); Apex `amp` names ampatch does not have (AmpHandle, LossScaler,
+    ...) fail with the ampatch way."""
+    if name.startswith("__"):  # dunder probes (copy, pickle, doctest) are not Apex names
+        raise AttributeError(f"module 'ampatch' has no attribute {name!r}")
+    compat = importlib.import_module("ampatch.compat")  # not `from . import`: that asks this hook again
+    if name == "_amp_state":
+        state = globals()["_amp_state"] = compat.AmpState(_current)
+        return state
+    return compat.legacy_attribute(name)
 
 
 def _decorator(kind: str) -> Callable[[Callable], Callable]:
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            s = _Current.session
+            s = _current()
             if s is None or not s.properties.enabled or not s.properties.patch_torch_functions:
                 return fn(*args, **kwargs)
             return s.decorated(kind, fn)(*args, **kwargs)

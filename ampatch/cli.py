@@ -37,7 +37,8 @@ import torch
 
 from ampatch import hardware
 from ampatch import levels as _levels_policy
-from ampatch.telemetry import PROGRESS_ENV
+from ampatch import env as envvars
+from ampatch.dtypes import short_name
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, WORKLOADS
 
 LEVELS = tuple(_levels_policy.LEVELS)
@@ -211,14 +212,14 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None) -> 
     report path, ampatch importable."""
     env = dict(os.environ)
     if level is not None:
-        env["AMPATCH_OPT_LEVEL"] = level
+        env[envvars.OPT_LEVEL] = level
     if report:
-        env["AMPATCH_REPORT"] = report
+        env[envvars.REPORT] = report
     # O0 has no half type and O4/O5 are bfloat16 by definition
     if half_dtype in ("bfloat16", "float16") and level != "O0" and level not in _levels_policy.BFLOAT16_LEVELS:
-        env["AMPATCH_HALF_DTYPE"] = half_dtype
+        env[envvars.HALF_DTYPE] = half_dtype
     elif half_dtype is not None:
-        env.pop("AMPATCH_HALF_DTYPE", None)
+        env.pop(envvars.HALF_DTYPE, None)
     site_dirs = {*site.getsitepackages(), site.getusersitepackages()}
     if PACKAGE_ROOT not in site_dirs:  # a source checkout: let the child import this ampatch
         _prepend_path(env, PACKAGE_ROOT)
@@ -240,7 +241,7 @@ def run_level(cmd: Sequence[str], level: str, half_dtype: str | None,
         report_path, err_path = Path(tmp, "report.json"), Path(tmp, "stderr.txt")
         progress_path = Path(tmp, "progress.txt")
         env = child_env(level, half_dtype, str(report_path))
-        env[PROGRESS_ENV] = str(progress_path)
+        env[envvars.PROGRESS] = str(progress_path)
         start = time.perf_counter()
         with open(err_path, "wb") as err:
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
@@ -759,9 +760,7 @@ SLOW_HALF_WEIGHT = 3.0  # a half level's step against O0's where the half dtype 
 
 def _half_dtypes(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, str]:
     """The half dtype each level will use on ``device`` (O0: none)."""
-    default = half_dtype if half_dtype in ("bfloat16", "float16") else \
-        str(_levels_policy.default_half_dtype(torch.device(device))).removeprefix("torch.")
-    return {lv: "bfloat16" if lv in _levels_policy.BFLOAT16_LEVELS else default for lv in levels if lv != "O0"}
+    return {lv: short_name(_levels_policy.half_dtype_for(lv, device, half_dtype)) for lv in levels if lv != "O0"}
 
 
 def _step_weights(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, float]:

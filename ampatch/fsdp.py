@@ -52,13 +52,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dtypes import LOW
 from .levels import Properties
 from .master import MASTERS_KEY, OptimizerHandle
 from .model import is_batchnorm, modules_to_cast, params_to_cast, wrap_outputs
 
 logger = logging.getLogger("ampatch")
 
-_LOW = (torch.float16, torch.bfloat16)
 ORDER = ("shard the model first (fully_shard on its blocks, then on the model), then build the optimizer "
          "from the sharded model's parameters, then call `model, optimizer = amp.initialize(model, optimizer, "
          "...)`")
@@ -281,7 +281,7 @@ def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_met
     `state_dict(keep_vars=True)` asks for the live tensors: those are left as they are."""
     live = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     for k, v in state_dict.items():
-        if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.dtype in _LOW and id(v) not in live:
+        if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.dtype in LOW and id(v) not in live:
             state_dict[k] = v.detach().float()
     return state_dict
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from . import env
+from .dtypes import FLOATS, LOW
 from .notices import warn
 from .scaler import check_scale_value
 
@@ -28,8 +29,6 @@ logger = logging.getLogger("ampatch")
 
 DYNAMIC = "dynamic"
 _HALF = "half"  # placeholder in the level table: the session's half dtype
-_LEVEL_ENV = "AMPATCH_OPT_LEVEL"
-_HALF_ENV = "AMPATCH_HALF_DTYPE"
 NO_CAST = "no cast"  # cast_model_type=False: Apex's "leave the model as it is", at any level
 
 
@@ -86,7 +85,6 @@ LEVELS: dict[str, dict[str, Any]] = {
 }
 BFLOAT16_LEVELS = ("O4", "O5")
 PATCHING_LEVELS = ("O1", "O4")
-_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
                 "half": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -94,7 +92,7 @@ _DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "float16": tor
 def parse_dtype(value: Any, what: str) -> torch.dtype | None:
     """Accept a torch float dtype or its name ("bfloat16", "torch.float16"); None passes."""
     if value is None or isinstance(value, torch.dtype):
-        if value is not None and value not in _FLOAT_TYPES:
+        if value is not None and value not in FLOATS:
             raise ValueError(f"{what} must be torch.float32, torch.float16 or torch.bfloat16, got {value}.")
         return value
     if isinstance(value, str):
@@ -147,14 +145,29 @@ def default_half_dtype(device: torch.device | None) -> torch.dtype:
     return torch.bfloat16
 
 
+def half_dtype_for(level: str, device: torch.device | str | None, requested: Any = None) -> torch.dtype:
+    """The half dtype of `level` on `device`: bfloat16 at O4/O5 (by definition); else
+    `requested` (a dtype or its name; None or "auto": the device's default, see
+    `default_half_dtype`). At O0, which runs FP32, it is the dtype its overrides would use.
+    The one rule `initialize` and the `ampatch` command share."""
+    if level in BFLOAT16_LEVELS:
+        return torch.bfloat16
+    if isinstance(requested, str) and requested.strip().lower() == "auto":
+        requested = None
+    half = parse_dtype(requested, "half_dtype")
+    if half is not None:
+        return half
+    return default_half_dtype(torch.device(device) if isinstance(device, str) else device)
+
+
 def forced_level() -> str | None:
     """The level forced from outside through AMPATCH_OPT_LEVEL (the `ampatch` command)."""
-    level = os.environ.get(_LEVEL_ENV)
+    level = env.get(env.OPT_LEVEL)
     if not level:
         return None
     level = level.strip().upper()
     if level not in LEVELS:
-        raise ValueError(f"{_LEVEL_ENV}={level!r} is not an opt level; use one of {', '.join(LEVELS)}.")
+        raise ValueError(f"{env.OPT_LEVEL}={level!r} is not an opt level; use one of {', '.join(LEVELS)}.")
     return level
 
 
@@ -196,7 +209,7 @@ def resolve(opt_level: str = "O1", *, device: torch.device | None = None, enable
 
     if forced is not None:
         if forced != level:
-            logger.warning("ampatch: %s=%s overrides the script's opt_level=%s.", _LEVEL_ENV, forced, level)
+            logger.warning("ampatch: %s=%s overrides the script's opt_level=%s.", env.OPT_LEVEL, forced, level)
         return _resolve_forced(forced, device, half, outputs, clean)
     return _build(level, device, half, outputs, clean, enabled, hard_override)
 
@@ -205,13 +218,13 @@ def _half_from_env(half: torch.dtype | None, level: str) -> torch.dtype | None:
     """AMPATCH_HALF_DTYPE forces the half dtype, except at O4/O5, which are bfloat16 by
     definition: there a float16 setting is ignored (and logged), like a conflicting
     override under a forced level."""
-    value = os.environ.get(_HALF_ENV)
+    value = env.get(env.HALF_DTYPE)
     if not value:
         return half
-    env_half = parse_dtype(value, _HALF_ENV)
+    env_half = parse_dtype(value, env.HALF_DTYPE)
     if level in BFLOAT16_LEVELS and env_half != torch.bfloat16:
         logger.warning("ampatch: %s=%s does not apply to %s, which always runs in bfloat16; ignored.",
-                       _HALF_ENV, value, level)
+                       env.HALF_DTYPE, value, level)
         return half
     return env_half
 
@@ -244,11 +257,9 @@ def _build(level: str, device, half, outputs, overrides: dict, enabled: bool,
             raise ValueError(f"{level} is the bfloat16 variant of {'O1' if level == 'O4' else 'O2'}; "
                              f"half_dtype=torch.float16 contradicts it. Use opt_level="
                              f"'{'O1' if level == 'O4' else 'O2'}' with half_dtype=torch.float16.")
-        half = torch.bfloat16
-    if half is None and cmt_override in (torch.float16, torch.bfloat16):
+    if half is None and cmt_override in LOW:
         half = cmt_override
-    if half is None:
-        half = default_half_dtype(device)
+    half = half_dtype_for(level, device, half)
 
     props = dict(LEVELS[level])
     if props["cast_model_type"] == _HALF:

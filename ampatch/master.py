@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dtypes import LOW
 from .patching import Patcher, disable_casts
 from .scaler import distributed, overflowed, unscale_
 
@@ -399,7 +400,7 @@ class OptimizerHandle:
                         raise ValueError(f"add_param_group: a parameter of shape {tuple(p.shape)} already has an FP32 "
                                          f"master in optimizers[{other.index}]; with master weights (O2/O5) each "
                                          "half parameter must belong to one optimizer.")
-            group = dict(group, params=[self._make_master(p) if p.dtype in (torch.float16, torch.bfloat16)
+            group = dict(group, params=[self._make_master(p) if p.dtype in LOW
                                         else p for p in params])
         return inner(group)
 

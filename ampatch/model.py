@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from . import huggingface
+from .dtypes import LOW
 from .tips import hint_dtype_error
 
 logger = logging.getLogger("ampatch")
 
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def is_batchnorm(module: nn.Module) -> bool:
@@ -50,7 +50,7 @@ def cast_tree(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
     custom batch objects through their `.to(dtype)`; numpy arrays, integer tensors and the
     rest pass untouched. `only_low` casts just float16/bfloat16 tensors (model outputs)."""
     if isinstance(x, torch.Tensor):
-        if x.is_floating_point() and x.dtype != dtype and (not only_low or x.dtype in _LOW):
+        if x.is_floating_point() and x.dtype != dtype and (not only_low or x.dtype in LOW):
             return x.to(dtype)
         return x
     if isinstance(x, (str, bytes, np.ndarray)) or x is None:
@@ -336,7 +336,7 @@ class _FullPrecisionStateDict:
         for name, dtype in self.dtypes.items():
             key = prefix + name
             v = state_dict.get(key)
-            if (isinstance(v, torch.Tensor) and v.dtype in _LOW and v.dtype != dtype
+            if (isinstance(v, torch.Tensor) and v.dtype in LOW and v.dtype != dtype
                     and v is not module._parameters.get(name) and v is not module._buffers.get(name)):
                 state_dict[key] = v.detach().to(dtype)
         return state_dict

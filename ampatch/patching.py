@@ -27,6 +27,7 @@ import torch
 import wrapt
 
 from .cache import CastCache
+from .dtypes import CASTABLE, LOW
 from .telemetry import Counters
 from .tips import hint_dtype_error
 
@@ -85,11 +86,6 @@ class Patcher:
     def __contains__(self, key: tuple[Any, str]) -> bool:
         return (id(key[0]), key[1]) in self._index
 
-    def original(self, owner: Any, name: str) -> Any:
-        """The attribute as it was before this patcher touched it."""
-        rec = self._index.get((id(owner), name))
-        return rec.original if rec else getattr(owner, name)
-
     def patch(self, owner: Any, name: str, replacement: Any) -> None:
         """Replace owner.name, once; a second patch of the same attribute is refused."""
         key = (id(owner), name)
@@ -134,8 +130,6 @@ class Patcher:
 # --------------------------------------------------------------------------- casting
 
 _Tensor = torch.Tensor
-_LOW = (torch.float16, torch.bfloat16)
-_CASTABLE_TO_HALF = (torch.float32, torch.float16, torch.bfloat16)
 _SEQ = (list, tuple)
 
 
@@ -163,7 +157,7 @@ def any_low(args: tuple, kwargs: dict) -> bool:
     for a in itertools.chain(args, kwargs.values()):
         items = a if type(a) in _SEQ else (a,)
         for t in items:
-            if isinstance(t, _Tensor) and t.dtype in _LOW:
+            if isinstance(t, _Tensor) and t.dtype in LOW:
                 return True
     return False
 
@@ -185,17 +179,17 @@ class Caster:
         """Floating non-double tensors to `dtype`; anything else unchanged."""
         if isinstance(x, _Tensor):
             d = x.dtype
-            if d is not dtype and d in _CASTABLE_TO_HALF:
+            if d is not dtype and d in CASTABLE:
                 return self.for_dtype(dtype)(x)
             return x
         if type(x) in _SEQ:
             return _map_seq(x, lambda y: self.to_half(y, dtype))
         return x
 
-    def to_float(self, x: Any, dtype: torch.dtype = torch.float32) -> Any:
+    def to_float(self, x: Any) -> Any:
         """float16/bfloat16 tensors to float32; double and non-float tensors unchanged."""
         if isinstance(x, _Tensor):
-            return self.for_dtype(torch.float32)(x) if x.dtype in _LOW else x
+            return self.for_dtype(torch.float32)(x) if x.dtype in LOW else x
         if type(x) in _SEQ:
             return _map_seq(x, self.to_float)
         return x
@@ -319,11 +313,11 @@ def make_wrapper(kind: str, op: str, original: Any, ctx: WrapContext, banned_mes
     if kind == HALF:
         tick = ctx.counters.counter(op, str(target).removeprefix("torch."))
         to_half = caster.to_half
-        return _cast_wrapper(original, tick, frozenset(_CASTABLE_TO_HALF) - {target}, caster.for_dtype(target),
+        return _cast_wrapper(original, tick, frozenset(CASTABLE) - {target}, caster.for_dtype(target),
                              lambda x: to_half(x, target), timer)
     if kind == FLOAT or (kind == BANNED and ctx.allow_banned):
         tick = ctx.counters.counter(op, "float32")
-        return _cast_wrapper(original, tick, frozenset(_LOW), caster.for_dtype(torch.float32), caster.to_float,
+        return _cast_wrapper(original, tick, frozenset(LOW), caster.for_dtype(torch.float32), caster.to_float,
                              timer)
     if kind == CPU_FLOAT:
         on_cpu = make_wrapper(FLOAT, op, original, ctx)
@@ -445,9 +439,9 @@ def make_traceable(kind: str, op: str, original: Any, half_dtype: torch.dtype, a
             return on_cpu(*args, **kwargs)
     elif kind in (HALF, FLOAT):
         if kind == HALF:
-            needs = tuple(d for d in _CASTABLE_TO_HALF if d is not target)
+            needs = tuple(d for d in CASTABLE if d is not target)
         else:
-            needs, target = _LOW, torch.float32
+            needs, target = LOW, torch.float32
 
         def conv(a: Any) -> Any:
             if isinstance(a, torch.Tensor):
@@ -493,7 +487,7 @@ def make_traceable(kind: str, op: str, original: Any, half_dtype: torch.dtype, a
     elif kind == BANNED:
         def low(a: Any) -> bool:
             if isinstance(a, torch.Tensor):
-                return a.dtype in _LOW
+                return a.dtype in LOW
             if type(a) is list or type(a) is tuple:
                 return any(low(y) for y in a)
             return False

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from .patching import _CASTABLE_TO_HALF, Caster, Patcher, _ModuleFunctionWrapper, _switch, traced
+from .dtypes import CASTABLE
+from .patching import Caster, Patcher, _ModuleFunctionWrapper, _switch, traced
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
 
@@ -51,7 +52,7 @@ def _half_view(module: torch.nn.Module, flat_weights: list) -> torch.nn.Module:
 @traced
 def _traceable_forward(original: Callable, dtype: torch.dtype) -> Callable:
     """The forward Dynamo traces: casts as graph nodes, `_flat_weights` swapped and restored."""
-    needs = tuple(d for d in _CASTABLE_TO_HALF if d is not dtype)
+    needs = tuple(d for d in CASTABLE if d is not dtype)
 
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor):

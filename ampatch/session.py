@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dynamo, fsdp, hardware, jit, policy, tips
+from . import dynamo, env, fsdp, hardware, jit, policy, tips
 from .cache import CastCache, watch_data
+from .dtypes import LOW
 from .levels import Properties
 from .master import OptimizerHandle
 from .model import ModelHandle, params_to_cast, wrap_outputs
@@ -33,8 +34,6 @@ from .telemetry import Report, Telemetry, peak_memory_bytes
 logger = logging.getLogger("ampatch")
 
 SKIP_WARNING_AFTER = 50  # consecutive skipped steps before the first warning
-REPORT_ENV = "AMPATCH_REPORT"
-TIME_ENV = "AMPATCH_TIME_WRAPPERS"  # time every wrapper's own work (two clock reads per call)
 _LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE),
                ("CPU_FLOAT", CPU_FLOAT))
 
@@ -53,6 +52,23 @@ def _check_one_master_each(optimizers: list[torch.optim.Optimizer], cast_ids: se
                         "one optimizer (give it to one of them, or use O1).")
 
 
+class _Current:
+    """Holds the one live session: a single reference, not scattered globals."""
+
+    session: "Session | None" = None
+
+
+def current() -> "Session | None":
+    """The live session, or None before `initialize` and after `deinitialize`."""
+    return _Current.session
+
+
+def set_current(session: "Session | None") -> "Session | None":
+    """Make `session` the live one; returns the one it replaces (the caller closes it)."""
+    previous, _Current.session = _Current.session, session
+    return previous
+
+
 class Session:
     """The state of one `initialize`: properties, patches, cache, scalers, handles, telemetry."""
 
@@ -65,8 +81,8 @@ class Session:
         self.process_group = process_group
         self.patcher = Patcher()
         self.cache = CastCache()
-        self.telemetry = Telemetry(record=bool(os.environ.get(REPORT_ENV)),
-                                   time_wrappers=os.environ.get(TIME_ENV, "") not in ("", "0"))
+        self.telemetry = Telemetry(record=env.get(env.REPORT) is not None,
+                                   time_wrappers=env.flag(env.TIME_WRAPPERS))
         self.scalers = [LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
                         for _ in range(num_losses)]
         self.models: list[ModelHandle] = []
@@ -122,7 +138,7 @@ class Session:
         if props.patch_torch_functions:
             self._patch_torch()
         if self.telemetry.record:
-            _ExitReport.track(self, os.environ[REPORT_ENV])
+            _ExitReport.track(self, env.get(env.REPORT))
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
     def _master_ids(self, optimizer: torch.optim.Optimizer, cast_ids: set[int]) -> set[int] | None:
@@ -131,7 +147,7 @@ class Session:
         if not self.properties.master_weights:
             return None
         return cast_ids | {id(p) for g in optimizer.param_groups for p in g["params"]
-                           if p.dtype in (torch.float16, torch.bfloat16)}
+                           if p.dtype in LOW}
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, num_losses: int = 1) -> OptimizerHandle:
         """Bring an optimizer into the live session, with at least `num_losses` loss scalers

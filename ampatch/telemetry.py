@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from . import env
 
-PROGRESS_ENV = "AMPATCH_PROGRESS"
 
 
 def count_value(counter: itertools.count) -> int:
@@ -97,7 +97,7 @@ class Telemetry:
         self.scale_loss_time = 0.0
         self._last_step: float | None = None
         self._lock = threading.Lock()
-        self._progress = os.environ.get(PROGRESS_ENV) if record else None
+        self._progress = env.get(env.PROGRESS) if record else None
 
     def add_wrapper_time(self, seconds: float) -> None:
         with self._lock:

@@ -16,17 +16,15 @@ from typing import Any
 
 import torch
 
+import ampatch
+
 from .. import levels
 from ..patching import disable_casts as casts_off
+from ..session import current as _current
 
 logger = logging.getLogger("ampatch")
 
 __all__ = ["Handle", "OptimWrapper", "init"]
-
-
-def _current() -> Any:
-    import ampatch
-    return ampatch._amp_state.session()
 
 
 class Handle:
@@ -53,7 +51,6 @@ class Handle:
     def _deactivate(self) -> None:
         """Undo the session (`amp.deinitialize()`); a no-op once it has ended."""
         if self._session is not None and self._session is _current():
-            import ampatch
             ampatch.deinitialize()
 
     def _disable_casts(self) -> contextlib.AbstractContextManager:
@@ -140,7 +137,6 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
                     "or no_grad cast); results are the same as without it.")
     half = levels.parse_dtype(patch_type, "patch_type")
     level = "O4" if half == torch.bfloat16 else "O1"
-    import ampatch
     ampatch.initialize([], opt_level=level, loss_scale=loss_scale, allow_banned=allow_banned,
                        half_dtype=half if level == "O1" else None, verbosity=2 if verbose else 1)
     return Handle(_current())

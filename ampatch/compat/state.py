@@ -4,8 +4,8 @@ Real Apex scripts read and write a few of its attributes: the starting loss scal
 (`loss_scalers[0]._loss_scale = 2**20`), the current scale for logging, `opt_properties`,
 `handle._deactivate()`, and the flags `allow_incoming_model_not_fp32` and `hard_override`.
 Every attribute here reads or writes the live `Session` (no second copy of its state);
-the three flags are Apex's process-wide settings and are kept here, where `initialize`
-reads them. Before `initialize` the view exists and is empty (`loss_scalers == []`).
+the three flags are Apex's process-wide settings, kept in the core's `ampatch.settings`
+(where `initialize` reads them) and read and written through this view. Before `initialize` the view exists and is empty (`loss_scalers == []`).
 
 Under the alias this module is also `apex.amp._amp_state`.
 """
@@ -15,7 +15,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import ampatch
+
 from ..notices import set_verbosity
+from ..settings import SETTINGS, Settings
 
 logger = logging.getLogger("ampatch")
 
@@ -146,10 +149,9 @@ class PropertiesView:
 class AmpState:
     """Apex's `_amp_state` over the live session (`current()` returns it, or None)."""
 
-    def __init__(self, current: Callable[[], Any]) -> None:
+    def __init__(self, current: Callable[[], Any], settings: Settings = SETTINGS) -> None:
         object.__setattr__(self, "_current", current)
-        object.__setattr__(self, "_flags", {"hard_override": False, "allow_incoming_model_not_fp32": False,
-                                            "verbosity": 1})
+        object.__setattr__(self, "_settings", settings)
 
     def session(self) -> Any:
         """The live session, or None (for ampatch.compat; not an Apex attribute)."""
@@ -185,17 +187,17 @@ class AmpState:
     @property
     def hard_override(self) -> bool:
         """Apex's escape hatch: overrides and models Apex refused only warn."""
-        return self._flags["hard_override"]
+        return self._settings.hard_override
 
     @property
     def allow_incoming_model_not_fp32(self) -> bool:
         """Let `initialize` take float16 params and buffers (they get FP32 masters at O2)."""
-        return self._flags["allow_incoming_model_not_fp32"]
+        return self._settings.allow_incoming_model_not_fp32
 
     @property
     def verbosity(self) -> int:
         s = self._current()
-        return s.verbosity if s is not None else self._flags["verbosity"]
+        return s.verbosity if s is not None else self._settings.verbosity
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _SETTABLE:
@@ -210,7 +212,7 @@ class AmpState:
                 set_verbosity(value)
         elif not isinstance(value, bool):
             raise TypeError(f"_amp_state.{name} must be True or False, got {value!r}.")
-        self._flags[name] = value
+        setattr(self._settings, name, value)
 
     def __repr__(self) -> str:
         s = self._current()
@@ -222,6 +224,5 @@ class AmpState:
 def __getattr__(name: str) -> Any:
     """As `apex.amp._amp_state` (the module): its `_amp_state` object and `master_params`."""
     if name in ("_amp_state", "master_params"):
-        import ampatch
         return getattr(ampatch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,25 @@
+"""The floating dtypes mixed precision deals in, defined once.
+
+`LOW` are the half-precision dtypes (what the O1 wrappers cast to and back from, what a
+cast model holds); `CASTABLE` the dtypes a cast to half may start from (never float64:
+double is a deliberate choice that casts leave alone).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["LOW", "CASTABLE", "FLOATS", "is_low", "short_name"]
+
+LOW: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+CASTABLE: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+FLOATS = CASTABLE  # the dtypes a session's properties may name
+
+
+def is_low(dtype: torch.dtype) -> bool:
+    """float16 or bfloat16."""
+    return dtype in LOW
+
+
+def short_name(dtype: torch.dtype | None) -> str | None:
+    """"bfloat16" for torch.bfloat16 (the form reports and tables use); None passes."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")

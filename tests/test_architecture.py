@@ -1,0 +1,162 @@
+"""The layout rules of the package, checked on its source (see README "Layout").
+
+- no module imports another module's underscore name (`from .patching import _switch`,
+  or `patching._switch` on an imported ampatch module): what a module shares is public;
+- the module-level imports inside `ampatch/` form no cycle, and none runs upward: the core
+  never imports `compat`, the command line or the tools built on the core at import time
+  (it may import them lazily, inside a function, for a compatibility name);
+- no file in `ampatch/` grows past the size where it should be split by job.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ampatch"
+MAX_LINES = 470  # "~450 lines": split a file by job before it grows further
+# Layers above the core: they may import the core; the core may not import them at module level.
+UPPER = ("ampatch.compat", "ampatch.cli", "ampatch.compare", "ampatch.diagnose", "ampatch.workloads",
+         "ampatch.__main__")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module name an ImportFrom in `module` names."""
+    if node.level == 0:
+        return node.module or ""
+    is_package = MODULES[module].name == "__init__.py"
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str, top_level_only: bool) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import in `module`."""
+    tree = ast.parse(MODULES[module].read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node)
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                found.append((sub, None, node.lineno) if sub in MODULES else (target, a.name, node.lineno))
+        elif top_level_only and isinstance(node, (ast.If, ast.Try)):  # guarded imports still run at import
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import):
+                    found += [(a.name, None, inner.lineno) for a in inner.names]
+                elif isinstance(inner, ast.ImportFrom):
+                    found += [(_resolve(module, inner), a.name, inner.lineno) for a in inner.names]
+    return found
+
+
+def _is_ours(name: str) -> bool:
+    return name == "ampatch" or name.startswith("ampatch.")
+
+
+def test_no_module_imports_another_modules_underscore_names() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        for target, name, line in _imports(module, top_level_only=False):
+            if _is_ours(target) and target != module and name and name.startswith("_") and not name.startswith("__"):
+                bad.append(f"{path.name}:{line} imports {name} from {target}")
+        # `patching._switch` where `patching` is an ampatch module this file imported
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for target, name, _ in _imports(module, top_level_only=False):
+            if _is_ours(target) and name is None:
+                aliases[target.rsplit(".", 1)[-1]] = target
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and aliases[node.value.id] != module):
+                # the package's own Apex-compatible name is public API (DESIGN: amp._amp_state)
+                if not (aliases[node.value.id] == "ampatch" and node.attr == "_amp_state"):
+                    bad.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module in MODULES:
+        for target, _, _ in _imports(module, top_level_only=True):
+            while target and target not in MODULES and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in MODULES and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def test_module_level_imports_have_no_cycle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            # a package's __init__ importing its own children is how packages work
+            if n.startswith(m + "."):
+                continue
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def _layer(module: str) -> bool:
+    return any(module == u or module.startswith(u + ".") for u in UPPER)
+
+
+def test_the_core_never_imports_the_layers_above_it_at_import_time() -> None:
+    bad = [f"{m} imports {n}" for m, targets in _graph().items() if not _layer(m)
+           for n in targets if _layer(n)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_file_in_the_package_is_past_the_split_size() -> None:
+    big = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"split these by job (over {MAX_LINES} lines): {big}"
+
+
+def test_the_checks_above_can_fail(tmp_path: Path) -> None:
+    """The parser sees the patterns it forbids (a check that cannot fail proves nothing)."""
+    global MODULES
+    saved = MODULES
+    try:
+        (tmp_path / "a.py").write_text("from .b import _hidden\nfrom . import b\nx = b._also\n")
+        (tmp_path / "b.py").write_text("from . import a\n")
+        (tmp_path / "__init__.py").write_text("")
+        MODULES = {"ampatch": tmp_path / "__init__.py", "ampatch.a": tmp_path / "a.py",
+                   "ampatch.b": tmp_path / "b.py"}
+        with pytest.raises(AssertionError, match="_hidden"):
+            test_no_module_imports_another_modules_underscore_names()
+        with pytest.raises(pytest.fail.Exception, match="import cycle"):
+            test_module_level_imports_have_no_cycle()
+    finally:
+        MODULES = saved
