@@ -69,7 +69,7 @@ step() {
 if [ "$HAS_CUDA" = 1 ]; then
   step cuda_tests 90 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rfE
   tail -n 15 "$DEST/cuda_tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tee -a "$REPORT"
-  step bench 150 "$PY" scripts/bench.py --device cuda --json "$DEST/gpu_bench.json"
+  step bench 150 "$PY" scripts/bench --device cuda --json "$DEST/gpu_bench.json"
   sed -n '/^ampatch bench/,$p' "$DEST/bench.log" | tee -a "$REPORT"
 else
   log "== no CUDA device here: skipping the CUDA tests and the GPU bench (they need a GPU); the suite still runs"

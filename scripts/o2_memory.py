@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where O2's peak memory goes, against torch.autocast, measured on CPU (issue 13's proxy).
 
-On a GPU, `scripts/bench.py --device cuda` measures the peak with max_memory_allocated. On a
+On a GPU, `scripts/bench --device cuda` measures the peak with max_memory_allocated. On a
 CPU there is no allocator counter, so this measures, for one training step of a transformer,
 in a fresh process per mode (Linux only):
 
@@ -15,6 +15,8 @@ peak = persistent + the largest growth. Issue 13's target: O2 peak <= autocast p
 master copy.
 
     python scripts/o2_memory.py                 # d_model 512, 4 layers, batch 4 x 128, bfloat16
+    python scripts/o2_memory.py --one O2        # one mode in this process, its figures as JSON
+                                                # (how the command runs each mode)
 """
 from __future__ import annotations
 
@@ -30,14 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-# bench.py's memory section measures the same way (exact storage bytes + peak RSS growth):
-# one implementation, so the two scripts' figures stay comparable
-from bench import _persistent_bytes, _status_kib
+# bench's memory section measures with the same meter (exact storage bytes + peak RSS growth),
+# so the two scripts' figures stay comparable
+from bench.meter import MALLOC_ENV, PeakMeter, persistent_bytes, rss_measurable
 
 MODES = ("autocast", "O2")
 
 
-def child(mode: str, a: argparse.Namespace) -> dict:
+def measure(mode: str, a: argparse.Namespace) -> dict:
+    """One mode's figures, measured in this process (see the module's docstring)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(a.d_model, a.heads, batch_first=True, dropout=0.0)
@@ -48,17 +51,16 @@ def child(mode: str, a: argparse.Namespace) -> dict:
     half = getattr(torch, a.dtype)
     if mode != "autocast":
         model, opt = amp.initialize(model, opt, opt_level=mode, half_dtype=half, verbosity=0)
+    meter = PeakMeter(torch.device("cpu"))
     for i in range(3):
         opt.zero_grad(set_to_none=True)
         gc.collect()
-        persistent = _persistent_bytes(model, opt)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the peak RSS (VmHWM) restarts from the current RSS
-        start = _status_kib("VmRSS")
+        persistent = persistent_bytes(model, opt)
+        meter.start()  # the peak RSS (VmHWM) restarts from the current RSS
         growth: dict[str, int] = {}
 
         def mark(name: str) -> None:
-            growth[name] = (_status_kib("VmHWM") - start) * 1024
+            growth[name] = meter.growth()
 
         if mode == "autocast":
             with torch.autocast("cpu", dtype=half):
@@ -89,21 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    p.add_argument("--_child", help=argparse.SUPPRESS)
+    p.add_argument("--one", choices=MODES, metavar="MODE",
+                   help="measure only MODE, in this process, and print its figures as JSON (the command runs "
+                        "each mode this way, in a fresh process)")
     a = p.parse_args(argv)
-    if a._child:
-        print(json.dumps(child(a._child, a)))
-        return 0
-    if not os.path.exists("/proc/self/clear_refs"):
+    if not rss_measurable():
         print("needs Linux's /proc/self/clear_refs", file=sys.stderr)
         return 2
+    if a.one:
+        print(json.dumps(measure(a.one, a)))
+        return 0
     args = [f"--d-model={a.d_model}", f"--heads={a.heads}", f"--layers={a.layers}", f"--batch={a.batch}",
             f"--seq={a.seq}", f"--dtype={a.dtype}"]
     res = {}
     for mode in MODES:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--_child", mode],
-                              capture_output=True, text=True, check=True,
-                              env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--one", mode],
+                              capture_output=True, text=True, check=True, env=dict(os.environ, **MALLOC_ENV))
         res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     mib = 2 ** 20
     print(f"O2 memory vs autocast, CPU proxy: TransformerEncoder(d_model {a.d_model}, {a.heads} heads, {a.layers} "

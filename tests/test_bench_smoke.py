@@ -1,10 +1,12 @@
-"""Smoke test of scripts/bench.py: it runs (quick, restricted sections) and its JSON carries
-the ratio keys the README table and issue 8's targets are read from. No timing assertions:
-ratios from a few rounds on a shared machine are noise."""
+"""Smoke test of scripts/bench (`python scripts/bench`): it runs (quick, restricted sections)
+and its JSON carries the ratio keys the README table and issue 8's targets are read from; its
+child processes start through `python -m bench.child`. No timing assertions: ratios from a
+few rounds on a shared machine are noise."""
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+BENCH = SCRIPTS / "bench"  # a package, run as a folder
 
 
 def _run(tmp_path: Path, only: str) -> dict:
@@ -75,6 +78,40 @@ def test_bench_rejects_a_device_it_cannot_use(device: str, message: str) -> None
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bench_quick_fsdp(tmp_path: Path) -> None:
+    """`--fsdp`: two gloo rank processes per mode through `python -m bench.child fsdp`; the
+    JSON carries the peak of each mode and the ratios the README quotes."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("the CPU memory measure needs Linux's /proc/self/clear_refs")
+    out = tmp_path / "fsdp.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--fsdp", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FSDP2 peak memory per rank" in proc.stdout
+    data = json.loads(out.read_text())
+    fsdp = data["results"]["fsdp"]
+    assert fsdp["shape"] == {"width": 256, "depth": 3, "batch": 32}
+    for mode in ("O0", "O2", "native"):
+        assert fsdp["peak_bytes"][mode] > fsdp["persistent_bytes"][mode] > 0
+    assert set(data["ratios"]) == {"fsdp.O2/O0", "fsdp.native/O0", "fsdp.O2/native"}
+
+
+def test_bench_child_entry_rejects_bad_arguments() -> None:
+    """The child processes' entry is a documented command line of its own, not hidden flags."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "bench.child", "memory", "--level", "O7"], capture_output=True,
+                          text=True, timeout=60, check=False, env=env)
+    assert proc.returncode == 2 and "invalid choice: 'O7'" in proc.stderr
+
+
+def test_bench_files_stay_small() -> None:
+    """Issue 17: no module of the bench package past ~300 lines (split it by job)."""
+    sizes = {str(p.relative_to(BENCH)): len(p.read_text().splitlines()) for p in BENCH.rglob("*.py")}
+    assert sizes and all(n <= 300 for n in sizes.values()), sizes
+
+
 def test_bench_quick_gpu_section(tmp_path: Path) -> None:
     """Issue 13's GPU-sized transformer section, shrunk by --quick so its code runs on any device."""
     data = _run(tmp_path, "gpu")
@@ -92,7 +129,7 @@ def test_bench_quick_gpu_section(tmp_path: Path) -> None:
 def test_check_cost_runs() -> None:
     """scripts/check_cost.py builds the lm workload through the workload's own parser, so it
     keeps running when the workloads grow an argument (it broke when they gained --device)."""
-    script = BENCH.parent / "check_cost.py"
+    script = SCRIPTS / "check_cost.py"
     proc = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,10 +139,10 @@ def test_check_cost_runs() -> None:
 @pytest.mark.slow
 def test_o2_memory_runs() -> None:
     """scripts/o2_memory.py (README's CPU proxy for O2's peak memory) on a tiny transformer: it
-    runs, with bench.py's memory measure, and prints the ratio the README quotes."""
+    runs, with bench's memory meter, and prints the ratio the README quotes."""
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("the CPU memory measure needs Linux's /proc/self/clear_refs")
-    script = BENCH.parent / "o2_memory.py"
+    script = SCRIPTS / "o2_memory.py"
     proc = subprocess.run([sys.executable, str(script), "--d-model", "32", "--heads", "2", "--layers", "1",
                            "--batch", "1", "--seq", "8"], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
