@@ -54,8 +54,9 @@ from torch import nn
 
 from .dtypes import LOW
 from .levels import Properties
-from .master import MASTERS_KEY, OptimizerHandle
+from .master import MASTERS_KEY
 from .model import is_batchnorm, modules_to_cast, params_to_cast, wrap_outputs
+from .optimizer import HandleContext, OptimizerHandle, OptState
 
 logger = logging.getLogger("ampatch")
 
@@ -295,9 +296,9 @@ class ShardedOptimizerHandle(OptimizerHandle):
     `set_requires_gradient_sync(False)` keeps its grads scaled (see the module docstring).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, index: int, session: Any, masters: bool,
-                 units: Sequence[_Units]) -> None:
-        super().__init__(optimizer, index, session, None)
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int, masters: bool, units: Sequence[_Units],
+                 context: HandleContext = HandleContext()) -> None:
+        super().__init__(optimizer, index, None, context)
         self.use_masters = masters
         self.units = list(units)
 
@@ -308,7 +309,7 @@ class ShardedOptimizerHandle(OptimizerHandle):
         return super().after_backward(scale, found_inf, delay_unscale or self.syncs_off())
 
     def _step(self, inner: Any, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if self.pending_scaled and self.syncs_off():
+        if self.stage is OptState.SCALED and self.syncs_off():
             raise RuntimeError("optimizer.step() after a backward with FSDP2 gradient sync off: the gradients are "
                                "still inside FSDP, unreduced. Call model.set_requires_gradient_sync(True) before the "
                                "last micro-batch's backward.")
@@ -342,24 +343,33 @@ def _check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
                            f"in no optimizer: it was built before fully_shard. The order under FSDP2: {ORDER}.")
 
 
-def setup(session: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Fill `session.models` and `session.optimizers` for FSDP2-sharded models (see the module docstring)."""
-    props = session.properties
+def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+          patcher: Any, context: HandleContext = HandleContext(),
+          ) -> tuple[list[ShardedModel], list[ShardedOptimizerHandle]]:
+    """The level on FSDP2-sharded models (see the module docstring): returns the models' and
+    the optimizers' handles (no model handles at O0/O1/O4, where the models are left alone)."""
     units = [_Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
     if props.casts_model and not all(u.modules for u in units):
         raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
                          "of them.")
     _check_order(models, optimizers)
     masters = props.casts_model and bool(props.master_weights)
-    session.optimizers = [ShardedOptimizerHandle(opt, i, session, masters, units) for i, opt in enumerate(optimizers)]
+    handles = [ShardedOptimizerHandle(opt, i, masters, units, context) for i, opt in enumerate(optimizers)]
+    sharded: list[ShardedModel] = []
     if props.casts_model:
-        for u in units:
-            session.models.append(ShardedModel(u, props, session.patcher))
-        for h in session.optimizers:
+        try:
+            for u in units:
+                sharded.append(ShardedModel(u, props, patcher))
+        except BaseException:  # the units set up so far go back (a failing one restored itself)
+            for m in sharded:
+                m.restore()
+            raise
+        for h in handles:
             h.recast_state()
     elif props.cast_model_outputs is not None:
         for m in models:
-            wrap_outputs(m, props.cast_model_outputs, session.patcher)
+            wrap_outputs(m, props.cast_model_outputs, patcher)
+    return sharded, handles
 
 
 class ParamGuard:
@@ -378,7 +388,7 @@ class ParamGuard:
         self.models = list(models)
         # FSDP2's parameter records of the models that were sharded at initialize (see setup)
         self._units = {id(u.model): u for h in handles if isinstance(h, ShardedOptimizerHandle) for u in h.units}
-        self._held = {id(h): [h.model_of.get(id(p), p) for p in h.params()] for h in handles}
+        self._held = {id(h): h.model_params() for h in handles}
         where = self._registrations()
         self._watch = {hid: self._watched(hid, where) for hid in self._held}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,77 @@ class LossScaler:
         taken = self.clamp(scale) if self.dynamic else self.scale
         self.scale = taken
         return scale if taken != scale else None
+
+
+def scalers_state_dict(scalers: Sequence[LossScaler]) -> dict[str, dict[str, float | int]]:
+    """Apex's checkpoint format: {"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}."""
+    return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(scalers)}
+
+
+def load_scalers_state_dict(scalers: Sequence[LossScaler], state_dict: object, warn: Callable[[str], None],
+                            opt_level: str) -> None:
+    """Load what `scalers_state_dict` saved into `scalers`. Every entry is checked before any
+    is loaded; entries that match no scaler, scalers with no entry, and saved scales that are
+    not taken as they are (clamped, or a static scale that stays) are reported through `warn`."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}.")
+    names = {f"loss_scaler{i}": s for i, s in enumerate(scalers)}
+    unknown = [k for k in state_dict if not (isinstance(k, str) and k.startswith("loss_scaler")
+                                             and k[11:].isdigit())]
+    if unknown:
+        raise StateDictKeyError(f"unknown keys {unknown} in the amp state dict; expected 'loss_scaler0', ...")
+    for value in state_dict.values():  # all checked before any is loaded
+        LossScaler.check_state(value)
+    matching = [k for k in state_dict if k in names]
+    extra = sorted(k for k in state_dict if k not in names)
+    if not matching:
+        raise StateDictKeyError(
+            f"the amp state dict has {sorted(state_dict) or 'no loss scalers'}, none of the loss scalers of this "
+            f"session ({', '.join(names)}; num_losses={len(scalers)}): nothing would be loaded. Pass "
+            "initialize the num_losses the checkpoint was saved with.")
+    if len(state_dict) != len(scalers) or extra:
+        missing = sorted(k for k in names if k not in state_dict)
+        warn(f"ampatch: the state dict has {len(state_dict)} loss scalers, this session uses "
+             f"{len(scalers)} (num_losses); loading the ones that match"
+             + (f"; not loaded: {extra}" if extra else "")
+             + (f"; left as they are: {missing}" if missing else "") + ".")
+    for key in matching:
+        s = names[key]
+        saved = s.load_state_dict(state_dict[key])
+        if saved is None:
+            continue
+        if s.dynamic:
+            warn(f"ampatch: {key} saved a loss scale of {saved:g}, outside this session's range "
+                 f"[{s.floor:g}, {s.max_loss_scale:g}] (min_loss_scale, max_loss_scale); it starts at "
+                 f"{s.scale:g}.")
+        else:
+            warn(f"ampatch: {key} saved a loss scale of {saved:g}, but this session's scale is static "
+                 f"({s.scale:g}, opt level {opt_level}) and stays; pass "
+                 "loss_scale='dynamic' to initialize to continue the saved dynamic scale.")
+
+
+class Verdict:
+    """The host-side overflow decision of one unscale: the inf/NaN flag read (all-reduced
+    over `process_group` under torch.distributed), the scaler updated at `iteration()`, and on
+    overflow `on_overflow(scale before, scale after)` (the optimizers then skip their next
+    step). Runs once, however many optimizers it was deferred to (delay_overflow_check)."""
+
+    def __init__(self, scaler: LossScaler, found_inf: torch.Tensor | None, *, process_group: object = None,
+                 iteration: Callable[[], int] = lambda: 0,
+                 on_overflow: Callable[[float, float], None] | None = None) -> None:
+        self.scaler, self.found_inf, self.process_group = scaler, found_inf, process_group
+        self.iteration, self.on_overflow = iteration, on_overflow
+        self.done = False
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        overflow = False if self.found_inf is None else overflowed(self.found_inf, self.process_group)
+        before = self.scaler.scale
+        self.scaler.update(overflow, self.iteration())
+        if overflow and self.on_overflow is not None:
+            self.on_overflow(before, self.scaler.scale)
 
 
 def unscale_(grads: Sequence[torch.Tensor], inv_scale: float, found_inf: torch.Tensor | None) -> torch.Tensor:

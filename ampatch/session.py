@@ -6,12 +6,10 @@ at most one, and a new `initialize` closes the previous one first (Apex's once-o
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,37 +17,22 @@ from torch import nn
 
 from . import dynamo, env, fsdp, hardware, jit, policy, tips
 from .cache import CastCache, watch_data
-from .dtypes import LOW
 from .levels import Properties
-from .master import OptimizerHandle
+from .master import check_one_master_each, master_ids
 from .model import ModelHandle, params_to_cast, wrap_outputs
 from .notices import warn
+from .optimizer import HandleContext, OptimizerHandle, OptState
 from .patching import (BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
                        WrapContext, resolve_owner, wrap)
 from .policy import user as user_policy
 from .rnn import patch_rnn_modules
-from .scaler import LossScaler, StateDictKeyError, overflowed
-from .telemetry import Report, Telemetry, peak_memory_bytes
+from .scaler import LossScaler, Verdict, load_scalers_state_dict, scalers_state_dict
+from .telemetry import ExitReport, Report, Telemetry, peak_memory_bytes
 
 logger = logging.getLogger("ampatch")
 
-SKIP_WARNING_AFTER = 50  # consecutive skipped steps before the first warning
 _LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE),
                ("CPU_FLOAT", CPU_FLOAT))
-
-
-def _check_one_master_each(optimizers: list[torch.optim.Optimizer], cast_ids: set[int]) -> None:
-    """A param cast to half gets one FP32 master, stepped by one optimizer: a param in two
-    optimizers would get two masters, and each step would overwrite the other's update."""
-    owner: dict[int, int] = {}
-    for i, opt in enumerate(optimizers):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) in cast_ids and owner.setdefault(id(p), i) != i:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(p.shape)} is in optimizers[{owner[id(p)]}] and "
-                        f"optimizers[{i}]; with FP32 master weights (O2/O5) each half parameter must belong to "
-                        "one optimizer (give it to one of them, or use O1).")
 
 
 class _Current:
@@ -102,18 +85,20 @@ class Session:
         if not props.enabled:
             return
         tips.log_dims_tip(models, self.verbosity, props.opt_level)
+        context = self._handle_context()
         if fsdp.is_sharded(models):  # fsdp hook: FSDP2 (fully_shard) models, see fsdp.py
-            fsdp.setup(self, models, optimizers)
+            self.models, self.optimizers = fsdp.setup(props, models, optimizers, self.patcher, context)
         else:
             keep_bn = props.keep_batchnorm_fp32
             cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)} if props.casts_model else set()
-            master_ids = [self._master_ids(opt, cast_ids) for opt in optimizers]
+            ids = [self._master_ids(opt, cast_ids) for opt in optimizers]
             if props.master_weights:
-                _check_one_master_each(optimizers, set().union(*master_ids) if master_ids else set())
+                check_one_master_each(optimizers, set().union(*ids) if ids else set())
             for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
-                self.optimizers.append(OptimizerHandle(opt, i, self, master_ids[i]))
+                self.optimizers.append(OptimizerHandle(opt, i, ids[i], context))
             if props.casts_model:
-                mastered = {pid for h in self.optimizers for pid in h.master_of} if props.master_weights else None
+                mastered = ({pid for h in self.optimizers for pid in h.masters.master_of} if props.master_weights
+                            else None)
                 seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
                 for m in models:
                     handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, self.patcher,
@@ -127,7 +112,7 @@ class Session:
                     wrap_outputs(m, props.cast_model_outputs, self.patcher)
         self.guard = fsdp.ParamGuard(models, self.optimizers)  # fsdp hook
         for h in self.optimizers:
-            h.install(self.patcher)
+            h.install(self.patcher, self.guard)
         lost = tips.eps_lost_in_float16(optimizers)
         if lost:
             self.warn(f"ampatch: {'; '.join(lost)}: float16 rounds that eps to 0, and at {props.opt_level} these "
@@ -138,16 +123,21 @@ class Session:
         if props.patch_torch_functions:
             self._patch_torch()
         if self.telemetry.record:
-            _ExitReport.track(self, env.get(env.REPORT))
+            ExitReport.track(self, env.get(env.REPORT))
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
     def _master_ids(self, optimizer: torch.optim.Optimizer, cast_ids: set[int]) -> set[int] | None:
-        """With master weights: the params that get an FP32 master, those the model cast turns
-        half and those already half (passed in with Apex's `allow_incoming_model_not_fp32`)."""
-        if not self.properties.master_weights:
-            return None
-        return cast_ids | {id(p) for g in optimizer.param_groups for p in g["params"]
-                           if p.dtype in LOW}
+        """The params that get an FP32 master (None: no master weights at this level)."""
+        return master_ids(optimizer, cast_ids) if self.properties.master_weights else None
+
+    def _handle_context(self) -> HandleContext:
+        """What each optimizer handle needs from this session."""
+        return HandleContext(process_group=self.process_group, on_step=self.on_step, on_skips=self._warn_skipping,
+                             scales_loss=lambda: any(not s.is_identity for s in self.scalers),
+                             master_owner=self._master_owner, level=self.properties.opt_level)
+
+    def _master_owner(self, p: torch.Tensor) -> OptimizerHandle | None:
+        return next((h for h in self.optimizers if h.owns_master(p)), None)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, num_losses: int = 1) -> OptimizerHandle:
         """Bring an optimizer into the live session, with at least `num_losses` loss scalers
@@ -156,7 +146,8 @@ class Session:
             if h.optimizer is optimizer:
                 break
         else:
-            h = OptimizerHandle(optimizer, len(self.optimizers), self, self._master_ids(optimizer, set()))
+            h = OptimizerHandle(optimizer, len(self.optimizers), self._master_ids(optimizer, set()),
+                                self._handle_context())
             h.install(self.patcher)
             self.optimizers.append(h)
         first = self.scalers[0]
@@ -228,13 +219,6 @@ class Session:
                            "optimizer to initialize (they come back patched). A later amp.initialize ends the "
                            "earlier session: its optimizers are plain torch optimizers again.")
 
-    def scaling_active(self, handle: OptimizerHandle, scaler: LossScaler | None = None) -> bool:
-        """Whether scale_loss must unscale/check: a non-identity scale, or master weights."""
-        if handle.use_masters:
-            return True
-        scalers = [scaler] if scaler is not None else self.scalers
-        return any(not s.is_identity for s in scalers)
-
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
                    delay_unscale: bool = False, delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
@@ -259,7 +243,7 @@ class Session:
             self.telemetry.on_loss(loss)
         self._last_loss = loss.detach()  # only read when steps keep being skipped
         scaler = self.scalers[loss_id]
-        if not any(self.scaling_active(h, scaler) for h in handles):
+        if scaler.is_identity and not any(h.use_masters for h in handles):  # nothing to unscale or check
             try:
                 yield loss if loss.dtype == torch.float32 else loss.float()
             finally:
@@ -285,8 +269,9 @@ class Session:
             found_inf = None
             for h in handles:
                 found_inf = h.after_backward(scale, found_inf, delay_unscale)
-            if not delay_unscale and not any(h.pending_scaled for h in handles):  # fsdp hook: grads kept scaled
-                verdict = _Verdict(self, scaler, loss_id, handles, found_inf)
+            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):  # fsdp: kept scaled
+                verdict = Verdict(scaler, found_inf, process_group=self.process_group,
+                                  iteration=lambda: self.iteration, on_overflow=self._skipper(handles, loss_id))
                 if delay_overflow_check:
                     for h in handles:
                         h.defer(verdict)
@@ -308,28 +293,31 @@ class Session:
             found_inf = h.after_backward(scale, found_inf, delay_unscale=False)
         if found_inf is not None and bool(found_inf.item()):
             for h in handles:
-                h.skip_next = True
+                h.skip_next_step()
             logger.warning("ampatch: the scale_loss block raised after writing non-finite gradients; the next "
                            "optimizer.step() is skipped.")
+
+    def _skipper(self, handles: Sequence[OptimizerHandle], loss_id: int) -> Callable[[float, float], None]:
+        """What an overflow verdict does: the optimizers skip their next step, and it is logged."""
+        def on_overflow(before: float, after: float) -> None:
+            for h in handles:
+                h.skip_next_step()
+            if self.verbosity >= 1:  # the session's choice, whatever the logger's level
+                logger.info("ampatch: gradient overflow, skipping step; loss scaler %d scale %g -> %g",
+                            loss_id, before, after)
+        return on_overflow
 
     def on_step(self, handle: OptimizerHandle, skipped: bool) -> None:
         """Called by every patched optimizer.step(): the params changed, so the casts are stale."""
         self.cache.clear()
         iteration = handle.steps - 1
-        if skipped:
-            handle.consecutive_skips += 1
-            threshold = handle.next_skip_warning or SKIP_WARNING_AFTER
-            if handle.consecutive_skips >= threshold:
-                handle.next_skip_warning = 2 * threshold  # repeated with back-off: 50, 100, 200, ... in a row
-                self._warn_skipping(handle)
-        else:
-            handle.consecutive_skips = handle.next_skip_warning = 0
         if handle.index == 0:
             self.telemetry.on_step(iteration, skipped)
         elif skipped and iteration not in self.telemetry.skipped[-len(self.optimizers):]:
             self.telemetry.skipped.append(iteration)  # an iteration is listed once, however many skipped
 
-    def _warn_skipping(self, handle: OptimizerHandle) -> None:
+    def _warn_skipping(self, handle: OptimizerHandle, count: int) -> None:
+        """`count` steps of `handle` in a row were skipped: say why, as far as the loss tells."""
         loss = self._last_loss
         finite = None if loss is None else torch.isfinite(loss)
         if finite is not None and not bool(finite.all()):
@@ -345,7 +333,7 @@ class Session:
                                                             else "")
                            for i, s in enumerate(self.scalers))
         which = f"optimizer {handle.index}: " if len(self.optimizers) > 1 else ""
-        self.warn(f"ampatch: {which}{handle.consecutive_skips} optimizer steps in a row were skipped because the "
+        self.warn(f"ampatch: {which}{count} optimizer steps in a row were skipped because the "
                   f"gradients were not finite ({scales}); {cause}.", RuntimeWarning)
 
     def warn(self, message: str, category: type[Warning] = UserWarning) -> None:
@@ -366,44 +354,10 @@ class Session:
 
     def state_dict(self) -> dict[str, dict[str, float | int]]:
         self.resolve_pending()
-        return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
+        return scalers_state_dict(self.scalers)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}.")
-        names = {f"loss_scaler{i}": s for i, s in enumerate(self.scalers)}
-        unknown = [k for k in state_dict if not (isinstance(k, str) and k.startswith("loss_scaler")
-                                                 and k[11:].isdigit())]
-        if unknown:
-            raise StateDictKeyError(f"unknown keys {unknown} in the amp state dict; expected 'loss_scaler0', ...")
-        for key, value in state_dict.items():  # all checked before any is loaded
-            LossScaler.check_state(value)
-        matching = [k for k in state_dict if k in names]
-        extra = sorted(k for k in state_dict if k not in names)
-        if not matching:
-            raise StateDictKeyError(
-                f"the amp state dict has {sorted(state_dict) or 'no loss scalers'}, none of the loss scalers of this "
-                f"session ({', '.join(names)}; num_losses={len(self.scalers)}): nothing would be loaded. Pass "
-                "initialize the num_losses the checkpoint was saved with.")
-        if len(state_dict) != len(self.scalers) or extra:
-            missing = sorted(k for k in names if k not in state_dict)
-            self.warn(f"ampatch: the state dict has {len(state_dict)} loss scalers, this session uses "
-                      f"{len(self.scalers)} (num_losses); loading the ones that match"
-                      + (f"; not loaded: {extra}" if extra else "")
-                      + (f"; left as they are: {missing}" if missing else "") + ".")
-        for key in matching:
-            saved = names[key].load_state_dict(state_dict[key])
-            if saved is None:
-                continue
-            s = names[key]
-            if s.dynamic:
-                self.warn(f"ampatch: {key} saved a loss scale of {saved:g}, outside this session's range "
-                          f"[{s.floor:g}, {s.max_loss_scale:g}] (min_loss_scale, max_loss_scale); it starts at "
-                          f"{s.scale:g}.")
-            else:
-                self.warn(f"ampatch: {key} saved a loss scale of {saved:g}, but this session's scale is static "
-                          f"({s.scale:g}, opt level {self.properties.opt_level}) and stays; pass "
-                          "loss_scale='dynamic' to initialize to continue the saved dynamic scale.")
+        load_scalers_state_dict(self.scalers, state_dict, self.warn, self.properties.opt_level)
 
     def report(self) -> Report:
         self.resolve_pending()
@@ -432,7 +386,7 @@ class Session:
         """Undo everything: masters back out of optimizers, models to their dtypes, torch restored."""
         if self.closed:
             return
-        _ExitReport.release(self)
+        ExitReport.release(self)
         self.closed = True
         self._last_loss = None
         try:
@@ -447,82 +401,3 @@ class Session:
         finally:  # whatever failed above, torch itself is restored
             self.patcher.restore_all()
             self.cache.clear()
-
-
-class _Verdict:
-    """The host-side overflow decision for one unscale; runs once even if deferred twice."""
-
-    def __init__(self, session: Session, scaler: LossScaler, loss_id: int,
-                 handles: Sequence[OptimizerHandle], found_inf: torch.Tensor | None) -> None:
-        self.session, self.scaler, self.loss_id = session, scaler, loss_id
-        self.handles, self.found_inf = handles, found_inf
-        self.done = False
-
-    def __call__(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        if self.found_inf is None:
-            overflow = False
-        else:
-            overflow = overflowed(self.found_inf, self.session.process_group)
-        before = self.scaler.scale
-        self.scaler.update(overflow, self.session.iteration)
-        if overflow:
-            for h in self.handles:
-                h.skip_next = True
-            if self.session.verbosity >= 1:  # the session's choice, whatever the logger's level
-                logger.info("ampatch: gradient overflow, skipping step; loss scaler %d scale %g -> %g",
-                            self.loss_id, before, self.scaler.scale)
-
-
-class _ExitReport:
-    """Writes the report of the newest recording session at interpreter exit.
-
-    One hook per process: a script that calls `initialize` several times reports its last
-    session (one exit hook per session would run newest-first and leave the oldest report).
-    Under torchrun every rank inherits the same path: only rank 0 writes it.
-    """
-
-    session: Session | None = None
-    final: Report | None = None  # the report of a tracked session that was closed
-    path = ""
-    registered = False
-
-    @classmethod
-    def track(cls, session: Session, path: str) -> None:
-        cls.session, cls.final, cls.path = session, None, path
-        if not cls.registered:
-            atexit.register(cls.write)
-            cls.registered = True
-
-    @classmethod
-    def release(cls, session: Session) -> None:
-        """`session` is closing: keep its report (small, bounded), not the session with its
-        models and optimizers."""
-        if cls.session is session:
-            try:
-                cls.final = session.report()
-            except Exception:
-                logger.exception("ampatch: could not take the report of the closing session")
-            cls.session = None
-
-    @classmethod
-    def write(cls) -> None:
-        if _rank() != 0:  # fsdp hook: under torchrun every rank shares the path
-            return
-        try:
-            report = cls.session.report() if cls.session is not None else cls.final
-            if report is not None:
-                report.to_json(cls.path)
-        except Exception:  # at interpreter exit: say why, never raise
-            logger.exception("ampatch: could not write the report to %s", cls.path)
-
-
-def _rank() -> int:
-    """This process's rank: torchrun's RANK, else torch.distributed's (0 outside distributed runs).
-    Read at exit, when the process group may be gone already."""
-    if os.environ.get("RANK", "").isdigit():
-        return int(os.environ["RANK"])
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

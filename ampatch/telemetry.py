@@ -10,19 +10,22 @@ live progress `ampatch compare` shows inside each level.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
+import logging
 import os
 import resource
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from . import env
 
+logger = logging.getLogger("ampatch")
 
 
 def count_value(counter: itertools.count) -> int:
@@ -185,3 +188,61 @@ class Report:
                 detail = ", ".join(f"{d}: {n}" for d, n in sorted(per_dtype.items()))
                 lines.append(f"  {op.ljust(width)}  {detail}")
         return "\n".join(lines)
+
+
+class Reporting(Protocol):
+    """What reports (a `Session`)."""
+
+    def report(self) -> Report: ...
+
+
+class ExitReport:
+    """Writes the report of the newest recording session at interpreter exit.
+
+    One hook per process: a script that calls `initialize` several times reports its last
+    session (one exit hook per session would run newest-first and leave the oldest report).
+    Under torchrun every rank inherits the same path: only rank 0 writes it.
+    """
+
+    source: Reporting | None = None
+    final: Report | None = None  # the report of a tracked session that was closed
+    path = ""
+    registered = False
+
+    @classmethod
+    def track(cls, source: Reporting, path: str) -> None:
+        cls.source, cls.final, cls.path = source, None, path
+        if not cls.registered:
+            atexit.register(cls.write)
+            cls.registered = True
+
+    @classmethod
+    def release(cls, source: Reporting) -> None:
+        """`source` is closing: keep its report (small, bounded), not the session with its
+        models and optimizers."""
+        if cls.source is source:
+            try:
+                cls.final = source.report()
+            except Exception:
+                logger.exception("ampatch: could not take the report of the closing session")
+            cls.source = None
+
+    @classmethod
+    def write(cls) -> None:
+        if process_rank() != 0:  # fsdp hook: under torchrun every rank shares the path
+            return
+        try:
+            report = cls.source.report() if cls.source is not None else cls.final
+            if report is not None:
+                report.to_json(cls.path)
+        except Exception:  # at interpreter exit: say why, never raise
+            logger.exception("ampatch: could not write the report to %s", cls.path)
+
+
+def process_rank() -> int:
+    """This process's rank: torchrun's RANK, else torch.distributed's (0 outside distributed runs).
+    Read at exit, when the process group may be gone already."""
+    if os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -747,6 +747,36 @@ def test_step_after_only_delayed_blocks_raises(level):
         opt.step()
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflow_outlives_a_later_delay_unscale_block(level):
+    """Loss 0 overflows; loss 1 then accumulates with delay_unscale and loss 2 finishes the
+    iteration cleanly: the step is still skipped (the overflowed grads are in there). The
+    same when zero_grad ends the delayed block before the step."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = init(model, opt, level, num_losses=3)
+    x, (y,) = batches(1)[0]
+    for finish in ("clean block", "zero_grad"):
+        before = snapshot([model], [opt])
+        with amp.scale_loss(F.mse_loss(model(x), y), opt, loss_id=0) as sl:
+            sl.backward()
+            inject(next(model.parameters()), "inf")
+        backward_in(model, opt, x, y, loss_id=1, delay_unscale=True)
+        with pytest.raises(RuntimeError, match="delay_unscale"):
+            opt.step()  # scaled grads are never applied, skipped or not
+        if finish == "zero_grad":
+            opt.zero_grad()
+        else:
+            backward_in(model, opt, x, y, loss_id=2)
+        opt.step()
+        assert_same(before, snapshot([model], [opt]))
+        opt.zero_grad()
+    backward_in(model, opt, x, y)
+    opt.step()  # the skip was for one step only
+    assert not torch.equal(before["masters"][0][0], next(amp.master_params(opt)))
+    assert amp.report().skipped_steps == [0, 1] and amp.report().steps == 3
+
+
 @pytest.mark.parametrize("zeroing", ZEROING)
 @pytest.mark.parametrize("level", LEVELS)
 def test_every_way_of_zeroing_trains_identically(level, zeroing):

@@ -534,3 +534,95 @@ def test_lr_scheduler_works_and_deinitialize_is_quiet(level, caplog):
         amp.deinitialize()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "step" not in vars(opt)
+
+
+# ============================================================== a handle without a session
+def _standalone(model: nn.Module, opt: torch.optim.Optimizer, **context):
+    """What Apex's FP16_Optimizer builds: masters for the model's params, made from its FP32
+    weights before the model goes to half; the optimizer patched; no Session anywhere."""
+    from ampatch.optimizer import HandleContext, OptimizerHandle
+    from ampatch.patching import Patcher
+    handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
+                             context=HandleContext(**context))
+    model.half()
+    patcher = Patcher()
+    handle.install(patcher)
+    return handle, patcher
+
+
+def test_a_handle_trains_and_skips_without_a_session():
+    """OptimizerHandle + LossScaler + Verdict, no Session: the scaled backward is unscaled
+    into FP32 masters, the step updates them and the half model, an overflow skips the step
+    (masters and optimizer state untouched) and halves the scale."""
+    from ampatch.optimizer import OptState
+    from ampatch.scaler import LossScaler, Verdict
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    fp32 = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = LossScaler("dynamic")
+    handle, patcher = _standalone(model, opt, scales_loss=lambda: not scaler.is_identity)
+    masters = list(amp.master_params(opt))
+    pairs = list(handle.pairs())
+    assert len(pairs) == 2 and all(mp is p for (mp, _), p in zip(pairs, model.parameters()))
+    assert handle.stage is OptState.FRESH
+    assert all(m.dtype == F32 for m in masters) and torch.equal(masters[0], fp32.weight)  # not the rounded copy
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def backward(poison: bool = False) -> None:
+        handle.resolve()
+        handle.before_backward(scaler.scale)
+        (nn.functional.mse_loss(model(x.half()).float(), y) * scaler.scale).backward()
+        if poison:
+            model.weight.grad.view(-1)[0] = float("inf")
+        found = handle.after_backward(scaler.scale, None, delay_unscale=False)
+        Verdict(scaler, found, on_overflow=lambda before, after: handle.skip_next_step())()
+
+    backward()
+    assert model.weight.grad is None and masters[0].grad.dtype == F32 and handle.stage is OptState.READY
+    ref = copy.deepcopy(fp32)
+    with torch.no_grad():
+        for rp, mp in zip(ref.parameters(), model.parameters()):
+            rp.copy_(mp.float())
+    nn.functional.mse_loss(ref(x.half().float()), y).backward()
+    for m, r in zip(masters, ref.parameters()):
+        assert torch.allclose(m.grad, r.grad, rtol=1e-2, atol=1e-4)
+    opt.step()
+    assert not torch.equal(masters[0], fp32.weight) and torch.equal(model.weight, masters[0].half())
+    state = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    backward(poison=True)
+    assert handle.stage is OptState.OVERFLOWED and scaler.scale == 2.0 ** 15
+    opt.step()
+    assert handle.stage is OptState.READY and handle.steps == 2 and handle.consecutive_skips == 1
+    saved = opt.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(saved["ampatch_masters"], state["ampatch_masters"]))
+    assert torch.equal(saved["state"][0]["momentum_buffer"], state["state"][0]["momentum_buffer"])
+    patcher.restore_all()
+    assert "step" not in vars(opt)
+
+
+def test_a_handle_reports_its_skip_streak_with_back_off():
+    """50 skipped steps in a row are reported, then 100, 200; a step that runs starts over.
+    Without a callback the handle warns by itself."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    streaks = []
+    handle, _ = _standalone(model, opt, on_skips=lambda h, n: streaks.append(n))
+
+    def skip(n: int) -> None:
+        for _ in range(n):
+            handle.skip_next_step()
+            opt.step()
+
+    skip(200)
+    opt.step()
+    skip(60)
+    assert streaks == [50, 100, 200, 50] and handle.consecutive_skips == 60
+    quiet = nn.Linear(2, 2)
+    opt2 = torch.optim.SGD(quiet.parameters(), lr=0.1)
+    handle2, _ = _standalone(quiet, opt2)
+    with pytest.warns(RuntimeWarning, match="50 optimizer steps in a row were skipped"):
+        for _ in range(50):
+            handle2.skip_next_step()
+            opt2.step()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
+from ampatch.session import current
 
 FP16, BF16 = torch.float16, torch.bfloat16
 
@@ -485,7 +486,7 @@ def test_duplicated_model_or_optimizer_is_named():
         init([model, model], opt, "O2")
     with pytest.raises(ValueError, match=r"optimizers\[1\] is optimizers\[0\]"):
         init(model, [opt, opt], "O2")
-    assert model[0].weight.dtype == torch.float32 and not amp.__dict__.get("_Current").session
+    assert model[0].weight.dtype == torch.float32 and current() is None
 
 
 def test_rejected_initialize_keeps_the_logger_level():
@@ -687,13 +688,13 @@ def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_pa
     import weakref
 
     import ampatch.telemetry
-    from ampatch.session import _ExitReport
+    from ampatch.telemetry import ExitReport
     SERIES_POINTS = 64
     monkeypatch.setattr(ampatch.telemetry, "SERIES_POINTS", SERIES_POINTS)
     monkeypatch.setenv("AMPATCH_REPORT", str(tmp_path / "report.json"))
-    monkeypatch.setattr(_ExitReport, "session", None)
-    monkeypatch.setattr(_ExitReport, "final", None)
-    monkeypatch.setattr(_ExitReport, "registered", True)  # no real atexit hook from a test
+    monkeypatch.setattr(ExitReport, "source", None)
+    monkeypatch.setattr(ExitReport, "final", None)
+    monkeypatch.setattr(ExitReport, "registered", True)  # no real atexit hook from a test
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, opt = amp.initialize(model, opt, opt_level="O0", verbosity=0)
@@ -710,12 +711,12 @@ def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_pa
     assert len(rep.step_times_s) <= SERIES_POINTS and rep.steps == steps
     every = rep.losses_every
     assert every > 1 and all(v == i * every for i, v in enumerate(rep.losses))
-    session = weakref.ref(amp.__dict__["_Current"].session)
+    session = weakref.ref(current())
     amp.deinitialize()
     del model, opt
     gc.collect()
     assert session() is None
-    _ExitReport.write()  # what the exit hook does: the closed session's report
+    ExitReport.write()  # what the exit hook does: the closed session's report
     import json
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["steps"] == steps and len(saved["losses"]) == len(rep.losses)
@@ -871,7 +872,7 @@ def test_cuda_frozen_params_kept_on_the_cpu_and_restored_exactly():
     snap = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
-    handle = amp.__dict__["_Current"].session.models[0]
+    handle = current().models[0]
     kept = [c.shadow for _, own in handle.casts for c in own.values() if c.shadow is not None]
     assert kept and all(t.device.type == "cpu" for t in kept)
     x, y = torch.randn(8, 4, device="cuda"), torch.randn(8, 2, device="cuda")

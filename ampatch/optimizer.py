@@ -1,0 +1,410 @@
+"""One optimizer under mixed precision: gradient unscaling, skip-on-overflow, the patched step.
+
+Every optimizer gets an `OptimizerHandle`; its FP32 masters (O2/O5) are a `master.Masters`.
+Gradient flow per iteration:
+
+- `before_backward` (scale_loss entry): grads that are already unscaled are kept apart
+  (own-master grads are stashed and set to None; fresh model grads of a half param are
+  moved into its master), so the coming backward writes only the new, scaled part;
+- `after_backward` (scale_loss exit): the new grads are unscaled into the masters with one
+  fused kernel that also detects inf/NaN, then the stash is added back;
+- `step`: skipped on overflow (params and state untouched, master grads dropped);
+  otherwise the optimizer runs with casts disabled and masters are copied into the model
+  with foreach ops.
+Model grads of half params are None after they were moved into masters, so master grads
+never leak across steps whichever way the user zeroes.
+
+`optimizer.step(closure)` works where ampatch has nothing to do around the backward (no
+master weights and a static loss scale of 1.0: O0, O3, O4, and O1 in bfloat16); with master
+weights or loss scaling it raises `NotImplementedError`, because the closure's backward
+would bypass `scale_loss`.
+
+Under torch.distributed (world size > 1) `before_backward` does not keep grads apart: it
+multiplies them by the coming scale and leaves them in `.grad` (master grads go back into
+the half model grads), because a `DistributedDataParallel` backward all-reduces whatever
+`.grad` holds; grads kept apart (micro-batches under `no_sync()`) would never be averaged
+across ranks. The first `scale_loss` also makes every rank's masters agree with the model
+that DDP's construction broadcast from rank 0.
+
+A handle needs no session: what it asks of its surroundings is a `HandleContext` (process
+group, callbacks), and the overflow verdict that skips its step comes from outside
+(`skip_next_step`, see `scaler.Verdict`).
+"""
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+from .dtypes import LOW
+from .master import MASTERS_KEY, Masters, Pair, add_grads, check_masters
+from .notices import warn
+from .patching import Patcher, disable_casts
+from .scaler import distributed, unscale_
+
+logger = logging.getLogger("ampatch")
+
+SKIP_WARNING_AFTER = 50  # skipped steps in a row before the first warning (then 100, 200, ...)
+PATCHED = ("step", "zero_grad", "add_param_group", "state_dict", "load_state_dict")
+
+
+class OptState(Enum):
+    """Where an optimizer's gradients stand (see `OptimizerHandle` for the transitions)."""
+
+    FRESH = "fresh"            # no scale_loss yet
+    READY = "ready"            # grads (if any) unscaled: step() applies them
+    SCALED = "scaled"          # a delay_unscale backward left scaled grads: step() raises
+    OVERFLOWED = "overflowed"  # an unscale found inf/NaN: the next step() is skipped
+
+
+class StepGuard(Protocol):
+    """Checked at each step() (`fsdp.ParamGuard`: the model still holds what the optimizer steps)."""
+
+    def check(self, handle: "OptimizerHandle") -> None: ...
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class HandleContext:
+    """What an `OptimizerHandle` needs from whatever drives it (a `Session`, or a caller of
+    its own); every field has a default that suits one optimizer on its own."""
+
+    process_group: Any = None  # where the masters are made to agree across ranks (None: the world)
+    on_step: Callable[["OptimizerHandle", bool], None] | None = None  # after each step(), with `skipped`
+    # skipped steps pile up (SKIP_WARNING_AFTER in a row, then twice as many...): (handle, count);
+    # None: a generic RuntimeWarning
+    on_skips: Callable[["OptimizerHandle", int], None] | None = None
+    scales_loss: Callable[[], bool] = _never  # a loss scale other than a static 1.0 is in use
+    # the handle holding an FP32 master of a param, if any (add_param_group refuses a second one)
+    master_owner: Callable[[torch.Tensor], "OptimizerHandle | None"] | None = None
+    level: str = ""  # the opt level, for log lines
+
+
+def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
+    """A plain function (so LR schedulers can take `step.__func__`) calling func(inner, ...)."""
+    def method(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        return func(inner, *args, **kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"{cls.__name__}.{name}"
+    method.__doc__ = getattr(inner, "__doc__", None)
+    return method
+
+
+class OptimizerHandle:
+    """One optimizer under mixed precision: its masters, its grads through scale_loss, its step.
+
+    `master_ids`: the params that get an FP32 master (None: no masters), made at once from
+    their current (FP32) values. `install` patches the optimizer's step, zero_grad,
+    add_param_group, state_dict and load_state_dict. Without a session:
+
+        handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
+                                 context=HandleContext(scales_loss=lambda: not scaler.is_identity))
+        model.half(); handle.install(Patcher())
+        handle.resolve(); handle.before_backward(scaler.scale)
+        (loss.float() * scaler.scale).backward()
+        found_inf = handle.after_backward(scaler.scale, None, delay_unscale=False)
+        Verdict(scaler, found_inf, on_overflow=lambda *_: handle.skip_next_step())()
+        opt.step()  # skipped after an overflow
+
+    The stage (`stage`, an `OptState`) and what moves it (anything else leaves it as it is):
+
+        FRESH  --before_backward-->  READY  (under torch.distributed the masters agree first)
+        READY, OVERFLOWED  --after_backward(delay_unscale=True)-->  SCALED  (the stage left is kept)
+        SCALED  --after_backward(delay_unscale=False), zero_grad-->  the stage it left
+        FRESH, READY  --skip_next_step-->  OVERFLOWED  (in SCALED: the stage it goes back to)
+        OVERFLOWED  --step-->  READY  (skipped: params and optimizer state untouched)
+
+    step() in SCALED raises: it would apply scaled grads. From before_backward to the unscale
+    that ends the scale_loss, the grads that were there before are kept apart (`_stash`).
+    Overflow verdicts can wait (`defer`, delay_overflow_check) until `resolve`, which step()
+    and the next scale_loss call first. Skipped steps in a row are counted
+    (`consecutive_skips`) and reported to `HandleContext.on_skips` as they pile up.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int = 0, master_ids: set[int] | None = None,
+                 context: HandleContext = HandleContext()) -> None:
+        self.optimizer = optimizer
+        self.index = index
+        self.masters = Masters(optimizer, master_ids)
+        self.use_masters = self.masters.enabled  # every unscale is checked, even at a static 1.0
+        self._ctx = context
+        self._guard: StepGuard | None = None
+        self._stage = OptState.FRESH
+        self._resume = OptState.READY  # where SCALED goes back to
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._deferred: list[Callable[[], None]] = []
+        self._steps = 0
+        self._skips = 0  # skipped steps in a row
+        self._warn_at = SKIP_WARNING_AFTER
+
+    @property
+    def stage(self) -> OptState:
+        return self._stage
+
+    @property
+    def steps(self) -> int:
+        """Calls of step(), skipped ones included."""
+        return self._steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self._skips
+
+    def pairs(self) -> Iterator[Pair]:
+        """(model param, master) for every half param with a separate FP32 master."""
+        return self.masters.pairs()
+
+    def params(self) -> Iterator[torch.Tensor]:
+        """What the optimizer steps: masters where they exist."""
+        return self.masters.params()
+
+    def model_params(self) -> list[torch.Tensor]:
+        """The model-side tensors the optimizer steps (the half param for a master)."""
+        return self.masters.model_params()
+
+    def owns_master(self, p: torch.Tensor) -> bool:
+        return id(p) in self.masters.master_of
+
+    def scaling_active(self) -> bool:
+        """Whether scale_loss unscales and checks this optimizer's grads."""
+        return self.use_masters or self._ctx.scales_loss()
+
+    # ------------------------------------------------------------------ scale_loss
+    def before_backward(self, scale: float) -> None:
+        """Keep already-unscaled grads apart from the coming scaled backward (under
+        torch.distributed: scale them to `scale` in place instead, see the module docstring)."""
+        if self._stage is OptState.FRESH:
+            self._stage = OptState.READY
+            if self.use_masters:
+                self.masters.agree(self._ctx.process_group)
+        if self._stage is OptState.SCALED:
+            return
+        if distributed():
+            self._rescale_in_place(scale)
+            return
+        stash, fresh = [], []
+        model_of = self.masters.model_of
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                mp = model_of.get(id(p))
+                if mp is None:
+                    if p.grad is not None:
+                        stash.append((p, p.grad))
+                        p.grad = None
+                elif mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
+                    fresh.append((mp, p))
+        if fresh:
+            self.masters.move_grads(fresh)
+        self._stash = stash
+
+    def _rescale_in_place(self, scale: float) -> None:
+        """Existing (unscaled) grads times `scale`, left where the coming backward accumulates."""
+        own = []
+        model_of = self.masters.model_of
+        for p in self.params():
+            mp = model_of.get(id(p))
+            if mp is None:
+                if p.grad is not None:
+                    own.append(p)
+                continue
+            if mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
+                self.masters.move_grads([(mp, p)])
+            if p.grad is not None:
+                mp.grad = (p.grad * scale).to(mp.dtype)  # may overflow: then this unscale skips
+                p.grad = None
+        if own and scale != 1.0:
+            torch._foreach_mul_([p.grad for p in own], scale)
+
+    def after_backward(self, scale: float, found_inf: torch.Tensor | None, delay_unscale: bool) -> torch.Tensor | None:
+        """Unscale the new grads (into masters), check them, add the stash back; returns the
+        inf/NaN flag (ORed into `found_inf`). With `delay_unscale` the grads stay scaled."""
+        if delay_unscale:
+            if self._stage is not OptState.SCALED:
+                self._resume, self._stage = self._stage, OptState.SCALED
+            return found_inf
+        if self._stage is OptState.SCALED:  # those grads are unscaled and checked with the new ones
+            self._stage = self._resume
+        inv = 1.0 / scale
+        own, pairs = [], []  # one pass: own-master grads, and (model param, master) pairs
+        model_of = self.masters.model_of
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                mp = model_of.get(id(p))
+                if mp is None:
+                    g = p.grad
+                    if g is not None:
+                        if g.is_sparse and g.dtype == torch.float16:  # see scaler.unscale_
+                            p.grad = g = g.coalesce()
+                        own.append(g)
+                else:
+                    pairs.append((mp, p))
+        if own:
+            found_inf = unscale_(own, inv, found_inf)
+        found_inf = self.masters.move_grads(pairs, inv, found_inf, check=True)
+        stash, self._stash = self._stash, []
+        add_grads([p for p, _ in stash], [g for _, g in stash])
+        if found_inf is None:
+            found_inf = torch.zeros(())
+        return found_inf
+
+    def skip_next_step(self) -> None:
+        """The next step() is skipped (its grads were found non-finite)."""
+        if self._stage is OptState.SCALED:
+            self._resume = OptState.OVERFLOWED
+        else:
+            self._stage = OptState.OVERFLOWED
+
+    def defer(self, verdict: Callable[[], None]) -> None:
+        """Run an overflow verdict later (delay_overflow_check): at step() or the next scale_loss."""
+        self._deferred.append(verdict)
+
+    def resolve(self) -> None:
+        """Run the deferred verdicts now."""
+        verdicts, self._deferred = self._deferred, []
+        for verdict in verdicts:
+            verdict()
+
+    # ------------------------------------------------------------------ patched methods
+    def install(self, patcher: Patcher, guard: StepGuard | None = None) -> None:
+        """Patch step/zero_grad/add_param_group/state_dict/load_state_dict as bound methods;
+        each step() first asks `guard.check(self)`."""
+        self._guard = guard
+        opt = self.optimizer
+        for name in PATCHED:
+            inner = getattr(opt, name)  # bound: the class method or an instance override
+            method = _forwarding_method(getattr(self, "_" + name), inner, name, type(opt))
+            if getattr(inner, "_wrapped_by_lr_sched", False):
+                # an LR scheduler made before initialize wrapped step (to see that it is called);
+                # the patched step calls that wrapper, so the scheduler must not think it was replaced
+                method._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            patcher.patch(opt, name, types.MethodType(method, opt))
+
+    def _step(self, inner: Callable, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+        if self._guard is not None:
+            self._guard.check(self)
+        if closure is not None and self.scaling_active():
+            raise NotImplementedError(
+                "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "
+                "backward bypasses scale_loss. Call backward inside `with amp.scale_loss(...)` before "
+                "step(), or use a level without scaling (O0, O3, O4).")
+        if self._stage is OptState.SCALED:
+            raise RuntimeError("scale_loss(..., delay_unscale=True) left scaled gradients before step(); the "
+                               "last scale_loss of an iteration must use delay_unscale=False.")
+        self.resolve()
+        self._steps += 1
+        if self._stage is OptState.OVERFLOWED:
+            self._stage = OptState.READY
+            for _, m in self.pairs():
+                m.grad = None
+            self._stepped(skipped=True)
+            return None
+        pairs = list(self.pairs()) if self.use_masters else None  # one walk for the whole step
+        if pairs:
+            self.masters.move_grads(pairs)
+        try:
+            with disable_casts():
+                out = inner(closure, *args, **kwargs) if closure is not None else inner(*args, **kwargs)
+        finally:  # even a step that raised half-way: the model shows what the masters hold
+            if pairs:
+                self.masters.copy_to_model(pairs)
+        if pairs:
+            for _, m in pairs:
+                m.grad = None
+        self._stepped(skipped=False)
+        return out
+
+    def _stepped(self, skipped: bool) -> None:
+        """Count the skip streak (reported with back-off: 50, 100, 200, ... in a row), then tell on_step."""
+        if skipped:
+            self._skips += 1
+            if self._skips >= self._warn_at:
+                self._warn_at *= 2
+                (self._ctx.on_skips or _warn_skips)(self, self._skips)
+        else:
+            self._skips, self._warn_at = 0, SKIP_WARNING_AFTER
+        if self._ctx.on_step is not None:
+            self._ctx.on_step(self, skipped)
+
+    def _zero_grad(self, inner: Callable, set_to_none: bool = True) -> None:
+        inner(set_to_none)
+        for mp, _ in self.pairs():
+            if set_to_none or mp.grad is None:
+                mp.grad = None
+            else:
+                mp.grad.detach_().zero_()
+        self._stash = []
+        if self._stage is OptState.SCALED:
+            self._stage = self._resume
+
+    def _add_param_group(self, inner: Callable, group: dict) -> None:
+        if self.use_masters:
+            params = group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            owner_of = self._ctx.master_owner
+            for p in params:
+                other = owner_of(p) if owner_of is not None else None
+                if other is not None and other is not self:
+                    raise ValueError(f"add_param_group: a parameter of shape {tuple(p.shape)} already has an FP32 "
+                                     f"master in optimizers[{other.index}]; with master weights (O2/O5) each "
+                                     "half parameter must belong to one optimizer.")
+            group = dict(group, params=[self.masters.make(p) if p.dtype in LOW else p for p in params])
+        return inner(group)
+
+    def _state_dict(self, inner: Callable) -> dict:
+        sd = inner()
+        if self.use_masters:
+            sd[MASTERS_KEY] = self.masters.saved()
+        return sd
+
+    def _load_state_dict(self, inner: Callable, state_dict: dict) -> None:
+        """Everything is checked before anything is loaded: a rejected checkpoint (another
+        model's shapes, tampered masters) leaves the optimizer, its masters and the model as
+        they were. Saved FP32 masters go into whatever this optimizer steps: its masters, or,
+        at a level without them (an O2 checkpoint resumed at O1), the model params themselves."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
+        state_dict = dict(state_dict)
+        masters = state_dict.pop(MASTERS_KEY, None)
+        params = list(self.params())
+        if masters is not None:
+            check_masters(masters, params)
+        inner(state_dict)  # torch checks the param groups before it changes anything
+        if masters is None:
+            return
+        with torch.no_grad():
+            for p, saved in zip(params, masters):
+                if saved is not None:
+                    p.copy_(saved)
+        if self.use_masters:
+            self.masters.copy_to_model()
+        elif any(saved is not None for saved in masters):
+            logger.info("ampatch: the optimizer checkpoint's FP32 master weights were loaded into the model's "
+                        "params (this session, %s, has no masters).", self._ctx.level or "its level")
+
+    # ------------------------------------------------------------------ undo
+    def unswap(self) -> dict[int, torch.Tensor]:
+        """Put the model params back into param_groups (state re-keyed); returns masters by model param id."""
+        return self.masters.unswap()
+
+    def recast_state(self) -> None:
+        """Floating optimizer state follows its param's dtype (after the model was cast or restored)."""
+        self.masters.recast_state()
+
+    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
+                          params: list[torch.Tensor] | None = None) -> None:
+        """Masters re-read from the model after `model.load_state_dict` (see `Masters.resync_from_model`)."""
+        self.masters.resync_from_model(incoming, params)
+
+
+def _warn_skips(handle: OptimizerHandle, count: int) -> None:
+    warn(f"ampatch: {count} optimizer steps in a row were skipped because the gradients were not finite.",
+         1, RuntimeWarning)
