@@ -46,10 +46,13 @@ class RecordGuard(logging.Filter):
         root = logging.getLogger()
         if root.filters:
             try:
-                if not root.filter(record):
-                    return False
+                result = root.filter(record)
             except Exception:  # a broken user filter must not stop ampatch's own messages
-                pass
+                result = True
+            if not result:
+                return False
+            if isinstance(result, logging.LogRecord) and result is not record:  # Python 3.12+: a modified copy
+                record.__dict__.update(result.__dict__)
         for handler in _handlers(logger):
             _fill_missing_fields(handler, record)
         return True
