@@ -72,11 +72,13 @@ class _RankFilter(logging.Filter):
 
 @pytest.fixture
 def root_logging():
-    root = logging.getLogger()
-    handlers, filters, level = list(root.handlers), list(root.filters), root.level
+    root, ours = logging.getLogger(), logging.getLogger("ampatch")
+    handlers, filters, level, our_level = list(root.handlers), list(root.filters), root.level, ours.level
+    ours.setLevel(logging.INFO)  # an earlier session's verbosity=0 may have left it at ERROR
     yield root
     root.handlers[:], root.filters[:] = handlers, filters
     root.setLevel(level)
+    ours.setLevel(our_level)
 
 
 def test_log_records_fit_a_root_format_with_a_field_set_by_a_root_filter(root_logging, capsys) -> None:
