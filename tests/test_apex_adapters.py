@@ -26,101 +26,8 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> list[torch.Tensor]:
-    torch.manual_seed(1)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(5, 6)).pow(2).mean().backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
 # ------------------------------------------------------------------ apex.optimizers
-@pytest.mark.parametrize("adam_w_mode, reference", [(True, torch.optim.AdamW), (False, torch.optim.Adam)])
-def test_fused_adam_is_torch_adam_with_apex_defaults(adam_w_mode, reference) -> None:
-    kw = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
-    a, b = _net(), _net()
-    fused = optimizers.FusedAdam(a.parameters(), adam_w_mode=adam_w_mode, **kw)
-    assert isinstance(fused, torch.optim.Adam) and fused.adam_w_mode is adam_w_mode
-    assert fused.defaults["foreach"] is True  # multi-tensor on CPU; fused=True on CUDA
-    got, want = _train(a, fused), _train(b, reference(b.parameters(), foreach=True, **kw))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert optimizers.FusedAdam(_net().parameters()).defaults["decoupled_weight_decay"] is True  # Apex: AdamW
-
-
-def test_fused_adam_set_grad_none_and_refusals() -> None:
-    model = _net()
-    opt = optimizers.FusedAdam(model.parameters())
-    model(torch.randn(5, 6)).sum().backward()
-    opt.zero_grad()
-    assert all(p.grad is None for p in model.parameters())  # set_grad_none=True
-    opt = optimizers.FusedAdam(model.parameters(), set_grad_none=False)
-    model(torch.randn(5, 6)).sum().backward()
-    opt.zero_grad()
-    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
-    with pytest.raises(RuntimeError, match="AMSGrad"):
-        optimizers.FusedAdam(model.parameters(), amsgrad=True)
-    with pytest.raises(NotImplementedError, match="bias"):
-        optimizers.FusedAdam(model.parameters(), bias_correction=False)
-    with pytest.raises(NotImplementedError, match="opt_level='O2'"):
-        optimizers.FusedAdam(model.parameters(), master_weights=True)
-    with pytest.raises(RuntimeError, match="step\\(\\) with no arguments"):
-        opt.step(scale=128.0)
-    groups = [{"params": (p for p in model[0].parameters()), "lr": 0.1}, {"params": model[3].parameters()}]
-    assert len(optimizers.FusedAdam(groups).param_groups[0]["params"]) == 2  # generators read once
-
-
-@HALVES
-def test_fused_adam_under_amp_steps_fp32_masters(half) -> None:
-    model = _net()
-    opt = optimizers.FusedAdam(model.parameters(), lr=1e-2)
-    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, verbosity=0)
-    assert {p.dtype for p in amp.master_params(opt)} == {F32}
-    before = model[0].weight.detach().clone()
-    for _ in range(2):
-        opt.zero_grad()
-        with amp.scale_loss(model(torch.randn(5, 6)).float().pow(2).mean(), opt) as scaled:
-            scaled.backward()
-        opt.step()
-    assert model[0].weight.dtype == half and not torch.equal(before, model[0].weight)
-    assert torch.equal(model[0].weight, next(amp.master_params(opt)).to(half))
-
-
-def test_fused_sgd_and_adagrad() -> None:
-    a, b = _net(), _net()
-    kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
-    got = _train(a, optimizers.FusedSGD(a.parameters(), **kw))
-    want = _train(b, torch.optim.SGD(b.parameters(), foreach=True, **kw))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-    with pytest.raises(TypeError, match="lr"):
-        optimizers.FusedSGD(a.parameters())  # lr is required, as in Apex
-    opt = optimizers.FusedSGD(a.parameters(), lr=0.1)
-    a(torch.randn(5, 6)).sum().backward()
-    opt.zero_grad()
-    assert all(p.grad is not None and not p.grad.any() for p in a.parameters())  # set_grad_none=False
-    with pytest.raises(NotImplementedError, match="weight decay before momentum"):
-        optimizers.FusedSGD(a.parameters(), lr=0.1, wd_after_momentum=True)
-
-    a, b = _net(), _net()
-    got = _train(a, optimizers.FusedAdagrad(a.parameters(), lr=0.1, weight_decay=1e-3))
-    want = _train(b, torch.optim.Adagrad(b.parameters(), lr=0.1, eps=1e-10, weight_decay=1e-3, foreach=True))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-    with pytest.raises(NotImplementedError, match="decoupled"):
-        optimizers.FusedAdagrad(a.parameters(), adagrad_w_mode=True)
-
-
-@pytest.mark.parametrize("name", ["FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad"])
-def test_optimizers_pytorch_does_not_have_name_the_alternatives(name) -> None:
-    cls = getattr(optimizers, name)  # importable: scripts import them unconditionally
-    assert issubclass(cls, torch.optim.Optimizer)
-    with pytest.raises(NotImplementedError) as err:
-        cls(_net().parameters(), lr=1e-3)
-    assert "PyTorch has no" in str(err.value) and "AdamW" in str(err.value) and "torch-optimizer" in str(err.value)
-
-
+# (the Fused* optimizers' math: tests/test_apex_optimizers.py)
 def test_fp16_optimizer_shows_the_amp_form() -> None:
     for cls in (optimizers.FP16_Optimizer, fp16_utils.FP16_Optimizer):
         with pytest.raises(NotImplementedError, match=r"amp.initialize\(model, optimizer, opt_level='O2'\)"):
@@ -195,17 +102,17 @@ def test_ddp_and_cpu_sync_batch_norm_in_a_process_group(tmp_path) -> None:
         logging.basicConfig(level=logging.INFO, stream=sys.stdout)
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdzv", rank=0, world_size=1)
         model = nn.Sequential(nn.Linear(4, 4), parallel.SyncBatchNorm(4))
-        ddp = parallel.DistributedDataParallel(model, delay_allreduce=True, allreduce_always_fp32=True,
+        ddp = parallel.DistributedDataParallel(model, delay_allreduce=True, num_allreduce_streams=2,
                                                message_size=2 ** 20, gradient_predivide_factor=2.0)
         assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.module is model
         ddp(torch.randn(3, 4)).sum().backward()
         ddp.disable_allreduce(); assert not ddp.require_backward_grad_sync
         ddp.enable_allreduce(); assert ddp.require_backward_grad_sync
-        for bad, error in ((dict(shared_param=True), ValueError), (dict(gradient_average=False), NotImplementedError)):
-            try:
-                parallel.DistributedDataParallel(nn.Linear(2, 2), **bad)
-            except error as e:
-                print("refused:", e)
+        try:
+            parallel.DistributedDataParallel(nn.Linear(2, 2), shared_param=True)
+        except ValueError as e:
+            print("refused:", e)
+        parallel.DistributedDataParallel(nn.Linear(2, 2), delay_allreduce=True, num_allreduce_streams=2)
         bn, ref = parallel.SyncBatchNorm(3, momentum=0.3), nn.BatchNorm2d(3, momentum=0.3)
         x = torch.randn(4, 3, 5, 5, requires_grad=True)
         x2 = x.detach().clone().requires_grad_()
@@ -223,9 +130,9 @@ def test_ddp_and_cpu_sync_batch_norm_in_a_process_group(tmp_path) -> None:
     ''')
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ALL OK" in proc.stdout, proc.stdout + proc.stderr
-    assert proc.stdout.count("refused:") == 2
-    assert "delay_allreduce=True" in proc.stdout and "allreduce_always_fp32=True" in proc.stdout  # one log line
-    assert proc.stdout.count("have no meaning") == 1
+    assert proc.stdout.count("refused:") == 1
+    assert "delay_allreduce=True" in proc.stdout and "num_allreduce_streams=2" in proc.stdout  # one log line
+    assert proc.stdout.count("have no meaning") == 1  # once, though two DDPs were given the same keywords
 
 
 # ------------------------------------------------------------------ apex.normalization
@@ -309,12 +216,15 @@ def test_fp16_utils_helpers() -> None:
 
 
 # ------------------------------------------------------------------ apex.multi_tensor_apply
-def test_multi_tensor_applier_imports_and_refuses_to_run() -> None:
-    applier = multi_tensor_apply.multi_tensor_applier
-    assert applier.available is False and isinstance(applier.import_err, ImportError)
-    with pytest.raises(NotImplementedError, match="torch._foreach_"):
-        applier(None, torch.zeros(1, dtype=torch.int), [[torch.ones(2)]], 1.0)
-    assert multi_tensor_apply.MultiTensorApply(333).chunk_size == 333
+def test_multi_tensor_applier_calls_the_op_as_apex_did() -> None:
+    """`applier(op, flag, lists, *args)` is `op(chunk_size, flag, lists, *args)`; the kernels are
+    tested in tests/test_apex_kernels.py."""
+    applier = multi_tensor_apply.MultiTensorApply(333)
+    assert applier.available is True and applier.chunk_size == 333
+    applier.check_avail()
+    calls = []
+    assert applier(lambda *a: calls.append(a) or "out", "flag", [["t"]], 1.0, "x") == "out"
+    assert calls == [(333, "flag", [["t"]], 1.0, "x")]
 
 
 def test_adapters_log_what_they_ignore(caplog) -> None:

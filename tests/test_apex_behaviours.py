@@ -2,7 +2,8 @@
 dtypes: basic casts and banned functions through `amp.init`, promotion, the cast cache across
 train/eval/train with an `_amp_state` scale override, RNNs, `add_param_group` and several
 models/losses/optimizers with `cast_model_type=False` and injected overflows, per-loss scale
-decrease, and checkpoints across levels. Plus the three documented differences, pinned.
+decrease, and checkpoints across levels. Plus the two documented differences, pinned, and
+`Tensor.cpu()` returning FP32 as in Apex.
 """
 from __future__ import annotations
 
@@ -127,12 +128,40 @@ def test_rnns_run_in_half(half) -> None:
     handle._deactivate()
 
 
-# ------------------------------------------------------------------ the three documented differences
+# ------------------------------------------------------------------ .cpu(), and the documented differences
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@HALVES
+def test_logits_cpu_numpy_works_at_every_level(level, half) -> None:
+    """Every Transformers 2.x/3.x evaluation loop: `logits.detach().cpu().numpy()`. Under O1/O4
+    `.cpu()` of a half tensor is FP32, as Apex's was; at the other levels the model's outputs
+    are FP32 already."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    half_kw = {} if level in ("O0", "O4", "O5") else {"half_dtype": half}
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **half_kw)
+    try:
+        logits = model(torch.randn(2, 4))
+        array = logits.detach().cpu().numpy()
+        assert array.shape == (2, 3) and str(array.dtype) == "float32"
+        x = torch.randn(3).to(half)
+        if level in ("O1", "O4"):
+            assert x.cpu().dtype == F32 and x.numpy().dtype.name == "float32"
+            assert x.to("cpu").dtype == half  # only Apex's `cpu` casts
+        else:
+            assert x.cpu().dtype == half
+    finally:
+        amp.deinitialize()
+    assert torch.randn(2).to(half).cpu().dtype == half  # plain PyTorch again
+
+
 @HALVES
 def test_the_documented_differences(half) -> None:
     handle = amp.init(patch_type=half)
     x = torch.randn(4, dtype=half)
-    assert x.cpu().dtype == half  # Apex returned FP32 from .cpu()
+    assert x.cpu().dtype == F32  # as in Apex: no longer a difference
     y = x.clone()
     y.exp_()  # Apex raised NotImplementedError; plain PyTorch runs it in the tensor's dtype
     assert y.dtype == half and torch.allclose(y.float(), x.float().exp(), rtol=1e-2)

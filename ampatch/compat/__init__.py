@@ -6,8 +6,12 @@
 - `state`: `amp._amp_state`, a view of the live session with the attributes real scripts touch.
 - `handle`: `amp.init()`, Apex's older O1-only entry point, and its handle.
 - one module per Apex package it stands in for, each a thin layer over PyTorch with Apex's
-  names and keyword arguments: `parallel` (+ `larc`), `optimizers`, `normalization`,
-  `fp16_utils`, `multi_tensor_apply`, and `testing` (what Apex's own tests import).
+  names and keyword arguments: `parallel` (+ `larc`, `flat_dist`), `optimizers` (+ `adam`,
+  `lamb`, `optim_base`), `normalization`, `fp16_utils`, `multi_tensor_apply`, and `testing`
+  (what Apex's own tests import).
+- Apex's compiled modules: `amp_c` (`amp_C`: the multi-tensor kernels of `kernels` and
+  `optim_kernels`, on torch's foreach ops), `apex_c` (`apex_C`), `extensions`
+  (`apex.extensions`).
 """
 from __future__ import annotations
 

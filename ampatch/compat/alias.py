@@ -3,28 +3,39 @@ edited (`ampatch run --apex-alias` installs it from a `sitecustomize`).
 
 Under the alias `apex.amp` is ampatch itself, and `apex.parallel`, `apex.optimizers`,
 `apex.normalization`, `apex.fp16_utils`, `apex.multi_tensor_apply` (and `apex.testing`, which
-Apex's own tests import) are ampatch's thin adapters over PyTorch. Everything else of Apex
-(`apex.contrib`, its compiled extensions `amp_C`, `apex_C`, ...) fails to import with an
-`ImportError` that says ampatch does not provide it and names the PyTorch replacement; the
-message survives `from X import Y`, which swallows a `ModuleNotFoundError` for the name it
-asked for. Nothing is installed when a real `apex` is importable: that one wins.
+Apex's own tests import) are ampatch's thin adapters over PyTorch; Apex's compiled `amp_C` and
+`apex_C` are its foreach-op stand-ins (also as `apex.extensions.amp_C`). Everything else of
+Apex (`apex.contrib`, its other CUDA extensions, ...) fails to import with an `ImportError`
+that says ampatch does not provide it and names the PyTorch replacement; the message survives
+`from X import Y`, which swallows a `ModuleNotFoundError` for the name it asked for. Nothing is
+installed when a real `apex` is importable: that one wins.
+
+The alias looks installed to libraries that probe for Apex: `apex` has a module spec
+(`importlib.util.find_spec("apex")`), and `importlib.metadata.version("apex")` answers
+`APEX_VERSION`.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import logging
 import sys
 import types
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("ampatch")
 
 _ALIAS_FLAG = "__ampatch_alias__"
 _README = "see 'Coming from Apex' in ampatch's README"
+# What importlib.metadata.version("apex") answers under the alias: Apex's own version number
+# (its setup.py said 0.1 to the end), marked as ampatch's stand-in.
+APEX_VERSION = "0.1+ampatch"
 
 # Apex module -> the ampatch module that stands in for it under the alias.
 PROVIDED = {
@@ -52,7 +63,13 @@ PROVIDED = {
     "apex.fp16_utils.fp16_optimizer": "ampatch.compat.fp16_utils",
     "apex.fp16_utils.loss_scaler": "ampatch.compat.fp16_utils",
     "apex.multi_tensor_apply.multi_tensor_apply": "ampatch.compat.multi_tensor_apply",
+    # where some Apex versions import their compiled modules from
+    "apex.extensions": "ampatch.compat.extensions",
+    "apex.extensions.amp_C": "ampatch.compat.amp_c",
+    "apex.extensions.apex_C": "ampatch.compat.apex_c",
 }
+# Apex's compiled top-level modules that ampatch stands in for (unless a real one is importable).
+EXTENSION_MODULES = {"amp_C": "ampatch.compat.amp_c", "apex_C": "ampatch.compat.apex_c"}
 
 # What ampatch does not provide, and what replaces it in PyTorch (most specific prefix wins).
 NOT_PROVIDED = {
@@ -66,16 +83,13 @@ NOT_PROVIDED = {
     "apex.transformer": "use torch.distributed.tensor (tensor parallelism) or Megatron-Core",
     "apex.mlp": "use torch.nn.Sequential of torch.nn.Linear layers",
     "apex.fused_dense": "use torch.nn.Linear (torch.compile fuses the bias and activation)",
-    "apex.extensions": "Apex's compiled CUDA extensions are not provided; use torch._foreach_* ops and "
+    "apex.extensions": "of Apex's compiled extensions only amp_C and apex_C are provided; use torch._foreach_* ops and "
                        "torch.optim's fused=True / foreach=True",
-    "apex": f"only apex.amp, apex.parallel, apex.optimizers, apex.normalization, apex.fp16_utils and "
-            f"apex.multi_tensor_apply are provided, {_README}",
+    "apex": f"only apex.amp, apex.parallel, apex.optimizers, apex.normalization, apex.fp16_utils, "
+            f"apex.multi_tensor_apply and the amp_C/apex_C kernels are provided, {_README}",
 }
-_KERNELS = "Apex's compiled CUDA kernels are not provided; "
+_KERNELS = "Apex's compiled CUDA kernels are not provided (amp_C and apex_C are); "
 EXTENSIONS = {
-    "amp_C": _KERNELS + "use torch._foreach_* ops (e.g. torch._foreach_mul_, torch._foreach_norm) and "
-                        "torch._amp_foreach_non_finite_check_and_unscale_, or torch.optim's fused=True/foreach=True",
-    "apex_C": _KERNELS + "use torch._utils._flatten_dense_tensors / _unflatten_dense_tensors",
     "syncbn": _KERNELS + "use torch.nn.SyncBatchNorm",
     "fused_layer_norm_cuda": _KERNELS + "use torch.nn.functional.layer_norm / rms_norm",
     "fused_adam_cuda": _KERNELS + "use torch.optim.AdamW(fused=True)",
@@ -112,14 +126,44 @@ def not_provided_message(fullname: str) -> str:
             f"ampatch.compat.install_apex_alias): {NOT_PROVIDED[prefix]}.")
 
 
+class _AliasDistribution(importlib.metadata.Distribution):
+    """The `apex` distribution importlib.metadata finds under the alias (name, version, summary)."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename in ("METADATA", "PKG-INFO"):
+            return (f"Metadata-Version: 2.1\nName: apex\nVersion: {APEX_VERSION}\n"
+                    "Summary: ampatch's alias for NVIDIA Apex (ampatch.compat.install_apex_alias)\n")
+        return None
+
+    def locate_file(self, path: Any) -> Path:
+        return Path(__file__).resolve().parent / str(path)
+
+
 class _ApexFinder(importlib.abc.MetaPathFinder):
-    """Answers imports of the Apex modules ampatch does not provide with a clear error."""
+    """Answers imports of the Apex modules ampatch does not provide with a clear error, and
+    importlib.metadata's question for the `apex` distribution with the alias's."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
         if fullname.startswith("apex."):
             raise NotProvidedError(not_provided_message(fullname), name=fullname)
         if fullname in EXTENSIONS and importlib.machinery.PathFinder.find_spec(fullname) is None:
             raise NotProvidedError(not_provided_message(fullname), name=fullname)
+        return None
+
+    def find_distributions(self, context: Any = None) -> Iterator[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        if apex_alias_installed() and (name is None or name.lower().replace("-", "_") == "apex"):
+            yield _AliasDistribution()
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """The loader in the `apex` alias's spec: the module is built by `install_apex_alias`, so
+    loading (or reloading) it again does nothing."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
         return None
 
 
@@ -163,7 +207,10 @@ def install_apex_alias() -> bool:
 
     apex = types.ModuleType("apex", "ampatch's alias for NVIDIA Apex: apex.amp is ampatch, apex.parallel, "
                                     "apex.optimizers, ... are ampatch.compat's adapters over PyTorch.")
-    apex.__path__ = []  # a package, so `import apex.amp` is a submodule import
+    apex.__spec__ = importlib.machinery.ModuleSpec("apex", _AliasLoader(), origin="ampatch.compat.alias",
+                                                   is_package=True)
+    apex.__loader__ = apex.__spec__.loader
+    apex.__path__ = apex.__spec__.submodule_search_locations  # [], a package: `import apex.amp` is a submodule
     apex.__getattr__ = _alias_getattr
     setattr(apex, _ALIAS_FLAG, True)
     modules = {"apex": apex}
@@ -174,6 +221,9 @@ def install_apex_alias() -> bool:
             setattr(apex, child, module)
         elif not hasattr(modules[parent], child):  # `apex.testing.common_utils` as an attribute too
             setattr(modules[parent], child, module)
+    for name, target in EXTENSION_MODULES.items():
+        if name not in sys.modules and importlib.machinery.PathFinder.find_spec(name) is None:
+            modules[name] = importlib.import_module(target)
     for name, module in modules.items():
         sys.modules[name] = module
     if _finder not in sys.meta_path:
@@ -189,7 +239,7 @@ def uninstall_apex_alias() -> bool:
     if not apex_alias_installed():
         return False
     del sys.modules["apex"]
-    for name, target in PROVIDED.items():
-        if sys.modules.get(name) is sys.modules.get(target):
+    for name, target in {**PROVIDED, **EXTENSION_MODULES}.items():
+        if name in sys.modules and sys.modules.get(name) is sys.modules.get(target):
             del sys.modules[name]
     return True

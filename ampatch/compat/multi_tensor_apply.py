@@ -1,32 +1,28 @@
-"""`apex.multi_tensor_apply` under the alias: importable (scripts import it far more often
-than they call it); calling it fails, since it drives Apex's compiled `amp_C` kernels."""
+"""`apex.multi_tensor_apply` under the alias: Apex's applier, driving the `amp_C` kernels
+that ampatch computes with torch's foreach ops (`ampatch.compat.amp_c`)."""
 from __future__ import annotations
 
 from typing import Any
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier"]
 
-_HINT = ("apex.multi_tensor_apply drives Apex's compiled amp_C kernels, which ampatch does not provide: use "
-         "torch._foreach_* ops (torch._foreach_mul_, torch._foreach_add_, torch._foreach_norm, ...) or "
-         "torch.optim's foreach=True / fused=True")
-
 
 class MultiTensorApply:
-    """Apex's applier object. `available` is False, so code that checks it takes its
-    non-fused path; calling it raises with the PyTorch replacement."""
+    """`applier(op, noop_flag_buffer, tensor_lists, *args)` calls
+    `op(chunk_size, noop_flag_buffer, tensor_lists, *args)`, as Apex's did. `available` is
+    True: the kernels exist (they do not need CUDA here)."""
 
-    available = False
+    available = True
     warned = False
-    import_err = ImportError(_HINT)
 
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
 
     def check_avail(self) -> None:
-        raise RuntimeError(_HINT + ".")
+        """Apex raised here without its extension; the kernels are always available here."""
 
     def __call__(self, op: Any, noop_flag_buffer: Any, tensor_lists: Any, *args: Any) -> Any:
-        raise NotImplementedError(_HINT + ".")
+        return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
 
 
 multi_tensor_applier = MultiTensorApply(2048 * 32)

@@ -1,9 +1,10 @@
-"""`apex.optimizers` under the alias: torch.optim's implementations with Apex's names,
-keyword arguments and defaults, using `fused=True` on CUDA and `foreach=True` elsewhere.
+"""`apex.optimizers` under the alias: Apex's fused optimizers with Apex's math, arguments and
+defaults, computed by the `amp_C` stand-ins on torch's foreach ops (any device).
 
-PyTorch has no LAMB and no NovoGrad: `FusedLAMB`, `FusedMixedPrecisionLamb` and
-`FusedNovoGrad` are importable (scripts import them unconditionally) and raise a clear error
-naming the alternatives when constructed. Apex options torch cannot honour raise too.
+`FusedAdam` lives in `adam`, `FusedLAMB` and `FusedMixedPrecisionLamb` in `lamb`; `FusedSGD`,
+`FusedAdagrad` and `FusedNovoGrad` here. Each keeps its state in `optimizer.state` (and, as in
+Apex, `step` in the param group), so `state_dict()`/`load_state_dict()` round-trip it, and each
+works under `amp.initialize` at every level (at O2 the FP32 masters are the params it sees).
 """
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.optim.optimizer import required  # type: ignore[attr-defined]
 
+from . import optim_kernels as K
+from .adam import FusedAdam
 from .alias import not_provided_class
+from .kernels import norms
+from .lamb import FusedLAMB, FusedMixedPrecisionLamb
+from .optim_base import ApexOptimizer
 
 logger = logging.getLogger("ampatch")
 
@@ -21,125 +29,169 @@ __all__ = ["FusedAdam", "FusedSGD", "FusedAdagrad", "FusedLAMB", "FusedMixedPrec
            "FP16_Optimizer"]
 
 
-def _params_list(params: Iterable[Any]) -> list[Any]:
-    """The params argument as a list, each group's params a list (a generator is read once)."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
-                        "but got a Tensor.")
-    out = []
-    for item in params:
-        if isinstance(item, dict):
-            group = item["params"]
-            item = dict(item, params=[group] if isinstance(group, torch.Tensor) else list(group))
-        out.append(item)
-    return out
+def _closure_loss(closure: Callable[[], Any] | None) -> Any:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
-def _fast_path(params: list[Any]) -> dict[str, bool]:
-    """`fused=True` when every parameter is on CUDA, else `foreach=True` (multi-tensor)."""
-    tensors: list[Any] = []
-    for item in params:
-        tensors.extend(item["params"] if isinstance(item, dict) else [item])
-    tensors = [t[1] if isinstance(t, tuple) else t for t in tensors]  # (name, param) pairs
-    if tensors and all(t.device.type == "cuda" and t.is_floating_point() for t in tensors):
-        return {"fused": True}
-    return {"foreach": True}
+class FusedSGD(ApexOptimizer):
+    """`apex.optimizers.FusedSGD(params, lr=required, momentum=0, dampening=0, weight_decay=0,
+    nesterov=False, wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False)`:
 
+        d = g + wd * p                       (weight decay before momentum, the default)
+        buf = d (first step), else momentum * buf + (1 - dampening) * d
+        d = d + momentum * buf (nesterov), else buf
+        d = d + wd * p                       (wd_after_momentum=True instead of the first line)
+        p = p - lr * d
 
-def _deprecated_step_args(name: str, **kwargs: Any) -> None:
-    if any(v is not None for v in kwargs.values()):
-        raise RuntimeError(f"{name} has been updated (as in Apex): initialize it identically to torch.optim and "
-                           "call step() with no arguments.")
+    `lr` may be left out when every param group sets its own, as in Apex; `zero_grad()`
+    zeroes in place (`set_grad_none=False`)."""
 
-
-class _SetGradNone:
-    """Apex's `set_grad_none`: what `zero_grad()` does when not told (`set_to_none`)."""
-
-    set_grad_none: bool
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)  # type: ignore[misc]
-
-
-class FusedAdam(_SetGradNone, torch.optim.Adam):
-    """`apex.optimizers.FusedAdam`: Apex's defaults are AdamW semantics (`adam_w_mode=True`,
-    decoupled weight decay) and `zero_grad()` setting grads to None (`set_grad_none=True`);
-    `adam_w_mode=False` is Adam with L2 weight decay."""
-
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
-                 capturable: bool = False, master_weights: bool = False) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant (neither did Apex's); use "
-                               "torch.optim.AdamW(amsgrad=True).")
-        if not bias_correction:
-            raise NotImplementedError("FusedAdam(bias_correction=False): torch.optim.Adam always corrects the "
-                                      "moment estimates' bias and has no switch for it; drop the argument.")
-        if master_weights:
-            raise NotImplementedError("FusedAdam(master_weights=True) kept Apex's own FP32 copies; with ampatch, "
-                                      "use amp.initialize(model, optimizer, opt_level='O2'), which gives any "
-                                      "optimizer FP32 master weights.")
-        params = _params_list(params)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=capturable,
-                         decoupled_weight_decay=adam_w_mode, **_fast_path(params))
-        self.adam_w_mode = adam_w_mode
-        self.set_grad_none = set_grad_none
-
-    def step(self, closure: Callable[[], Any] | None = None, grads: Any = None, output_params: Any = None,
-             scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
-        _deprecated_step_args("FusedAdam", grads=grads, output_params=output_params, scale=scale,
-                              grad_norms=grad_norms, grad_scaler=grad_scaler)
-        return super().step(closure)
-
-
-class FusedSGD(_SetGradNone, torch.optim.SGD):
-    """`apex.optimizers.FusedSGD`: `lr` is required and `zero_grad()` zeroes in place
-    (`set_grad_none=False`), as in Apex."""
-
-    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.0, dampening: float = 0.0,
+    def __init__(self, params: Iterable[Any], lr: float = required, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: bool = False) -> None:
-        if wd_after_momentum:
-            raise NotImplementedError("FusedSGD(wd_after_momentum=True): torch.optim.SGD adds weight decay before "
-                                      "momentum and has no switch for the other order; drop the argument.")
+        if lr is not required and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, set_grad_none)
+        self.wd_after_momentum = wd_after_momentum
+        self.materialize_master_grads = materialize_master_grads
         if not materialize_master_grads:
             logger.info("ampatch: FusedSGD(materialize_master_grads=False) only changed where Apex kept O2 master "
                         "gradients; ampatch always keeps them on the FP32 masters (same result). Ignored.")
-        params = _params_list(params)
-        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                         nesterov=nesterov, **_fast_path(params))
-        self.wd_after_momentum = wd_after_momentum
-        self.materialize_master_grads = materialize_master_grads
-        self.set_grad_none = set_grad_none
+        self.most_recent_scale = 1.0  # Apex's amp set these for its own O2 path; the step divides by the scale
+        self.scale_set_by_backward = False
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One SGD step for every group; returns the closure's loss."""
+        loss = _closure_loss(closure)
+        for group in self.param_groups:
+            for params in self.by_dtype(group, "FusedSGD").values():
+                fresh = [p for p in params if "momentum_buffer" not in self.state[p]]
+                kept = [p for p in params if "momentum_buffer" in self.state[p]]
+                for first_run, chosen in ((True, fresh), (False, kept)):  # a new buffer starts as the gradient
+                    if not chosen:
+                        continue
+                    moms = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in chosen]
+                    K.multi_tensor_sgd(0, self._dummy_overflow_buf, [[p.grad for p in chosen], chosen, moms],
+                                       group["weight_decay"], group["momentum"], group["dampening"], group["lr"],
+                                       group["nesterov"], first_run, self.wd_after_momentum,
+                                       1.0 / self.most_recent_scale)
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+        return loss
 
 
-class FusedAdagrad(_SetGradNone, torch.optim.Adagrad):
-    """`apex.optimizers.FusedAdagrad` as `torch.optim.Adagrad` (foreach)."""
+class FusedAdagrad(ApexOptimizer):
+    """`apex.optimizers.FusedAdagrad(params, lr=1e-2, eps=1e-10, weight_decay=0.0,
+    set_grad_none=True, adagrad_w_mode=False)`:
+
+        g' = g + wd * p                      (adagrad_w_mode=False: L2)
+        h = h + g'^2
+        p = p - lr * (g' / (sqrt(h) + eps) [+ wd * p with adagrad_w_mode=True])
+    """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0,
                  set_grad_none: bool = True, adagrad_w_mode: bool = False) -> None:
-        if adagrad_w_mode:
-            raise NotImplementedError("FusedAdagrad(adagrad_w_mode=True): torch.optim.Adagrad has no decoupled "
-                                      "weight decay; use weight_decay (L2) or torch.optim.AdamW.")
-        super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
-        self.set_grad_none = set_grad_none
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), set_grad_none)
+        self.adagrad_w_mode = 1 if adagrad_w_mode else 0
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Adagrad step for every group; returns the closure's loss."""
+        loss = _closure_loss(closure)
+        for group in self.param_groups:
+            for params in self.by_dtype(group, "FusedAdagrad").values():
+                sums = [self.state[p].setdefault("sum", torch.zeros_like(p)) for p in params]
+                K.multi_tensor_adagrad(0, self._dummy_overflow_buf, [[p.grad for p in params], params, sums],
+                                       group["lr"], group["eps"], self.adagrad_w_mode, group["weight_decay"])
+        return loss
 
 
-def _unavailable(name: str, algorithm: str, alternatives: str) -> type:
-    """An optimizer class PyTorch does not have: importable, raises naming the alternatives."""
-    return not_provided_class(name, __name__, f"apex.optimizers.{name}: PyTorch has no {algorithm} optimizer and "
-                              f"ampatch does not re-implement Apex's fused kernel. Alternatives: {alternatives}. Any "
-                              "torch.optim.Optimizer works with amp.initialize.", base=torch.optim.Optimizer)
+# Apex's FusedNovoGrad keeps one tensor of per-parameter norms per dtype in the group:
+# group["exp_avg_sq"][i], i by dtype (Apex had float16 and float32; bfloat16 is the third).
+_NORM_SLOT = {torch.float16: 0, torch.float32: 1, torch.bfloat16: 2}
 
 
-_LAMB_ALTERNATIVES = ("torch.optim.AdamW(fused=True) (Adam without LAMB's layer-wise trust ratio), or a LAMB "
-                      "implementation such as torch-optimizer's Lamb (pip install torch-optimizer)")
-FusedLAMB = _unavailable("FusedLAMB", "LAMB", _LAMB_ALTERNATIVES)
-FusedMixedPrecisionLamb = _unavailable("FusedMixedPrecisionLamb", "LAMB", _LAMB_ALTERNATIVES)
-FusedNovoGrad = _unavailable("FusedNovoGrad", "NovoGrad",
-                             "torch.optim.AdamW(fused=True), or a NovoGrad implementation such as "
-                             "torch-optimizer's NovoGrad (pip install torch-optimizer)")
+class FusedNovoGrad(ApexOptimizer):
+    """`apex.optimizers.FusedNovoGrad(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999),
+    eps=1e-8, weight_decay=0.0, amsgrad=False, reg_inside_moment=False, grad_averaging=True,
+    norm_type=2, init_zero=False, set_grad_none=True)`, per parameter tensor:
+
+        n = sqrt(b2 * n^2 + (1 - b2) * |g|^2)   (norm_type=2; 0: n = b2 * n + (1 - b2) * max|g|)
+                                                n starts at the first step's norm (0 with init_zero)
+        d = n / bc2 + eps                       bc2 = sqrt(1 - b2 ** step), bc1 = 1 - b1 ** step
+        reg_inside_moment=False: m = b1 * m + b3 * g;  p = p - lr * ((m / bc1) / d + wd * p)
+        reg_inside_moment=True:  m = b1 * m + b3 * (g / d + wd * p);  p = p - lr * m / bc1
+
+    with b3 = 1 - b1 (1 without grad_averaging); the norms live in the group (`exp_avg_sq`)."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 amsgrad: bool = False, reg_inside_moment: bool = False, grad_averaging: bool = True,
+                 norm_type: int = 2, init_zero: bool = False, set_grad_none: bool = True) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
+        if norm_type not in (0, 2):
+            raise RuntimeError("FusedNovoGrad only support l2/inf norm now.")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+                        grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
+        super().__init__(params, defaults, set_grad_none)
+        self.moment_mode = 0 if reg_inside_moment else 1
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As Apex's: the per-parameter norms move to the parameters' device."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if group["params"] and "exp_avg_sq" in group:
+                device = group["params"][0].device
+                group["exp_avg_sq"] = [t.to(device) if isinstance(t, Tensor) else t for t in group["exp_avg_sq"]]
+
+    def _norms(self, group: dict[str, Any], dtype: torch.dtype, grads: list[Tensor]) -> Tensor:
+        slots = group.setdefault("exp_avg_sq", [None, None])
+        slot = _NORM_SLOT[dtype]
+        slots.extend([None] * (slot + 1 - len(slots)))
+        if slots[slot] is None:
+            if group["init_zero"]:
+                slots[slot] = torch.zeros(len(grads), device=grads[0].device)
+            else:  # the first step's norms, so that the first blend changes nothing
+                slots[slot] = norms(grads, float("inf") if group["norm_type"] == 0 else 2.0)
+        elif slots[slot].numel() != len(grads):
+            raise RuntimeError(f"FusedNovoGrad keeps one norm per parameter with a gradient: {slots[slot].numel()} "
+                               f"norms for {len(grads)} gradients of {dtype} in this group (every parameter that "
+                               "had a gradient at the first step needs one at every step).")
+        return slots[slot]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One NovoGrad step for every group; returns the closure's loss."""
+        loss = _closure_loss(closure)
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            for dtype, params in self.by_dtype(group, "FusedNovoGrad").items():
+                grads = [p.grad for p in params]
+                moms = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in params]
+                K.multi_tensor_novograd(0, self._dummy_overflow_buf, [grads, params, moms],
+                                        self._norms(group, dtype, grads), group["lr"], beta1, beta2, group["eps"],
+                                        group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
+                                        1 if group["grad_averaging"] else 0, self.moment_mode, group["norm_type"])
+        return loss
+
 
 # Apex's deprecated FP16 wrapper (also apex.fp16_utils.FP16_Optimizer): amp.initialize does its job.
 FP16_Optimizer = not_provided_class(  # noqa: N816 - Apex's name

@@ -1,17 +1,23 @@
 """`apex.parallel` under the alias: PyTorch's data parallelism with Apex's names and keywords.
 
 - `DistributedDataParallel` is `torch.nn.parallel.DistributedDataParallel` taking Apex's keyword
-  arguments; those that tune Apex's own bucketing and streams have no meaning for torch's DDP
-  (which buckets and overlaps its all-reduce itself) and are ignored with one log line.
+  arguments: `message_size` sets the bucket size, `allreduce_always_fp32`,
+  `gradient_predivide_factor` and `gradient_average=False` reduce as Apex did (a DDP
+  communication hook); those that only tuned Apex's own streams and buckets have no meaning for
+  torch's DDP (which buckets and overlaps its all-reduce itself) and are ignored, logged once.
+- `Reducer`, `flat_dist_call`, `apply_flat_dist_call`, `split_by_type`, ... (`flat_dist`):
+  Apex's manual all-reduce helpers (also under `apex.parallel.distributed`).
 - `SyncBatchNorm` is `torch.nn.SyncBatchNorm` with Apex's constructor. On CPU under
   `torch.distributed`, where torch's SyncBatchNorm has no kernel, the batch statistics are
   summed across ranks with a differentiable `torch.distributed.all_reduce`.
-- `convert_syncbn_model` swaps every batch norm for that `SyncBatchNorm`.
+- `convert_syncbn_model` swaps every batch norm for that `SyncBatchNorm`;
+  `create_syncbn_process_group(group_size)` makes the groups of ranks it syncs within.
 - `LARC` (the `apex.parallel.LARC` module) wraps a torch optimizer, as Apex's did.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,21 +26,76 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import larc as LARC  # noqa: N812 - in Apex, apex.parallel.LARC is a module
+from .flat_dist import (Reducer, apply_flat_dist_call, extract_tensors, flat_dist_call, flatten,
+                        split_by_type, split_half_float_double, unflatten)
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model", "LARC"]
+__all__ = ["DistributedDataParallel", "Reducer", "SyncBatchNorm", "convert_syncbn_model",
+           "create_syncbn_process_group", "LARC", "ApexAllreduce", "apex_allreduce_hook", "flat_dist_call",
+           "apply_flat_dist_call", "split_by_type", "split_half_float_double", "extract_tensors", "flatten",
+           "unflatten"]
 
-# Apex's keyword arguments that only tune Apex's own all-reduce machinery, with their defaults.
-_APEX_ONLY = {"delay_allreduce": False, "allreduce_trigger_params": None, "retain_allreduce_buffers": False,
-              "allreduce_always_fp32": False, "num_allreduce_streams": 1, "allreduce_communicators": None,
-              "gradient_predivide_factor": 1.0, "gradient_average_split_factor": None, "prof": False}
+# Apex's keyword arguments that only tuned Apex's own all-reduce machinery (streams, buckets,
+# timing): torch's DDP buckets and overlaps its all-reduce itself and the gradients are the same.
+_NO_EFFECT = {"delay_allreduce": False, "allreduce_trigger_params": None, "retain_allreduce_buffers": False,
+              "num_allreduce_streams": 1, "allreduce_communicators": None, "prof": False}
 _DEFAULT_MESSAGE_SIZE = 10000000
+_logged: set[str] = set()
+
+
+def _log_once(message: str, *args: Any) -> None:
+    key = message % args
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message, *args)
+
+
+@dataclass(frozen=True)
+class ApexAllreduce:
+    """How Apex all-reduced a gradient bucket: in FP32 (`allreduce_always_fp32`), divided by
+    `gradient_predivide_factor` before the sum and by `world_size / predivide` after it (the
+    mean, with less overflow risk in half), or summed without the division
+    (`gradient_average=False`). The state of `apex_allreduce_hook`."""
+
+    group: Any
+    always_fp32: bool
+    predivide: float
+    average: bool
+
+
+def apex_allreduce_hook(state: ApexAllreduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that reduces each bucket the way Apex's DDP did (`ApexAllreduce`)."""
+    buf = bucket.buffer()
+    tensor = buf.float() if state.always_fp32 else buf
+    if state.predivide != 1.0:
+        tensor.mul_(1.0 / state.predivide)
+    world = dist.get_world_size(state.group)
+    future = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
+
+    def finish(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = done.value()[0]
+        if state.average:
+            out.mul_(state.predivide / world)
+        if out is not buf:
+            buf.copy_(out)
+        return buf
+
+    return future.then(finish)
+
+
+# torch's register_comm_hook compares these annotations with the real types (postponed
+# annotations would be strings here)
+apex_allreduce_hook.__annotations__ = {"state": ApexAllreduce, "bucket": dist.GradBucket,
+                                       "return": torch.futures.Future[torch.Tensor]}
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """`apex.parallel.DistributedDataParallel(module, message_size=..., delay_allreduce=..., ...)`
     as torch's DistributedDataParallel. `message_size` (elements) becomes `bucket_cap_mb`;
+    `allreduce_always_fp32`, `gradient_predivide_factor` (`gradient_average_split_factor`, its
+    old name) and `gradient_average=False` reduce as in Apex (`apex_allreduce_hook`); the
+    keywords that only tuned Apex's own all-reduce are accepted and have no effect (logged once);
     torch keyword arguments (`device_ids`, `find_unused_parameters`, ...) pass through."""
 
     def __init__(self, module: nn.Module, message_size: int = _DEFAULT_MESSAGE_SIZE, delay_allreduce: bool = False,
@@ -46,16 +107,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if shared_param is not None:
             raise ValueError("shared_param is no longer supported by Apex's DistributedDataParallel (Apex raised "
                              "too); torch's DistributedDataParallel handles shared parameters: drop the argument.")
-        if not gradient_average:
-            raise NotImplementedError("gradient_average=False (summed instead of averaged gradients) has no "
-                                      "equivalent in torch.nn.parallel.DistributedDataParallel, which averages; "
-                                      "multiply the loss by the world size to get summed gradients.")
-        given = {k: v for k, v in locals().items() if k in _APEX_ONLY}  # the arguments named in _APEX_ONLY
-        ignored = [k for k, v in given.items() if v is not _APEX_ONLY[k] and v != _APEX_ONLY[k]]
+        given = {k: v for k, v in locals().items() if k in _NO_EFFECT}  # the arguments named in _NO_EFFECT
+        ignored = [k for k, v in given.items() if v is not _NO_EFFECT[k] and v != _NO_EFFECT[k]]
         if ignored:
-            logger.info("ampatch: apex.parallel.DistributedDataParallel: %s tune Apex's own all-reduce and have no "
-                        "meaning for torch.nn.parallel.DistributedDataParallel (the gradients are the same); "
-                        "ignored.", ", ".join(f"{k}={given[k]!r}" for k in ignored))
+            _log_once("ampatch: apex.parallel.DistributedDataParallel: %s tune Apex's own all-reduce and have no "
+                      "meaning for torch.nn.parallel.DistributedDataParallel (the gradients are the same); "
+                      "ignored.", ", ".join(f"{k}={given[k]!r}" for k in ignored))
+        if gradient_average_split_factor is not None:  # Apex's old name, which it still honoured
+            gradient_predivide_factor = gradient_average_split_factor
         if message_size != _DEFAULT_MESSAGE_SIZE:
             torch_kwargs.setdefault("bucket_cap_mb", message_size * 4 / 2 ** 20)  # elements of FP32
         if "device_ids" not in torch_kwargs:
@@ -64,6 +123,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 torch_kwargs["device_ids"] = [device.index if device.index is not None
                                               else torch.cuda.current_device()]
         super().__init__(module, **torch_kwargs)
+        self.allreduce_always_fp32 = allreduce_always_fp32
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.gradient_average = gradient_average
+        if allreduce_always_fp32 or gradient_predivide_factor != 1.0 or not gradient_average:
+            self.register_comm_hook(ApexAllreduce(self.process_group, allreduce_always_fp32,
+                                                  float(gradient_predivide_factor), gradient_average),
+                                    apex_allreduce_hook)
 
     def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
         """torch refuses SyncBatchNorm in a CPU module; this module's SyncBatchNorm syncs on CPU
@@ -170,3 +236,21 @@ def convert_syncbn_model(module: nn.Module, process_group: Any = None, channel_l
     for name, child in module.named_children():
         out.add_module(name, convert_syncbn_model(child, process_group, channel_last))
     return out
+
+
+def create_syncbn_process_group(group_size: int) -> Any:
+    """The process group of this rank's block of `group_size` consecutive ranks (None for 0:
+    the whole world), for `SyncBatchNorm(process_group=...)`; every rank must call it."""
+    if group_size == 0:
+        return None
+    world_size = dist.get_world_size()
+    if group_size > world_size or world_size % group_size:
+        raise ValueError(f"create_syncbn_process_group: group_size {group_size} must divide the world size "
+                         f"{world_size}.")
+    group = None
+    for group_num in range(world_size // group_size):
+        ranks = list(range(group_num * group_size, (group_num + 1) * group_size))
+        current = dist.new_group(ranks=ranks)
+        if dist.get_rank() // group_size == group_num:
+            group = current
+    return group

@@ -24,8 +24,10 @@ from __future__ import annotations
 #   touches in-place ops, so with mixed dtypes they raise under autocast.
 # From Apex amp (tensor_overrides.py):
 # - __ipow__ is not FLOAT (in-place; see the docstring).
-# - cpu is not FLOAT: Apex cast to FP32 before a device-to-host copy; ampatch is
-#   device-agnostic and x.cpu() keeps its dtype, as PyTorch documents.
+# - cpu is FLOAT, as in Apex ("cast to fp32 before transfer to CPU"), on every device: the
+#   host copy of a half tensor is FP32, so `logits.detach().cpu().numpy()` works (numpy has
+#   no bfloat16) in every evaluation loop written for Apex. numpy is FLOAT for the same reason
+#   (`x.numpy()` of a CPU half tensor: Apex's float16 had a numpy dtype, bfloat16 has none).
 # - __rmatmul__ is HALF and __rtruediv__/__rdiv__ are FLOAT (autocast's choice; Apex had
 #   neither).
 # - Apex's operator CASTS (__add__, __mul__, __truediv__, __eq__..., __iadd__...) promote
@@ -50,6 +52,9 @@ HALF: tuple[str, ...] = (
 )
 
 FLOAT: tuple[str, ...] = (
+    # host copies: FP32, as Apex's `cpu`
+    "cpu",
+    "numpy",
     # operators
     "__pow__",
     "__rpow__",
