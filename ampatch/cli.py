@@ -13,6 +13,7 @@ import argparse
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -186,17 +187,18 @@ def _compare_script(args: argparse.Namespace) -> Compared:
 
 
 def _compare_builtin(args: argparse.Namespace) -> Compared:
-    workload = args.workload or DEFAULT_WORKLOAD
+    began, workload = time.time(), args.workload or DEFAULT_WORKLOAD
     device = builtin.workload_device(args.device)
     print(builtin.machine_notice(device, args.levels, args.half_dtype), file=sys.stderr, flush=True)
     # an explicit --budget (none included) wins; --steps alone asks for exactly that many steps
     seconds = args.budget if hasattr(args, "budget") else (None if args.steps else DEFAULT_BUDGET_S)
-    plan = builtin.plan(workload, levels=args.levels, half_dtype=args.half_dtype, seconds=seconds,
-                        steps=args.steps or DEFAULT_STEPS[workload], device=device,
-                        threads=builtin.DEFAULT_THREADS if args.threads is None else args.threads,
-                        size=args.size or builtin.AUTO, log=sys.stderr)
-    runs, interrupted = runner.run_all(plan.commands(args.levels), args.half_dtype, sys.stderr,
-                                       plan.budget, plan.steps)
+    with builtin.launcher(device, sys.stderr) as launch:
+        plan = builtin.plan(workload, levels=args.levels, half_dtype=args.half_dtype, seconds=seconds,
+                            steps=args.steps or DEFAULT_STEPS[workload], device=device,
+                            threads=builtin.DEFAULT_THREADS if args.threads is None else args.threads,
+                            size=args.size or builtin.AUTO, log=sys.stderr, launch=launch, began=began)
+        runs, interrupted = runner.run_all(plan.commands(args.levels), args.half_dtype, sys.stderr,
+                                           plan.budget, plan.steps, launch)
     upto = common_steps(runs) if plan.budget is not None else None
     return Compared(runs, interrupted, upto, plan.title(upto), plan.header(), plan.notes(upto), device)
 

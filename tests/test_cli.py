@@ -319,3 +319,39 @@ def test_ctrl_c_prints_the_levels_that_finished(tmp_path: Path) -> None:
     with pytest.raises(ProcessLookupError):  # the interrupted run did not outlive the command
         os.kill(o1_pid, 0)
 
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the built-in workloads fork their runs on Linux")
+def test_ctrl_c_during_a_built_in_workload_leaves_no_process_behind(tmp_path: Path) -> None:
+    """The built-in workloads' runs fork from a warm process: Ctrl-C stops the run and that
+    process too, and prints the levels that finished."""
+    import signal
+    import time
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "ampatch", "compare", "--levels", "O0,O1", "--size", "tiny",
+                             "--steps", "150"], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("[2/2] O1 running"):
+                break
+        time.sleep(1.0)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        family = children + [g for c in children for g in
+                             subprocess.run(["pgrep", "-P", c], capture_output=True, text=True).stdout.split()]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, "".join(seen) + err
+    assert "warm process ready in" in "".join(seen) and "[2/2] O1 interrupted" in err
+    assert "interrupted: 1 of 2 levels finished (O0)" in out
+    assert len(family) == 2                                   # the warm process and the O1 run
+    time.sleep(0.5)
+    for pid in family:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)

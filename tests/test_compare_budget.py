@@ -52,6 +52,27 @@ def test_weights_in_seconds_cap_every_level_at_the_steps_all_can_run() -> None:
     assert short.next_run(["O2"], [])[0] == 10                     # never more than asked for
 
 
+def test_a_level_may_use_what_the_later_ones_do_not_need_for_the_target() -> None:
+    """Plenty of time: each level is capped at the equal plan, and its deadline only keeps
+    the target's steps (and start-up and exit) for every later level."""
+    budget = Budget(40, 150, weights={"O0": 0.01, "O1": 0.1, "O2": 0.1}, scale=1.0, clock=lambda: 1000.0)
+    cap, deadline = budget.next_run(["O0", "O1", "O2"], [])
+    assert cap == int((40 - 15) / 0.21) == 119                       # the equal plan
+    assert deadline == 1000 + 40 - 2 * (5 + TARGET_STEPS * 0.1) - 1  # far more than O0's 1.2 s of steps
+
+
+def test_progress_keeps_the_time_of_the_first_step() -> None:
+    """A run's start-up is launch to first step, also after the speed window slid past it."""
+    import io
+    from ampatch.compare.progress import SPEED_WINDOW, Progress
+    p = Progress("O1", stream=io.StringIO())
+    p.update(1, 1.0)
+    first = p.start_s()
+    for step in range(2, SPEED_WINDOW + 10):
+        p.update(step, 1.0)
+    assert p.start_s() == first and p.seen[0][1] > 1
+
+
 def test_levels_aim_for_the_target_when_the_plan_affords_fewer() -> None:
     """A plan of 20 steps each still lets a level run the target's 30 if it is faster than
     expected (its deadline, the share of 20 steps, stops it otherwise)."""

@@ -4,6 +4,7 @@ One job per module:
 
 - ``runner``: child processes (environment, launch, wait, stop, the JSON they write at exit,
   why they failed) and ``run_all``, the levels one after another;
+- ``forkserver``: the built-in workloads' runs forked from one process that did the imports;
 - ``progress``: the live line of the running level;
 - ``budget``: the time budget that sets each level's deadline and step cap;
 - ``sizing``: the built-in workload's size, from a quick calibration (or ``--size``);

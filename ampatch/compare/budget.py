@@ -42,13 +42,15 @@ class Budget:
     """A time budget for the whole comparison of a built-in workload.
 
     Every level should run the same number of steps, so that the losses compare step for
-    step: a level runs at most as many steps as the levels before it, and once the weights'
-    scale in seconds is known (``scale``: 1 for measured weights, else learnt from the last
-    run), at most as many as every level left can run in the time left, or ``TARGET_STEPS``
-    if that is more (a level faster than expected gets there). Its deadline is its
-    share of that time: its start-up and exit, plus a part of the rest in proportion to its
-    weight; a level that ends early leaves its rest to the later ones. The workload itself
-    stops before its deadline (``--deadline``), timing its own steps.
+    step: a level runs at most as many steps as the levels before it. Until the weights'
+    scale in seconds is known, its deadline is a share of the time left: its start-up and
+    exit, plus a part of the rest in proportion to its weight. Once it is known (``scale``: 1
+    for measured weights, else learnt from the last run), a level runs at most as many steps
+    as every level left can run in the time left (or ``TARGET_STEPS``, if that is more: a
+    level faster than expected gets there), and its deadline keeps for the later levels the
+    time of ``TARGET_STEPS`` each (or of the steps they can afford, if fewer). A level that
+    ends early leaves its rest to the later ones. The workload itself stops before its
+    deadline (``--deadline``), timing its own steps.
     """
 
     seconds: float
@@ -58,10 +60,11 @@ class Budget:
     clock: Callable[[], float] = time.time  # wall clock shared with the runs (their --deadline)
     start_s: float = START_S  # a run's time from launch to its first step's end (imports, build); learnt
     exit_s: float = EXIT_S    # a run's time from its last step to its exit (report, teardown); learnt
-    start: float = field(init=False)
+    start: float | None = None  # the clock when the comparison began (default: now)
 
     def __post_init__(self) -> None:
-        self.start = self.clock()
+        if self.start is None:
+            self.start = self.clock()
 
     def left(self) -> float:
         """Seconds left of the budget (never negative)."""
@@ -71,15 +74,18 @@ class Budget:
         """(step cap, time.time() deadline for its last step) for ``levels[0]``, the next of
         the levels still to run."""
         now = self.clock()
-        fixed = self.start_s + self.exit_s
         left = max(0.0, self.start + self.seconds - now)
+        fixed = self.start_s + self.exit_s
         spare = max(0.0, left - fixed * len(levels))
         weights = [self.weights.get(level, 1.0) for level in levels]
-        share = fixed + spare * weights[0] / sum(weights)
         cap = min([self.max_steps, *steps_done])
-        if self.scale is not None:  # the steps every level left can afford, or the target
-            cap = min(cap, max(TARGET_STEPS, int(spare / (self.scale * sum(weights)))))
-        return cap, now + share - self.exit_s
+        if self.scale is None:  # a share in proportion to the weights
+            return cap, now + fixed + spare * weights[0] / sum(weights) - self.exit_s
+        afford = spare / (self.scale * sum(weights))   # the steps every level left can run
+        cap = min(cap, max(TARGET_STEPS, int(afford)))
+        keep = min(TARGET_STEPS, afford, cap)          # what the later levels are sure to get
+        later = (len(levels) - 1) * fixed + keep * self.scale * sum(weights[1:])
+        return cap, now + max(fixed, left - later) - self.exit_s
 
     def ran(self, start_s: float | None, exit_s: float | None, level: str | None = None,
             step_s: float | None = None) -> None:

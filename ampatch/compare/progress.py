@@ -38,6 +38,7 @@ class Progress:
         self.last_shown = self.start
         self.step, self.loss = 0, math.nan
         self.seen: deque[tuple[float, int]] = deque(maxlen=SPEED_WINDOW)   # (time, step) as steps arrive
+        self.first_seen: float | None = None
         self.drawn = False
         self.closed_at: float | None = None
 
@@ -45,11 +46,13 @@ class Progress:
         """A step the run reported, with its loss."""
         if step != self.step:
             self.seen.append((time.perf_counter(), step))
+            if self.first_seen is None:
+                self.first_seen = self.seen[-1][0]
         self.step, self.loss = step, loss
 
     def start_s(self) -> float | None:
         """Seconds from the launch to the first step seen (None: no step seen)."""
-        return self.seen[0][0] - self.start if self.seen else None
+        return self.first_seen - self.start if self.first_seen is not None else None
 
     def exit_s(self) -> float | None:
         """Seconds from the last step seen to the end of the run (None: no step seen)."""

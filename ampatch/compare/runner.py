@@ -14,9 +14,9 @@ import os
 import re
 import shutil
 import signal
-import sys
 import site
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -125,12 +125,22 @@ def read_json(path: Path) -> tuple[Any, str | None]:
         return None, str(exc)
 
 
+Launch = Callable[[Sequence[str], dict[str, str], Path], Any]  # (cmd, env, stderr path) -> a Popen-like handle
+
+
+def popen(cmd: Sequence[str], env: dict[str, str], stderr: Path) -> subprocess.Popen:
+    """Start ``cmd`` as a fresh process, stdin and stdout closed, stderr to the file ``stderr``."""
+    with open(stderr, "wb") as err:
+        return subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+
+
 def run_child(cmd: Sequence[str], env: dict[str, str], collect: Sequence[str] = (),
-              progress: Progress | None = None) -> Finished:
-    """Run ``cmd`` with ``env`` until it ends. For each variable in ``collect`` the child finds
-    a path in it where it may write a JSON, which comes back in `Finished.outputs`. With a
-    ``progress``, the child's ``AMPATCH_PROGRESS`` lines feed it while it runs.
-    Ctrl-C (KeyboardInterrupt) stops the child, then re-raises."""
+              progress: Progress | None = None, launch: Launch = popen) -> Finished:
+    """Run ``cmd`` with ``env`` until it ends (started by ``launch``: a fresh process by
+    default, see `forkserver`). For each variable in ``collect`` the child finds a path in it
+    where it may write a JSON, which comes back in `Finished.outputs`. With a ``progress``,
+    the child's ``AMPATCH_PROGRESS`` lines feed it while it runs. Ctrl-C (KeyboardInterrupt)
+    stops the child, then re-raises."""
     with tempfile.TemporaryDirectory(prefix="ampatch-") as tmp:
         env = dict(env)
         paths = {name: Path(tmp, f"{name.lower()}.json") for name in collect}
@@ -142,17 +152,15 @@ def run_child(cmd: Sequence[str], env: dict[str, str], collect: Sequence[str] = 
             env.pop(envvars.PROGRESS, None)
         err_path = Path(tmp, "stderr.txt")
         start = time.perf_counter()
-        with open(err_path, "wb") as err:
-            proc = subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=err)
-            try:
-                wait(proc, progress, progress_path)
-            except BaseException:  # Ctrl-C: the run goes too, then the caller decides
-                stop(proc)
-                raise
-            finally:
-                if progress is not None:
-                    progress.close()
+        proc = launch(cmd, env, err_path)
+        try:
+            wait(proc, progress, progress_path)
+        except BaseException:  # Ctrl-C: the run goes too, then the caller decides
+            stop(proc)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
         wall_s = time.perf_counter() - start
         outputs, unreadable = {}, {}
         for name, path in paths.items():
@@ -164,7 +172,7 @@ def run_child(cmd: Sequence[str], env: dict[str, str], collect: Sequence[str] = 
         return Finished(proc.returncode, wall_s, err_path.read_text(errors="replace"), outputs, unreadable)
 
 
-def wait(proc: subprocess.Popen, progress: Progress | None, path: Path) -> None:
+def wait(proc: Any, progress: Progress | None, path: Path) -> None:
     """Wait for ``proc``, feeding each new "step loss" line of ``path`` to ``progress``."""
     offset = 0
     while True:
@@ -192,7 +200,7 @@ def wait(proc: subprocess.Popen, progress: Progress | None, path: Path) -> None:
             return
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: Any) -> None:
     """End a run that is still going: SIGINT (what Ctrl-C sends), then SIGTERM, then SIGKILL."""
     for send in (lambda: proc.send_signal(signal.SIGINT), proc.terminate, proc.kill):
         if proc.poll() is not None:
@@ -237,9 +245,10 @@ class LevelRun:
     report: dict[str, Any] | None
 
 
-def run_level(cmd: Sequence[str], level: str, half_dtype: str | None, progress: Progress | None = None) -> LevelRun:
+def run_level(cmd: Sequence[str], level: str, half_dtype: str | None, progress: Progress | None = None,
+              launch: Launch = popen) -> LevelRun:
     """Run ``cmd`` forced to ``level``; its report, or why the run failed (see `run_child`)."""
-    done = run_child(cmd, child_env(level, half_dtype), collect=(envvars.REPORT,), progress=progress)
+    done = run_child(cmd, child_env(level, half_dtype), collect=(envvars.REPORT,), progress=progress, launch=launch)
     report = done.outputs.get(envvars.REPORT)
     error = None
     if envvars.REPORT in done.unreadable:
@@ -256,7 +265,8 @@ CommandFor = Callable[[int | None, float | None], list[str]]  # (step cap, deadl
 
 
 def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: TextIO,
-            budget: Budget | None = None, steps: int | None = None) -> tuple[list[LevelRun], bool]:
+            budget: Budget | None = None, steps: int | None = None,
+            launch: Launch = popen) -> tuple[list[LevelRun], bool]:
     """Run every level in turn: a line on ``log`` when each starts and ends, live progress in
     between. ``cmd_for`` maps a level to the function of (step cap, deadline) that gives its
     command (a user script's ignores both); ``budget`` sets them for the built-in workloads.
@@ -281,7 +291,7 @@ def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: Text
                 expected = total is not None
             say("running", f", up to {cap} steps in {deadline - time.time():.0f}s" if deadline else "")
             progress = Progress(level, total, deadline, stream=log, expected=expected)
-            run = run_level(make(cap, deadline), level, half_dtype, progress)
+            run = run_level(make(cap, deadline), level, half_dtype, progress, launch)
             if budget is not None:
                 budget.ran(progress.start_s(), progress.exit_s(), level, progress.seconds_per_step())
             runs.append(run)

@@ -1,10 +1,11 @@
 """The size of a built-in workload: given (``--size``), or chosen from a quick calibration.
 
-The calibration (``python -m ampatch.workloads.calibrate`` in a child process, which also
-shows what a run's start-up costs here) times a few steps per step kind (FP32, each half
-dtype) from the smallest size up. The choice is the largest size at which every level, start-up
-and exit included, runs ``TARGET_STEPS`` steps in the time there is (the budget, or about
-``DEFAULT_BUDGET_S`` for a fixed ``--steps``), with ``MARGIN`` to spare for a busy machine.
+The calibration (``python -m ampatch.workloads.calibrate``, started as the runs will be, so
+that it also shows what a run's start-up costs here) times a few steps per step kind (FP32,
+each half dtype) from the smallest size up. The choice is the largest size at which every
+level, start-up and exit included, runs ``TARGET_STEPS`` steps in the time there is (the
+budget, or about ``DEFAULT_BUDGET_S`` for a fixed ``--steps``), with ``MARGIN`` to spare for a
+busy machine.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from typing import Any, TextIO
 
 from ampatch import env as envvars
 from ampatch import workloads
-from ampatch.compare.budget import EXIT_S, FIRST_STEP_S, TARGET_STEPS
-from ampatch.compare.runner import child_env, failure_line, read_json, run_child
+from ampatch.compare.budget import EXIT_S, TARGET_STEPS
+from ampatch.compare.runner import Launch, child_env, failure_line, popen, read_json, run_child
 from ampatch.workloads.calibrate import step_kinds
 
 MARGIN = 1.3               # plan for steps this much slower than measured (a shared, busy machine)
-CALIBRATION_LIMIT_S = 4.0  # of measuring, beyond the calibration's own start-up
+CALIBRATION_LIMIT_S = 6.0  # of measuring, beyond the calibration's own start-up
 
 
 @dataclass(frozen=True)
@@ -107,26 +108,25 @@ def choose(calibration: dict[str, Any], goal: Goal, overhead_s: float) -> SizeCh
 
 
 def calibrate(workload: str, device: str, threads: int, half_dtype: str | None, goal: Goal,
-              log: TextIO) -> SizeChoice:
-    """Calibrate (a child process), then `choose`; progress lines on ``log``. ``goal.seconds``
-    counts the calibration too. A failed calibration picks the smallest size and says why."""
+              log: TextIO, launch: Launch = popen) -> SizeChoice:
+    """Calibrate (a child process, started by ``launch``), then `choose`; progress lines on
+    ``log``. ``goal.seconds`` counts the calibration too. A failed calibration picks the
+    smallest size and says why."""
     began = time.perf_counter()
     kinds = list(dict.fromkeys(step_kinds(goal.levels, device, half_dtype).values()))
-    # this process imported torch and ampatch as the child will: its CPU time so far is the
-    # first guess of a run's start-up, before the calibration measures one
-    fixed = time.process_time() + FIRST_STEP_S + EXIT_S
-    stop_above = (goal.seconds - CALIBRATION_LIMIT_S - len(goal.levels) * fixed) / (goal.need * MARGIN)
+    # the longest round that could fit, start-ups left out: sizes past it are not worth measuring
+    stop_above = goal.seconds / (goal.need * MARGIN)
     log.write(f"calibrating: timing {' and '.join(kinds)} steps of {workload} from size "
               f"{workloads.SIZES[0]} up (a few seconds)\n")
     log.flush()
     with tempfile.TemporaryDirectory(prefix="ampatch-calibrate-") as tmp:
         out = Path(tmp, "calibration.json")
         cmd = [sys.executable, "-m", "ampatch.workloads.calibrate", workload, "--levels", ",".join(goal.levels),
-               "--device", device, "--threads", str(threads), "--stop-above", f"{max(stop_above, 0.0):.4f}",
+               "--device", device, "--threads", str(threads), "--stop-above", f"{stop_above:.4f}",
                "--time-limit", str(CALIBRATION_LIMIT_S), "--out", str(out)]
         if half_dtype in ("bfloat16", "float16"):
             cmd += ["--half-dtype", half_dtype]
-        done = run_child(cmd, child_env(None, None, base=envvars.without_ampatch()))
+        done = run_child(cmd, child_env(None, None, base=envvars.without_ampatch()), launch=launch)
         data, unreadable = read_json(out)
     spent = time.perf_counter() - began
     error = failure_line(done.returncode, done.stderr) or unreadable
