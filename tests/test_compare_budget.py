@@ -8,7 +8,7 @@ import pytest
 
 from ampatch import hardware
 from ampatch.compare import budget as budget_module
-from ampatch.compare.budget import SLOW_HALF_WEIGHT, TARGET_STEPS, Budget, step_weights
+from ampatch.compare.budget import MARGIN, SLOW_HALF_WEIGHT, TARGET_STEPS, Budget, step_weights
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 
@@ -54,11 +54,11 @@ def test_weights_in_seconds_cap_every_level_at_the_steps_all_can_run() -> None:
 
 def test_a_level_may_use_what_the_later_ones_do_not_need_for_the_target() -> None:
     """Plenty of time: each level is capped at the equal plan, and its deadline only keeps
-    the target's steps (and start-up and exit) for every later level."""
+    the target's steps, with the margin, (and start-up and exit) for every later level."""
     budget = Budget(40, 150, weights={"O0": 0.01, "O1": 0.1, "O2": 0.1}, scale=1.0, clock=lambda: 1000.0)
     cap, deadline = budget.next_run(["O0", "O1", "O2"], [])
     assert cap == int((40 - 15) / 0.21) == 119                       # the equal plan
-    assert deadline == 1000 + 40 - 2 * (5 + TARGET_STEPS * 0.1) - 1  # far more than O0's 1.2 s of steps
+    assert deadline == 1000 + 40 - 2 * (5 + TARGET_STEPS * MARGIN * 0.1) - 1  # far more than O0's 1.2 s
 
 
 def test_progress_keeps_the_time_of_the_first_step() -> None:

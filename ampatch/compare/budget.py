@@ -18,6 +18,7 @@ from ampatch.workloads.calibrate import step_kinds
 
 DEFAULT_BUDGET_S = 120.0  # built-in workloads: the whole compare, calibration and start-ups included
 TARGET_STEPS = 30         # the steps every level should run: fewer say little (the losses barely move)
+MARGIN = 1.3              # plan for steps this much slower than measured (a shared, busy machine)
 FIRST_STEP_S = 1.5        # a run's model build and first (warm-up) step, beyond its imports
 SLOW_HALF_WEIGHT = 3.0    # a half level's step against O0's where the half dtype is emulated (measured
                           # 2-3x on the lm workload on an AVX-512 CPU without BF16)
@@ -48,7 +49,8 @@ class Budget:
     for measured weights, else learnt from the last run), a level runs at most as many steps
     as every level left can run in the time left (or ``TARGET_STEPS``, if that is more: a
     level faster than expected gets there), and its deadline keeps for the later levels the
-    time of ``TARGET_STEPS`` each (or of the steps they can afford, if fewer). A level that
+    time of ``TARGET_STEPS`` each, with ``MARGIN`` (or of the steps they can afford, if
+    fewer). A level that
     ends early leaves its rest to the later ones. The workload itself stops before its
     deadline (``--deadline``), timing its own steps.
     """
@@ -83,7 +85,7 @@ class Budget:
             return cap, now + fixed + spare * weights[0] / sum(weights) - self.exit_s
         afford = spare / (self.scale * sum(weights))   # the steps every level left can run
         cap = min(cap, max(TARGET_STEPS, int(afford)))
-        keep = min(TARGET_STEPS, afford, cap)          # what the later levels are sure to get
+        keep = min(TARGET_STEPS * MARGIN, afford, cap)  # what the later levels are sure to get
         later = (len(levels) - 1) * fixed + keep * self.scale * sum(weights[1:])
         return cap, now + max(fixed, left - later) - self.exit_s
 

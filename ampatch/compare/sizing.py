@@ -21,11 +21,10 @@ from typing import Any, TextIO
 
 from ampatch import env as envvars
 from ampatch import workloads
-from ampatch.compare.budget import EXIT_S, TARGET_STEPS
+from ampatch.compare.budget import EXIT_S, MARGIN, TARGET_STEPS
 from ampatch.compare.runner import Launch, child_env, failure_line, popen, read_json, run_child
 from ampatch.workloads.calibrate import step_kinds
 
-MARGIN = 1.3               # plan for steps this much slower than measured (a shared, busy machine)
 CALIBRATION_LIMIT_S = 6.0  # of measuring, beyond the calibration's own start-up
 
 

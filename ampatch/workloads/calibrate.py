@@ -32,7 +32,7 @@ from ampatch.workloads import _common
 
 TIMED_STEPS = 2  # after one warm-up step, per size and kind
 GROWTH = 4.0     # each size is about this many times the compute of the one before (workloads.SIZES)
-SLACK = 2.0      # a size predicted to need up to this many times --stop-above is still measured
+SLACK = 1.5      # a size predicted to need up to this many times --stop-above is still measured
 FP32 = "float32"
 
 
