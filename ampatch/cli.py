@@ -28,7 +28,7 @@ from ampatch.compare.table import format_table, interrupted_note, machine_of, wr
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
 LEVELS = tuple(levels_policy.LEVELS)
-WORKLOAD_OPTIONS = ("steps", "workload", "device", "threads", "size")  # --budget too: see cmd_compare
+WORKLOAD_OPTIONS = ("steps", "workload", "device", "threads", "size")  # and --budget: see _compare_script
 
 
 class CliError(UsageError):

@@ -93,7 +93,7 @@ def run_forked(request: dict[str, Any]) -> None:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
+            sys.stderr.write(f"{exc.code}\n")
         code[0] = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except KeyboardInterrupt:
         code[0] = 128 + signal.SIGINT
@@ -188,6 +188,9 @@ class WarmLauncher:
         except ServerError as exc:
             self.fail(exc)
             return
+        except BaseException:  # Ctrl-C while it imports: __exit__ will not run
+            self.close()
+            raise
         self.log.write(f"warm process ready in {time.perf_counter() - began:.1f}s\n")
         self.log.flush()
 
