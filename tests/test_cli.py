@@ -1,7 +1,7 @@
-"""The ``ampatch`` command: compare, run, failed rows, argument errors.
+"""The ``ampatch`` command: compare, run, failed rows, argument errors, Ctrl-C.
 
-Most tests run ``python -m ampatch`` in a subprocess, as a user would; the table and plot
-helpers are also checked in-process on hand-made reports, which needs no torch in children.
+Most tests run ``python -m ampatch`` in a subprocess, as a user would. The pieces of
+``ampatch.compare`` have their own tests (tests/test_compare_*.py).
 """
 
 from __future__ import annotations
@@ -78,11 +78,14 @@ def write(path: Path, text: str) -> Path:
 @pytest.mark.slow
 def test_compare_default_workload(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    proc = ampatch("compare", "--levels", "O0,O4,O5", "--steps", "4", "--json", str(out),
+    proc = ampatch("compare", "--levels", "O0,O4,O5", "--steps", "4", "--size", "tiny", "--json", str(out),
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["workload"] == "lm" and data["steps"] == 4
+    assert (data["size"], data["size_dims"], data["calibration"]) == ("tiny", "d_model 64, seq 32", None)
+    assert proc.stdout.splitlines()[1] == "size tiny (d_model 64, seq 32), from --size"
+    assert "calibrat" not in proc.stderr
     assert [r["level"] for r in data["rows"]] == ["O0", "O4", "O5"]
     for row in data["rows"]:
         assert row["ok"] and row["error"] is None
@@ -141,6 +144,23 @@ def test_apex_alias(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_apex_alias_still_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
+    """The alias is a sitecustomize first on the run's path: the user's own one runs too."""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    write(site_dir / "sitecustomize.py", "import builtins\nbuiltins.USER_SITE_RAN = True\n")
+    script = write(tmp_path / "both.py", "import builtins\nfrom apex import amp\n"
+                                         "assert builtins.USER_SITE_RAN and callable(amp.initialize)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(site_dir), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "ampatch", "run", "--apex-alias", "--", "python", str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plain = subprocess.run([sys.executable, "-m", "ampatch", "run", "--", "python", str(script)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 1 and "No module named 'apex'" in plain.stderr   # the alias did it
+
+
 def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
     script = write(tmp_path / "plain.py", "print('no amp here')\n")
     proc = ampatch("compare", "--levels", "O1", "--", "python", str(script), cwd=tmp_path)
@@ -159,6 +179,8 @@ def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
     (["compare", "--device", "cpu", "--", "python", "x.py"], "--device apply to the built-in workloads"),
     (["compare", "--threads", "2", "--", "python", "x.py"], "--threads apply to the built-in workloads"),
     (["compare", "--threads", "-1"], "--threads must be"),
+    (["compare", "--size", "small", "--", "python", "x.py"], "--size apply to the built-in workloads"),
+    (["compare", "--size", "enormous"], "argument --size: invalid choice: 'enormous'"),
     (["compare", "--device", "tpu"], "--device: Expected one of cpu"),
     pytest.param(["compare", "--device", "cuda"], "--device cuda: ",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
@@ -184,23 +206,6 @@ def test_table_without_matplotlib_still_prints_then_fails(
     assert o1[3] == "2.00x" and o1[6] == "0.01"     # speed-up and max deviation from O0
 
 
-def test_summary_of_hand_made_reports() -> None:
-    base = {"opt_level": "O0", "losses": [3.0, 2.0, 1.0], "step_times_s": [0.5, 0.2, 0.2, 0.2, 0.2],
-            "peak_memory_bytes": 2**30, "loss_scale": {"loss_scaler0": 1.0}}
-    half = dict(base, opt_level="O1", losses=[3.0, 2.5, float("nan")],
-                step_times_s=[0.5, 0.1, 0.1, 0.1, 0.1], skipped_steps=[1],
-                loss_scale={"loss_scaler0": 32768.0})
-    rows = cli.summarize_all([{"level": "O0", "ok": True, "report": base},
-                              {"level": "O1", "ok": True, "report": half},
-                              {"level": "O2", "ok": False, "error": "boom", "report": None}])
-    o0, o1, _ = rows
-    assert o0["median_step_ms"] == pytest.approx(200) and o1["speedup_vs_O0"] == pytest.approx(2)
-    assert o0["peak_memory_mib"] == 1024 and o0["final_loss"] == pytest.approx(2.0)
-    assert o1["max_loss_dev_vs_O0"] == math.inf           # a NaN loss is an infinite deviation
-    table = cli.format_table(rows, "title")
-    assert "O2     FAILED: boom" in table and "32768" in table and "mean of the last" in table
-
-
 def test_report_at_exit_is_the_last_session(tmp_path: Path) -> None:
     """A script that initializes twice reports its last session, not the first one."""
     script = write(tmp_path / "twice.py", textwrap.dedent("""
@@ -223,6 +228,13 @@ def test_report_at_exit_is_the_last_session(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- budget, progress, Ctrl-C
 
+def test_help_says_what_each_size_is() -> None:
+    proc = ampatch("compare", "--help", cwd=ROOT, timeout=60)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "--size SIZE" in text and "auto (default" in text and "small = d_model 128, seq 32" in text
+
+
 def test_budget_values() -> None:
     assert cli._budget("120") == 120 and cli._budget("90s") == 90 and cli._budget("2m") == 120
     assert cli._budget("1.5min") == 90 and cli._budget("none") is None and cli._budget("0") is None
@@ -231,169 +243,28 @@ def test_budget_values() -> None:
             cli._budget(bad)
 
 
-def test_budget_shares_the_time_left_and_caps_steps() -> None:
-    now = [1000.0]
-    levels = ["O0", "O1", "O2", "O3", "O4", "O5"]
-    budget = cli.Budget(120, 150, clock=lambda: now[0])         # start-up 4 s and exit 1 s assumed
-    assert budget.next_run(levels, []) == (150, 1000 + 5 + 90 / 6 - 1)   # equal weights: equal shares
-    now[0] = 1010.0                                                # the first level ended early
-    budget.ran(3.0, 2.5)                                           # it started faster, exited slower
-    assert budget.next_run(levels[1:], [88]) == (88, 1010 + 5.5 + (110 - 5 * 5.5) / 5 - 2.5)
-    budget.ran(None, 0.5)                                          # the slowest exit seen counts
-    now[0] = 1200.0                                                # over budget: start-up and exit only
-    assert budget.next_run(levels[5:], [88, 40]) == (40, 1200 + 3.0)
-
-    weighted = cli.Budget(120, 150, weights={lv: 3.0 for lv in levels[1:]}, clock=lambda: 1000.0)
-    cap, deadline = weighted.next_run(levels, [])                  # O0's steps are 3x cheaper
-    assert deadline == 1000 + 5 + 90 * 1 / 16 - 1
-    assert weighted.next_run(levels[1:], [])[1] == 1000 + 5 + (120 - 25) * 3 / 15 - 1
-
-
-def test_step_weights_follow_the_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ampatch import hardware
-    info = hardware.describe("cpu")
-    slow = dataclasses_replace(info, native={"bfloat16": False, "float16": False})
-    monkeypatch.setattr(hardware, "describe", lambda device: slow)
-    assert cli._step_weights("cpu", ["O0", "O1", "O5"], None) == {"O1": cli.SLOW_HALF_WEIGHT,
-                                                                   "O5": cli.SLOW_HALF_WEIGHT}
-    fast = dataclasses_replace(info, native={"bfloat16": True, "float16": False})
-    monkeypatch.setattr(hardware, "describe", lambda device: fast)
-    assert cli._step_weights("cpu", ["O0", "O2", "O4"], None) == {"O2": 1.0, "O4": 1.0}
-    assert cli._step_weights("cpu", ["O2", "O4"], "float16") == {"O2": cli.SLOW_HALF_WEIGHT, "O4": 1.0}
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-    return dataclasses.replace(obj, **changes)
-
-
-def test_workload_stops_at_its_deadline_after_the_minimum_steps() -> None:
-    import time
-
-    import ampatch as amp
-    from ampatch.workloads import _common, lstm
-    assert lstm.main(["--steps", "50", "--deadline", str(time.time() - 1), "--opt-level", "O0",
-                      "--device", "cpu"]) == 0
-    assert amp.report().steps == _common.MIN_STEPS
-
-
-@pytest.mark.parametrize("args, message", [(["--device", "tpu"], "--device: Expected one of cpu"),
-                                           (["--threads", "-1"], "--threads must be 0")])
-def test_workload_bad_arguments_are_one_clear_line(capsys, args: list[str], message: str) -> None:
-    from ampatch.workloads import lstm
-    with pytest.raises(SystemExit) as exc:
-        lstm.main(["--steps", "1", *args])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-
-
-def test_progress_line() -> None:
-    import io
-    stream = io.StringIO()
-    p = cli.Progress("O2", total=20, stream=stream, log_every_s=0)
-    p.render(force=True)
-    assert "O2" in stream.getvalue() and "0/20" in stream.getvalue() and "elapsed" in stream.getvalue()
-    for step in range(1, 11):
-        p.update(step, 3.0 / step)
-    p.seen[0] = (p.seen[-1][0] - 9 * 0.5, 1)  # ten steps, 0.5 s apart
-    line = p.line()
-    assert "[==========>" in line and "10/20" in line and "loss 0.3000" in line
-    assert "0.50 s/step" in line and "ETA 0:05" in line
-    unknown = cli.Progress("O1", stream=stream)
-    unknown.update(7, 1.25)
-    assert "step 7" in unknown.line() and "loss 1.2500" in unknown.line()
-    tty = io.StringIO()
-    tty.isatty = lambda: True  # type: ignore[method-assign]
-    live = cli.Progress("O3", total=5, stream=tty)
-    live.render(force=True)
-    live.close()
-    assert tty.getvalue().startswith("\r  O3") and tty.getvalue().endswith("\r\x1b[K")
-
-
-PROGRESS_SCRIPT = textwrap.dedent("""\
-    import json, os, time
-    for i in range(1, 6):
-        with open(os.environ["AMPATCH_PROGRESS"], "a") as f:
-            f.write(f"{i} {2.0 / i}\\n")
-        time.sleep(0.15)
-    with open(os.environ["AMPATCH_REPORT"], "w") as f:
-        json.dump({"opt_level": os.environ["AMPATCH_OPT_LEVEL"], "steps": 5, "losses": [1.0] * 5}, f)
-""")
-
-
-def test_run_level_shows_the_steps_of_the_run(tmp_path: Path) -> None:
-    import io
-    script = write(tmp_path / "steps.py", PROGRESS_SCRIPT)
-    stream = io.StringIO()
-    progress = cli.Progress("O1", total=5, stream=stream, log_every_s=0)
-    row = cli.run_level([sys.executable, str(script)], "O1", None, progress)
-    assert row["ok"], row["error"]
-    shown = stream.getvalue()
-    assert "/5" in shown and "loss" in shown and progress.step == 5 and progress.loss == 0.4
-
-
-def test_summary_compares_levels_at_the_steps_all_of_them_ran() -> None:
-    base = {"opt_level": "O0", "steps": 6, "losses": [6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
-            "step_times_s": [0.1] * 5}
-    half = dict(base, opt_level="O5", steps=3, losses=[6.0, 5.5, 4.5])
-    rows = [{"level": "O0", "ok": True, "report": base}, {"level": "O5", "ok": True, "report": half}]
-    assert cli.common_steps(rows) == 3
-    o0, o5 = cli.summarize_all(rows, upto=3)
-    assert o0["final_loss"] == pytest.approx(5.0) and o5["final_loss"] == pytest.approx(16 / 3)
-    assert o5["max_loss_dev_vs_O0"] == pytest.approx(0.5)
-    assert (o0["steps"], o5["steps"]) == (6, 3) and len(o0["losses"]) == 6   # the curves stay whole
-    assert cli.format_table(rows, "t").splitlines()[1].split()[-1] == "steps"
-
-
-def test_losses_compare_at_the_same_step_when_one_curve_was_thinned() -> None:
-    """A long run's report keeps every other loss once its curve is full (losses_every=2):
-    its losses[i] is step 2i, compared with the other run's loss at step 2i, not at step i."""
-    base = {"opt_level": "O0", "steps": 7, "losses": [10.0, 8.0, 6.0, 4.0], "losses_every": 2}
-    half = {"opt_level": "O1", "steps": 7, "losses": [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0]}
-    rows = [{"level": "O0", "ok": True, "report": base}, {"level": "O1", "ok": True, "report": half}]
-    assert cli.common_steps(rows) == 7
-    o0, o1 = cli.summarize_all(rows, upto=cli.common_steps(rows))
-    assert o1["max_loss_dev_vs_O0"] == 0            # same curve, compared at steps 0, 2, 4, 6
-    assert o0["final_loss"] == pytest.approx(7.0) and o1["final_loss"] == pytest.approx(6.0)
-    o0, o1 = cli.summarize_all(rows, upto=5)          # steps 0-4 only
-    assert o1["final_loss"] == pytest.approx(8.0) and o0["final_loss"] == pytest.approx(8.0)
-
-
-def test_table_says_which_machine_and_when_half_is_emulated() -> None:
-    device = {"type": "cpu", "name": "Old CPU", "cores": 2, "features": ["avx2"], "lacks": ["avx512_bf16"],
-              "native": {"bfloat16": False, "float16": False}, "basis": {"bfloat16": "no AVX512-BF16 or AMX"},
-              "torch": "2.13.0+cpu"}
-    rep = {"opt_level": "O4", "half_dtype": "bfloat16", "losses": [1.0], "device": device}
-    rows = cli.summarize_all([{"level": "O0", "ok": True, "report": dict(rep, opt_level="O0")},
-                              {"level": "O4", "ok": True, "report": rep}])
-    machine, note = cli.machine_of(rows)
-    assert machine.startswith("cpu: Old CPU, 2 cores") and "torch 2.13.0+cpu" in machine
-    assert "bfloat16 not native" in machine and note.startswith("note: bfloat16 is emulated")
-    table = cli.format_table(rows, "title", machine, [note])
-    lines = table.splitlines()
-    assert lines[1] == f"machine: {machine}" and lines[2].startswith("level")
-    assert "note: bfloat16 is emulated" in table
-    native = dict(device, native={"bfloat16": True, "float16": True})
-    rows[1]["report"]["device"] = rows[0]["report"]["device"] = native
-    assert cli.machine_of(rows)[1] is None
-
-
 @pytest.mark.slow
 def test_compare_within_a_budget(tmp_path: Path) -> None:
+    """The default size is calibrated first, within the budget; the title says what it chose."""
     from ampatch import hardware
+    from ampatch.compare.builtin import FEW_STEPS
     out = tmp_path / "out.json"
-    proc = ampatch("compare", "--levels", "O0,O5", "--budget", "14s", "--device", "cpu",
+    proc = ampatch("compare", "--levels", "O0,O5", "--budget", "25s", "--device", "cpu",
                    "--json", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert data["budget_s"] == 14 and data["steps"] == 150 and data["interrupted"] is False
+    assert data["budget_s"] == 25 and data["steps"] == 150 and data["interrupted"] is False
     o0, o5 = data["rows"]
     assert 3 <= o5["steps"] <= o0["steps"] <= 150        # later levels never run more steps
     assert data["compared_steps"] == min(len(o0["losses"]), len(o5["losses"])) == o5["steps"]
-    assert "in a 14s budget" in proc.stdout and f"compared over the first {o5['steps']} steps" in proc.stdout
+    assert "in a 25s budget" in proc.stdout and f"compared over the first {o5['steps']} steps" in proc.stdout
     assert "(cpu, 1 torch thread)" in proc.stdout and data["threads"] == 1
-    assert ("left time for only" in proc.stdout) is (o5["steps"] < cli.FEW_STEPS)
+    assert ("left time for only" in proc.stdout) is (o5["steps"] < FEW_STEPS)
+    calibration = data["calibration"]
+    assert calibration["chosen"] == data["size"] and calibration["sizes"][0]["size"] == "tiny"
+    assert set(calibration["sizes"][0]["step"]) == {"float32", "bfloat16"}
+    assert proc.stdout.splitlines()[1].startswith(f"size {data['size']} ({data['size_dims']}), ")
+    assert "calibrating: timing float32 and bfloat16 steps of lm" in proc.stderr and "calibrated in " in proc.stderr
     native = hardware.describe("cpu").native["bfloat16"]
     assert o5["report"]["device"]["half_native"] is native
     assert "machine: cpu: " in proc.stdout and ("bfloat16 not native" in proc.stdout) is (not native)
@@ -448,3 +319,39 @@ def test_ctrl_c_prints_the_levels_that_finished(tmp_path: Path) -> None:
     with pytest.raises(ProcessLookupError):  # the interrupted run did not outlive the command
         os.kill(o1_pid, 0)
 
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the built-in workloads fork their runs on Linux")
+def test_ctrl_c_during_a_built_in_workload_leaves_no_process_behind(tmp_path: Path) -> None:
+    """The built-in workloads' runs fork from a warm process: Ctrl-C stops the run and that
+    process too, and prints the levels that finished."""
+    import signal
+    import time
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "ampatch", "compare", "--levels", "O0,O1", "--size", "tiny",
+                             "--steps", "150"], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("[2/2] O1 running"):
+                break
+        time.sleep(1.0)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        family = children + [g for c in children for g in
+                             subprocess.run(["pgrep", "-P", c], capture_output=True, text=True).stdout.split()]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, "".join(seen) + err
+    assert "warm process ready in" in "".join(seen) and "[2/2] O1 interrupted" in err
+    assert "interrupted: 1 of 2 levels finished (O0)" in out
+    assert len(family) == 2                                   # the warm process and the O1 run
+    time.sleep(0.5)
+    for pid in family:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)

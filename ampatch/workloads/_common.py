@@ -12,11 +12,12 @@ from importlib import resources
 import torch
 
 import ampatch as amp
+from ampatch import workloads
 
 log = logging.getLogger("ampatch.workloads")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-MIN_STEPS = 3        # a --deadline never stops a run before this many steps
+MIN_STEPS = workloads.MIN_STEPS
 EXIT_MARGIN_S = 0.3  # time kept, before the deadline, for writing the report and exiting
 
 
@@ -26,6 +27,8 @@ def parse_args(name: str, argv: Sequence[str] | None, default_steps: int) -> arg
                                 description=f"ampatch built-in workload '{name}'.")
     p.add_argument("--steps", type=int, default=default_steps, help="optimizer steps to train")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+    p.add_argument("--size", choices=workloads.SIZES, default=workloads.DEFAULT_SIZE,
+                   help="model and batch size (this module's SIZES table; default %(default)s)")
     p.add_argument("--opt-level", default="O1", help="amp opt level (O0-O5)")
     p.add_argument("--half-dtype", choices=("bfloat16", "float16"), default=None,
                    help="half type (default: ampatch's auto choice)")
@@ -92,22 +95,29 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Seq
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, half_dtype=half)
     model.train()
     durations: list[float] = []
-    for step, (x, y) in enumerate(batches, start=1):
+    for step, batch in enumerate(batches, start=1):
         if args.deadline is not None and step > MIN_STEPS:
             if time.time() + statistics.median(durations[-5:]) + EXIT_MARGIN_S > args.deadline:
                 log.info("time budget reached: stopping after %d of %d steps", step - 1, len(batches))
                 break
         start = time.perf_counter()
-        x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        with amp.scale_loss(loss, optimizer) as scaled_loss:
-            scaled_loss.backward()
-        optimizer.step()
+        loss = train_step(model, optimizer, batch, loss_fn, args.device)
         durations.append(time.perf_counter() - start)
         if args.log_every and (step % args.log_every == 0 or step == len(batches)):
             log.info("step %d/%d loss %.4f", step, len(batches), loss.item())
     return loss.item()
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One optimizer step of the standard amp recipe on ``batch``; the loss (not synchronized)."""
+    x, y = (t.to(device, non_blocking=True) for t in batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    return loss
 
 
 def run(name: str, argv: Sequence[str] | None, default_steps: int,

@@ -1,4 +1,4 @@
-"""Workload: a small conv net with batch norm on generated 3x32x32 images, 10 classes.
+"""Workload: a small conv net with batch norm on generated images (3x32x32 at size large), 10 classes.
 
 Each class is a fixed smooth random pattern; an image is its class pattern plus noise, so
 the net can learn something in a few dozen steps. SGD with momentum. Batch norm is what
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,26 @@ from torch import nn
 from ampatch import workloads
 from ampatch.workloads import _common
 
-CLASSES, BATCH, DATASET = 10, 64, 1024
+CLASSES, DATASET = 10, 1024
 DEFAULT_STEPS = workloads.DEFAULT_STEPS["cnn"]
+LR = 0.05
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The three stages' channels, the image side and the batch, for one size."""
+
+    widths: tuple[int, int, int]
+    image: int
+    batch: int
+
+    def describe(self) -> str:
+        return f"channels {'/'.join(map(str, self.widths))}, {self.image}x{self.image} images, batch {self.batch}"
+
+
+SIZES = {"tiny": Dims((8, 16, 32), 16, 32), "small": Dims((16, 32, 64), 16, 32),
+         "medium": Dims((16, 32, 64), 32, 32), "large": Dims((32, 64, 128), 32, 64),
+         "huge": Dims((64, 128, 256), 32, 128)}
 
 
 def conv_bn(cin: int, cout: int) -> nn.Sequential:
@@ -29,33 +48,35 @@ def conv_bn(cin: int, cout: int) -> nn.Sequential:
 class SmallConvNet(nn.Module):
     """Three conv-BN-ReLU stages with pooling, global average pool, linear classifier."""
 
-    def __init__(self) -> None:
+    def __init__(self, widths: tuple[int, int, int] = SIZES[workloads.DEFAULT_SIZE].widths) -> None:
         super().__init__()
-        self.features = nn.Sequential(conv_bn(3, 32), nn.MaxPool2d(2), conv_bn(32, 64),
-                                      nn.MaxPool2d(2), conv_bn(64, 128),
+        a, b, c = widths
+        self.features = nn.Sequential(conv_bn(3, a), nn.MaxPool2d(2), conv_bn(a, b),
+                                      nn.MaxPool2d(2), conv_bn(b, c),
                                       nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.classifier = nn.Linear(128, CLASSES)
+        self.classifier = nn.Linear(c, CLASSES)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(images))
 
 
-def make_batches(steps: int, seed: int) -> list[_common.Batch]:
+def make_batches(steps: int, seed: int, dims: Dims = SIZES[workloads.DEFAULT_SIZE]) -> list[_common.Batch]:
     """A fixed generated dataset, then ``steps`` random batches drawn from it."""
     gen = torch.Generator().manual_seed(seed)
-    patterns = F.interpolate(torch.randn(CLASSES, 3, 8, 8, generator=gen), size=32,
+    patterns = F.interpolate(torch.randn(CLASSES, 3, 8, 8, generator=gen), size=dims.image,
                              mode="bilinear", align_corners=False)
     labels = torch.randint(0, CLASSES, (DATASET,), generator=gen)
-    images = patterns[labels] + 2.0 * torch.randn(DATASET, 3, 32, 32, generator=gen)
-    picks = torch.randint(0, DATASET, (steps, BATCH), generator=gen)
+    images = patterns[labels] + 2.0 * torch.randn(DATASET, 3, dims.image, dims.image, generator=gen)
+    picks = torch.randint(0, DATASET, (steps, dims.batch), generator=gen)
     return [(images[p], labels[p]) for p in picks]
 
 
 def build(args: argparse.Namespace):
     """Model, optimizer, batches and loss for ``args``."""
-    model = SmallConvNet().to(args.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return model, optimizer, make_batches(args.steps, args.seed + 1), F.cross_entropy
+    dims = SIZES[args.size]
+    model = SmallConvNet(dims.widths).to(args.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    return model, optimizer, make_batches(args.steps, args.seed + 1, dims), F.cross_entropy
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,18 +15,36 @@ from torch import nn
 from ampatch import workloads
 from ampatch.workloads import _common
 
-EMBED, HIDDEN, LAYERS, SEQ, BATCH = 64, 256, 2, 64, 16
 DEFAULT_STEPS = workloads.DEFAULT_STEPS["lstm"]
+LR = 3e-3
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The LSTM's dimensions and the batch, for one size."""
+
+    embed: int
+    hidden: int
+    layers: int
+    seq: int
+    batch: int = 16
+
+    def describe(self) -> str:
+        return f"hidden {self.hidden}, {self.layers} layer{'s' if self.layers != 1 else ''}, seq {self.seq}"
+
+
+SIZES = {"tiny": Dims(32, 64, 1, 32), "small": Dims(64, 128, 2, 32), "medium": Dims(64, 128, 2, 64),
+         "large": Dims(64, 256, 2, 64), "huge": Dims(128, 512, 2, 128, 32)}
 
 
 class CharLSTM(nn.Module):
-    """Embedding, a two-layer LSTM, a linear head."""
+    """Embedding, a stacked LSTM, a linear head."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, vocab: int, dims: Dims = SIZES[workloads.DEFAULT_SIZE]) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, EMBED)
-        self.lstm = nn.LSTM(EMBED, HIDDEN, num_layers=LAYERS, batch_first=True)
-        self.head = nn.Linear(HIDDEN, vocab)
+        self.embed = nn.Embedding(vocab, dims.embed)
+        self.lstm = nn.LSTM(dims.embed, dims.hidden, num_layers=dims.layers, batch_first=True)
+        self.head = nn.Linear(dims.hidden, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(self.embed(ids))
@@ -34,10 +53,11 @@ class CharLSTM(nn.Module):
 
 def build(args: argparse.Namespace):
     """Model, optimizer, batches and loss for ``args``."""
+    dims = SIZES[args.size]
     ids, vocab = _common.encode_corpus()
-    model = CharLSTM(vocab).to(args.device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    batches = _common.text_batches(ids, args.steps, BATCH, SEQ, args.seed + 1)
+    model = CharLSTM(vocab, dims).to(args.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    batches = _common.text_batches(ids, args.steps, dims.batch, dims.seq, args.seed + 1)
     return model, optimizer, batches, _common.lm_loss
 
 

@@ -1,0 +1,104 @@
+"""One row per level: the statistics of its run, computed from its report against O0's.
+
+A `Row` is built once from a `LevelRun` (and the baseline's row) and never changed: median
+step time (warm-up skipped), speed-up over O0, final loss, largest deviation from O0's loss
+curve at the same step, peak memory, skipped steps and the final loss scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ampatch.compare.runner import LevelRun
+
+WARMUP_FRACTION = 0.2    # share of step times skipped before the median
+FINAL_LOSS_WINDOW = 5    # "final loss" is the mean of this many last losses
+BASELINE = "O0"          # the level every other is compared with
+
+
+def losses_by_step(losses: Sequence[float], every: int, upto: int | None) -> dict[int, float]:
+    """{step: loss} of a (thinned: ``losses[i]`` is step ``i * every``) loss curve, before ``upto``."""
+    return {i * every: loss for i, loss in enumerate(losses) if upto is None or i * every < upto}
+
+
+def common_steps(runs: Sequence[LevelRun]) -> int | None:
+    """The number of steps whose loss every finished run recorded (None without any): the
+    steps before the last recorded loss of the shortest run, that one included."""
+    counts = [(len(rep.get("losses") or []) - 1) * (rep.get("losses_every") or 1) + 1
+              for rep in (r.report or {} for r in runs if r.ok)]
+    return min(counts) if counts else None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One level's line of the table (and of ``--json``): its run, then its statistics."""
+
+    level: str
+    ok: bool
+    error: str | None
+    returncode: int | None
+    wall_s: float
+    report: dict[str, Any] | None
+    half_dtype: str | None
+    steps: int | None
+    median_step_ms: float | None
+    peak_memory_mib: float | None
+    final_loss: float | None
+    losses: list[float]
+    losses_every: int                      # a long run's curve is thinned: losses[i] is step i * every
+    loss_scale_history: dict[str, Any]
+    step_times_s: list[float]
+    skipped_steps: list[int]
+    final_loss_scale: float | None
+    speedup_vs_O0: float | None
+    max_loss_dev_vs_O0: float | None
+
+    @classmethod
+    def of(cls, run: LevelRun, baseline: Row | None = None, upto: int | None = None) -> Row:
+        """The row of ``run``; ``baseline`` is O0's row (None: no comparison). ``upto``: final
+        loss and deviation from the losses before that step only (a budget let the levels run
+        different numbers of steps: they compare at the step all of them reached). Losses
+        compare at the same step, also where one curve was thinned more than the other."""
+        rep = run.report or {}
+        times = rep.get("step_times_s") or []
+        losses = [float(x) if x is not None else math.nan for x in rep.get("losses") or []]
+        every = rep.get("losses_every") or 1
+        at = losses_by_step(losses, every, upto)
+        steady = times[int(len(times) * WARMUP_FRACTION):] or times
+        median_ms = 1000 * statistics.median(steady) if steady else None
+        tail = list(at.values())[-FINAL_LOSS_WINDOW:]
+        base = baseline if baseline is not None and baseline.ok else None
+        base_at = losses_by_step(base.losses, base.losses_every, upto) if base else {}
+        deviations = [abs(loss - base_at[step]) if math.isfinite(loss - base_at[step]) else math.inf
+                      for step, loss in at.items() if step in base_at]
+        return cls(
+            level=run.level, ok=run.ok, error=run.error, returncode=run.returncode, wall_s=run.wall_s,
+            report=run.report,
+            half_dtype=None if run.level == BASELINE else rep.get("half_dtype"),
+            steps=rep.get("steps"),
+            median_step_ms=median_ms,
+            peak_memory_mib=rep["peak_memory_bytes"] / 2**20 if rep.get("peak_memory_bytes") else None,
+            final_loss=sum(tail) / len(tail) if tail else None,
+            losses=losses, losses_every=every,
+            loss_scale_history=rep.get("loss_scale_history") or {},
+            step_times_s=times,
+            skipped_steps=rep.get("skipped_steps") or [],
+            final_loss_scale=(rep.get("loss_scale") or {}).get("loss_scaler0"),
+            speedup_vs_O0=base.median_step_ms / median_ms if base and base.median_step_ms and median_ms else None,
+            max_loss_dev_vs_O0=max(deviations, default=None))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as ``--json`` writes it."""
+        return dataclasses.asdict(self)
+
+
+def summarize(runs: Sequence[LevelRun], upto: int | None = None) -> list[Row]:
+    """The rows of ``runs``, each compared with O0's run when there is one (see `Row.of`)."""
+    base_run = next((r for r in runs if r.level == BASELINE), None)
+    base = Row.of(base_run, None, upto) if base_run is not None else None
+    return [Row.of(run, base, upto) for run in runs]

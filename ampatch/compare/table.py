@@ -1,0 +1,77 @@
+"""The comparison table as text, the machine line above it, and the rows as JSON."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ampatch import hardware
+from ampatch.compare.rows import FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
+
+# (heading, Row attribute, format)
+COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
+           ("step ms", "median_step_ms", "{:.1f}"), ("speed-up", "speedup_vs_O0", "{:.2f}x"),
+           ("peak MiB", "peak_memory_mib", "{:.0f}"), ("final loss", "final_loss", "{:.4f}"),
+           ("max dev vs O0", "max_loss_dev_vs_O0", "{:.3g}"),
+           ("skipped", "skipped_steps", "{}"), ("loss scale", "final_loss_scale", "{:g}"),
+           ("steps", "steps", "{}")]
+TEXT_COLUMNS = 2   # the first columns are text, left-aligned; numbers are right-aligned
+NOTE_WIDTH = 100
+
+
+def cell(row: Row, key: str, fmt: str) -> str:
+    """One cell: ``-`` for a missing value; the skipped steps are counted."""
+    value = getattr(row, key)
+    if key == "skipped_steps":
+        value = len(value or [])
+    return "-" if value is None else fmt.format(value)
+
+
+def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
+                 notes: Sequence[str] = ()) -> str:
+    """The comparison table with its footnotes, as text: title, the machine line (device,
+    torch, half dtype native or not), the table, the footnotes, then ``notes``."""
+    ok = [[cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in rows if r.ok]
+    widths = [max([len(h)] + [len(c[i]) for c in ok]) for i, (h, _, _) in enumerate(COLUMNS)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < TEXT_COLUMNS else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [title] + ([f"machine: {machine}"] if machine else []) + [line([h for h, _, _ in COLUMNS])]
+    cells = iter(ok)
+    for row in rows:
+        out.append(line(next(cells)) if row.ok else f"{row.level.ljust(widths[0])}  FAILED: {row.error}")
+    out += ["",
+            f"step ms: median wall time per optimizer step, first {WARMUP_FRACTION:.0%} "
+            "of steps skipped as warm-up; speed-up is relative to O0.",
+            f"final loss: mean of the last {FINAL_LOSS_WINDOW} losses (all, if fewer); "
+            "max dev: largest |loss - O0 loss| at the same step.",
+            "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS."]
+    out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+            for n in notes if n]
+    return "\n".join(out)
+
+
+def interrupted_note(rows: Sequence[Row], levels: Sequence[str]) -> str:
+    """The note after Ctrl-C: which of the levels finished."""
+    return (f"interrupted: {len(rows)} of {len(levels)} levels finished "
+            f"({', '.join(r.level for r in rows) or 'none'}).")
+
+
+def machine_of(rows: Sequence[Row], fallback: str = "cpu") -> tuple[str, str | None]:
+    """The machine line and the slow-half note for the table, from the runs' reports (the
+    device each script trained on); from ``fallback`` here when no report says."""
+    device = next((r.report["device"] for r in rows if r.ok and (r.report or {}).get("device")), None)
+    if device is None:
+        device = hardware.describe(fallback).to_dict()
+    dtypes = list(dict.fromkeys(r.half_dtype for r in rows if r.ok and r.half_dtype))
+    return hardware.machine_line(device, dtypes), hardware.slow_half_note(device, dtypes)
+
+
+def write_json(path: str, header: dict[str, Any], rows: Sequence[Row]) -> None:
+    """``header`` and all rows, with loss curves, loss-scale history and the full reports."""
+    Path(path).write_text(json.dumps({**header, "rows": [r.to_dict() for r in rows]}, indent=1) + "\n")
