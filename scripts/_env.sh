@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY="$ROOT/.venv/bin/python"
-if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+if ! "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" >/dev/null 2>&1; then
   # A bare 'torch' would pull a multi-GB CUDA build; the pinned CPU build is what we test on.
   "$VPY" -m pip install --quiet "torch==2.13.0"
 fi
