@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch import _Current
+from ampatch.session import current
 from ampatch.patching import _switch
 
 N = 100_000
@@ -38,7 +38,7 @@ def main() -> None:
     rows.append(("ampatch O4 (patched F.linear)", us(lambda: F.linear(x, w, b))))
     wg, bg = w.bfloat16(), b.bfloat16()  # cached casts carry a grad_fn, as in training
     rows.append(("floor: cast x + linear on cached bf16", us(lambda: linear(x.bfloat16(), wg, bg))))
-    hit = _Current.session.cache.caster(torch.bfloat16)
+    hit = current().cache.caster(torch.bfloat16)
     rows.append(("one cast-cache hit", us(lambda: hit(w))))
     tick = itertools.count()
 
