@@ -16,7 +16,7 @@ from torch import nn
 
 import ampatch as amp
 from ampatch.session import current
-from ampatch.patching import _switch
+from ampatch.patching import cast_switch
 
 N = 100_000
 
@@ -43,7 +43,7 @@ def main() -> None:
     tick = itertools.count()
 
     def hand(wrapped, instance, args, kwargs):
-        if not _switch.enabled:
+        if not cast_switch.enabled:
             return wrapped(*args)
         next(tick)
         a, weight, bias = args
