@@ -64,7 +64,7 @@ def test_a_kind_is_its_string_and_an_unknown_kind_names_the_known_ones() -> None
 
 
 def test_a_cast_leaf_needs_its_cast() -> None:
-    with pytest.raises(TypeError, match="needs the cast"):
+    with pytest.raises(TypeError, match="takes the cast it applies"):
         plan(HALF, "f", BF16).leaf()
 
 
@@ -126,8 +126,8 @@ def context() -> WrapContext:
     return WrapContext(lambda dtype: (lambda t: t.to(dtype)), BF16, Counters(), allow_banned=False)
 
 
-T32, T16, TB, T64, INTS = torch.ones(2), torch.ones(2, dtype=F16), torch.ones(2, dtype=BF16), torch.ones(2, dtype=F64), \
-    torch.arange(2)
+T32, T16, TB, T64 = (torch.ones(2, dtype=d) for d in (F32, F16, BF16, F64))
+INTS = torch.arange(2)
 CALLS = {
     "tensors": ((T32, TB, T64, INTS), {}),
     "lists": (([T32, [T16, INTS]], (TB,)), {"w": T32}),

@@ -62,10 +62,12 @@ class CastPlan:
         """The dtype the telemetry counts this op's calls under (PROMOTE: chosen per call)."""
         return short_name(self.target)
 
-    def leaf(self, cast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Leaf:
-        """The `map_tensors` leaf of a CAST plan (a tensor whose dtype is in `needs` goes
-        through `cast`) or of a REFUSE plan (such a tensor raises, with `message`); any other
-        tensor comes back as it is."""
+    def leaf(self, cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             dtype: torch.dtype | None = None) -> Leaf:
+        """The `map_tensors` leaf of this plan: CAST, a tensor whose dtype is in `needs` goes
+        through `cast`; PROMOTE, a floating tensor not of the call's `dtype` (from
+        `promote_dtype`) does; REFUSE, a tensor whose dtype is in `needs` raises, with
+        `message`. Any other tensor comes back as it is."""
         needs = self.needs
         if self.action is Action.REFUSE:
             message = self.message
@@ -75,8 +77,13 @@ class CastPlan:
                     raise NotImplementedError(message)
                 return t
             return refuse
-        if cast is None:
-            raise TypeError(f"the leaf of a {self.action.value} plan needs the cast it applies")
+        if cast is None or (self.action is Action.PROMOTE) != (dtype is not None):
+            raise TypeError(f"the leaf of a {self.action.value} plan takes the cast it applies"
+                            + (" and the call's dtype" if self.action is Action.PROMOTE else ""))
+        if self.action is Action.PROMOTE:
+            def promote(t: torch.Tensor) -> torch.Tensor:
+                return cast(t) if t.dtype is not dtype and t.is_floating_point() else t
+            return promote
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
             return cast(t) if t.dtype in needs else t
@@ -119,16 +126,19 @@ def promote_dtype(in_place: bool, args: tuple, kwargs: dict) -> torch.dtype | No
     (None: no floating tensor, nothing to promote)."""
     if in_place and args and isinstance(args[0], torch.Tensor):
         return args[0].dtype
-    widest = None
+    floating: list[torch.dtype] = []
 
     def see(t: torch.Tensor) -> torch.Tensor:
-        nonlocal widest
         if t.is_floating_point():
-            widest = t.dtype if widest is None else torch.promote_types(widest, t.dtype)
+            floating.append(t.dtype)
         return t
 
     map_tensors(args, see)
-    map_tensors(kwargs, see)
+    if kwargs:
+        map_tensors(kwargs, see)
+    widest = None
+    for d in floating:
+        widest = d if widest is None or widest is d else torch.promote_types(widest, d)
     return widest
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ..tree import map_tensors
 from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
 
@@ -54,9 +52,7 @@ def make_traceable(p: CastPlan, original: Any) -> Callable:
             if dtype is None or OUT in kwargs:
                 return original(*args, **kwargs)
 
-            def leaf(t: torch.Tensor) -> torch.Tensor:
-                return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-
+            leaf = p.leaf(lambda t: t.to(dtype), dtype)
             return original(*map_tensors(args, leaf), **map_tensors(kwargs, leaf))
     else:
         refuse = p.leaf()

@@ -21,7 +21,7 @@ import torch
 from ..dtypes import short_name
 from ..telemetry import Counters
 from ..tips import hint_dtype_error
-from ..tree import map_tensors
+from ..tree import ATOMS, map_tensors
 from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
 from .switch import cast_switch
 
@@ -56,13 +56,19 @@ def make_wrapper(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
 
 
 def _holds(x: Any, needs: frozenset) -> bool:
-    """Whether a tensor in container `x` (nested ones too) has a dtype in `needs`: the
+    """Whether a tensor nested in `x`, a non-tensor argument, has a dtype in `needs`: the
     pre-check's look into the containers `map_tensors` walks."""
-    for y in x.values() if isinstance(x, dict) else x:
+    cls = type(x)
+    if cls is not tuple and cls is not list:
+        if isinstance(x, dict):
+            x = x.values()
+        elif not isinstance(x, (list, tuple)):
+            return False
+    for y in x:
         if isinstance(y, _Tensor):
             if y.dtype in needs:
                 return True
-        elif isinstance(y, _CONTAINERS) and _holds(y, needs):
+        elif type(y) not in ATOMS and _holds(y, needs):
             return True
     return False
 
@@ -74,7 +80,7 @@ def _cast_wrapper(p: CastPlan, original: Any, tick: Any, cast: Caster,
     dict is never passed on: `f(*args, **{})` costs a torch builtin about 0.25 us. With
     `timer`, the time spent converting is reported."""
     state = cast_switch
-    holds = _holds
+    holds, atoms = _holds, ATOMS
     timed = timer is not None
     perf = time.perf_counter
     needs, leaf = p.needs, p.leaf(cast)
@@ -89,7 +95,7 @@ def _cast_wrapper(p: CastPlan, original: Any, tick: Any, cast: Caster,
             if isinstance(a, _Tensor):
                 if a.dtype in needs:
                     a = cast(a)
-            elif isinstance(a, _CONTAINERS):
+            elif type(a) not in atoms and holds(a, needs):
                 a = map_tensors(a, leaf)
             out.append(a)
         new_kwargs = map_tensors(kwargs, leaf) if kwargs else None
@@ -105,20 +111,20 @@ def _cast_wrapper(p: CastPlan, original: Any, tick: Any, cast: Caster,
             if isinstance(a, _Tensor):
                 if a.dtype in needs:
                     return convert_call(instance, args, kwargs)
-            elif isinstance(a, _CONTAINERS) and holds(a, needs):
+            elif type(a) not in atoms and holds(a, needs):
                 return convert_call(instance, args, kwargs)
         if instance is not None:
             if isinstance(instance, _Tensor):
                 if instance.dtype in needs:
                     return convert_call(instance, args, kwargs)
-            elif isinstance(instance, _CONTAINERS) and holds(instance, needs):
+            elif holds(instance, needs):
                 return convert_call(instance, args, kwargs)
         if kwargs:
             for v in kwargs.values():
                 if isinstance(v, _Tensor):
                     if v.dtype in needs:
                         return convert_call(instance, args, kwargs)
-                elif isinstance(v, _CONTAINERS) and holds(v, needs):
+                elif type(v) not in atoms and holds(v, needs):
                     return convert_call(instance, args, kwargs)
             return wrapped(*args, **kwargs)
         return wrapped(*args)
@@ -154,18 +160,19 @@ def _promote_wrapper(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
     """A PROMOTE wrapper: floating tensors to `promote_dtype`'s choice, counted per dtype
     when something was cast."""
     state = cast_switch
+    atoms = ATOMS
     in_place, op, counters, cast_for = p.in_place, p.op, ctx.counters, ctx.cast_for
+    leaves: dict[torch.dtype, Callable] = {}  # per target dtype, made once
 
     def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtype = promote_dtype(in_place, args, kwargs)
         if dtype is None:
             return args, kwargs
-        cast = cast_for(dtype)
-
-        def leaf(t: torch.Tensor) -> torch.Tensor:
-            return cast(t) if t.dtype is not dtype and t.is_floating_point() else t
-
-        new_args, new_kwargs = map_tensors(args, leaf), map_tensors(kwargs, leaf)
+        leaf = leaves.get(dtype)
+        if leaf is None:
+            leaf = leaves[dtype] = p.leaf(cast_for(dtype), dtype)
+        new_args = map_tensors(args, leaf)
+        new_kwargs = map_tensors(kwargs, leaf) if kwargs else kwargs
         if new_args is not args or new_kwargs is not kwargs:
             next(counters.counter(op, short_name(dtype)))
         return new_args, new_kwargs
@@ -188,7 +195,7 @@ def _promote_wrapper(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
                         first = d
                     elif d is not first:
                         break
-            elif isinstance(a, _CONTAINERS):
+            elif type(a) not in atoms and isinstance(a, _CONTAINERS):
                 break
         else:
             return wrapped(*args, **kwargs) if kwargs else wrapped(*args)
@@ -208,7 +215,8 @@ def _refuse_wrapper(p: CastPlan, original: Any, timer: Callable[[float], None] |
 
     def check(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         map_tensors(args, refuse)
-        map_tensors(kwargs, refuse)
+        if kwargs:
+            map_tensors(kwargs, refuse)
         return args, kwargs
 
     check = _timed(check, timer)
