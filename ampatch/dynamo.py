@@ -1,7 +1,7 @@
 """torch.compile under O1/O4: Tensor methods and operators, as Dynamo sees them.
 
 Patched functions (`torch.*`, `F.*`, `torch.linalg.*`, `torch.Tensor.softmax(x)`) carry
-their own plain-Python twin, which Dynamo inlines (`patching._FunctionWrapper`). Method
+their own plain-Python twin, which Dynamo inlines (`patching.CastFunctionWrapper`). Method
 calls and operators on tensors (`x.softmax(-1)`, `x @ w`, `x ** 2`) never look at
 `torch.Tensor`'s attributes inside Dynamo: it records the method name or the operator
 directly. So, while a session patches torch, two Dynamo entry points are wrapped (and put
@@ -41,8 +41,9 @@ from typing import Any
 import torch
 import wrapt
 
-from . import cache, patching, rnn
-from .patching import Patcher, _FunctionWrapper, disable_casts
+from . import cache, rnn, tree
+from .patching import CastFunctionWrapper, Patcher, disable_casts, is_traced
+from .patching import plans, proxies, registry, switch, wrappers
 
 logger = logging.getLogger("ampatch")
 
@@ -72,12 +73,12 @@ class _Tracing(threading.local):
 _tracing = _Tracing()
 
 
-def _patched_method(name: str) -> _FunctionWrapper | None:
+def _patched_method(name: str) -> CastFunctionWrapper | None:
     """torch.Tensor.<name> when ampatch patched it, and Dynamo is not inside that patch."""
     if _tracing.names and _tracing.names[-1] == name:
         return None
     wrapper = vars(torch.Tensor).get(name)  # a patch is set on torch.Tensor itself
-    return wrapper if isinstance(wrapper, _FunctionWrapper) else None
+    return wrapper if isinstance(wrapper, CastFunctionWrapper) else None
 
 
 def _trace_method(tx: Any, name: str, args: list, kwargs: dict) -> Any:
@@ -103,16 +104,18 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 
 
 def _eager_codes() -> Iterator[types.CodeType]:
-    """The code of ampatch's eager O1 path: the wrappers, the cast cache, the RNN forward.
+    """The code of ampatch's eager O1 path: the wrappers and what they call (plans, the
+    structure walk, the cast cache), the RNN forward.
 
     Dynamo must never compile these frames on its own (it would happen in the eager parts
     of a compiled function, after a graph break): they read per-thread state that Dynamo
     cannot guard and look up parameters by id, so each parameter would recompile. The
-    twins of `make_traceable` (and the `_torchdynamo_inline` choice) are what Dynamo traces.
+    twins (`patching.twins`, and whatever is marked `traced`) are what Dynamo traces; it
+    still inlines the helpers they call from here, as skipping a frame does not stop that.
     """
-    for module in (patching, cache, rnn):
+    for module in (registry, switch, plans, wrappers, proxies, tree, cache, rnn):
         for obj in vars(module).values():
-            if getattr(obj, "__module__", None) != module.__name__ or getattr(obj, "_ampatch_traced", False):
+            if getattr(obj, "__module__", None) != module.__name__ or is_traced(obj):
                 continue
             functions = [obj] if inspect.isfunction(obj) else [
                 f for f in vars(obj).values() if inspect.isfunction(f)] if inspect.isclass(obj) else []

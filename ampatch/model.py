@@ -7,7 +7,6 @@ model back to its original dtypes (from the FP32 masters where they exist).
 """
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import threading
@@ -15,13 +14,13 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from . import huggingface
 from .dtypes import LOW
 from .tips import hint_dtype_error
+from .tree import map_tensors
 
 logger = logging.getLogger("ampatch")
 
@@ -49,24 +48,12 @@ def cast_tree(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
     """Cast floating tensors nested in lists, tuples, namedtuples and dicts to `dtype`, and
     custom batch objects through their `.to(dtype)`; numpy arrays, integer tensors and the
     rest pass untouched. `only_low` casts just float16/bfloat16 tensors (model outputs)."""
-    if isinstance(x, torch.Tensor):
-        if x.is_floating_point() and x.dtype != dtype and (not only_low or x.dtype in LOW):
-            return x.to(dtype)
-        return x
-    if isinstance(x, (str, bytes, np.ndarray)) or x is None:
-        return x
-    if isinstance(x, dict):
-        items = [(k, cast_tree(v, dtype, only_low)) for k, v in x.items()]
-        if isinstance(x, collections.defaultdict):  # its first constructor argument is the factory
-            return type(x)(x.default_factory, items)
-        return type(x)(items)
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*(cast_tree(v, dtype, only_low) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(cast_tree(v, dtype, only_low) for v in x)
-    if callable(getattr(x, "to", None)) and not isinstance(x, nn.Module) and not only_low:
-        return x.to(dtype)
-    return x
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dtype != dtype and (not only_low or t.dtype in LOW):
+            return t.to(dtype)
+        return t
+
+    return map_tensors(x, leaf, None if only_low else (lambda batch: batch.to(dtype)))
 
 
 class _Cast:

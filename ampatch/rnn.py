@@ -22,20 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.utils.rnn import PackedSequence
 
-from .dtypes import CASTABLE
-from .patching import Caster, Patcher, _ModuleFunctionWrapper, _switch, traced
+from .patching import HALF, CastPlan, ModuleFunctionWrapper, Patcher, cast_switch, plan, traced
+from .tree import map_tensors
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
-
-
-def _to_half(x: Any, caster: Caster, dtype: torch.dtype) -> Any:
-    if isinstance(x, PackedSequence):
-        return x._replace(data=caster.to_half(x.data, dtype))
-    if isinstance(x, tuple):
-        return tuple(_to_half(y, caster, dtype) for y in x)
-    return caster.to_half(x, dtype)
 
 
 def _half_view(module: torch.nn.Module, flat_weights: list) -> torch.nn.Module:
@@ -50,24 +41,16 @@ def _half_view(module: torch.nn.Module, flat_weights: list) -> torch.nn.Module:
 
 
 @traced
-def _traceable_forward(original: Callable, dtype: torch.dtype) -> Callable:
+def _traceable_forward(original: Callable, p: CastPlan) -> Callable:
     """The forward Dynamo traces: casts as graph nodes, `_flat_weights` swapped and restored."""
-    needs = tuple(d for d in CASTABLE if d is not dtype)
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.to(dtype) if x.dtype in needs else x
-        if isinstance(x, PackedSequence):
-            return x._replace(data=cast(x.data))
-        if isinstance(x, tuple):
-            return tuple([cast(y) for y in x])
-        return x
+    target = p.target
+    leaf = p.leaf(lambda t: t.to(target))
 
     def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         flat = module._flat_weights
-        module._flat_weights = [None if w is None else cast(w) for w in flat]
+        module._flat_weights = [None if w is None else leaf(w) for w in flat]
         try:
-            return original(module, *[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+            return original(module, *map_tensors(args, leaf), **map_tensors(kwargs, leaf))
         finally:
             module._flat_weights = flat
 
@@ -75,22 +58,23 @@ def _traceable_forward(original: Callable, dtype: torch.dtype) -> Callable:
     return forward
 
 
-def patch_rnn_modules(patcher: Patcher, caster: Caster, dtype: torch.dtype) -> None:
-    """Replace the forward of every RNN class so the whole recurrence runs in `dtype`."""
-    switch = _switch
+def patch_rnn_modules(patcher: Patcher, cast_for: Callable[[torch.dtype], Callable[[torch.Tensor], torch.Tensor]],
+                      dtype: torch.dtype) -> None:
+    """Replace the forward of every RNN class so the whole recurrence runs in `dtype`
+    (a HALF plan); `cast_for(dtype)` casts through the session's cast cache."""
+    p = plan(HALF, "rnn", dtype)
+    leaf = p.leaf(cast_for(p.target))
 
     def forward_in_half(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
         module, args = args[0], args[1:]
-        if not switch.enabled:
+        if not cast_switch.enabled:
             return wrapped(module, *args, **kwargs)
-        half = [None if w is None else caster.to_half(w, dtype) for w in module._flat_weights]
-        return wrapped(_half_view(module, half), *[_to_half(a, caster, dtype) for a in args],
-                       **{k: _to_half(v, caster, dtype) for k, v in kwargs.items()})
+        half = [None if w is None else leaf(w) for w in module._flat_weights]
+        return wrapped(_half_view(module, half), *map_tensors(args, leaf), **map_tensors(kwargs, leaf))
 
     for cls in RNN_CLASSES:
         original = vars(cls)["forward"]
-        twin = _ModuleFunctionWrapper(original, forward_in_half)
-        twin._self_traceable = _traceable_forward(original, dtype)
+        twin = ModuleFunctionWrapper(original, forward_in_half, _traceable_forward(original, p))
         patcher.patch(cls, "forward", _class_forward(original, twin))
 
 

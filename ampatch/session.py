@@ -7,6 +7,7 @@ at most one, and a new `initialize` closes the previous one first (Apex's once-o
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,24 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dynamo, env, fsdp, hardware, jit, policy, tips
-from .cache import CastCache, watch_data
+from . import env, fsdp, hardware, policy, tips
+from .cache import CastCache
 from .levels import Properties
 from .master import check_one_master_each, master_ids
 from .model import ModelHandle, params_to_cast, wrap_outputs
 from .notices import warn
+from .o1 import O1Patches
 from .optimizer import HandleContext, OptimizerHandle, OptState
-from .patching import (BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Caster, Patcher,
-                       WrapContext, resolve_owner, wrap)
+from .patching import Patcher, WrapContext
 from .policy import user as user_policy
-from .rnn import patch_rnn_modules
 from .scaler import LossScaler, Verdict, load_scalers_state_dict, scalers_state_dict
 from .telemetry import ExitReport, Report, Telemetry, peak_memory_bytes
 
 logger = logging.getLogger("ampatch")
-
-_LIST_KINDS = (("HALF", HALF), ("FLOAT", FLOAT), ("PROMOTE", PROMOTE), ("SEQUENCE_PROMOTE", SEQUENCE_PROMOTE),
-               ("CPU_FLOAT", CPU_FLOAT))
 
 
 class _Current:
@@ -72,8 +69,6 @@ class Session:
         self.optimizers: list[OptimizerHandle] = []
         self.closed = False
         self.guard: fsdp.ParamGuard | None = None  # fsdp hook: parameters swapped after initialize
-        self._wrap_ctx: WrapContext | None = None
-        self._decorated: dict[tuple[str, Any], Any] = {}
         self._last_loss: torch.Tensor | None = None
         self.device: dict[str, Any] = {}  # hardware.check_half: the device and its half-precision paths
 
@@ -155,60 +150,25 @@ class Session:
             self.scalers.append(LossScaler(self.properties.loss_scale, first.min_loss_scale, first.max_loss_scale))
         return h
 
-    def _context(self) -> WrapContext:
-        if self._wrap_ctx is None:
-            timer = self.telemetry.add_wrapper_time if self.telemetry.time_wrappers else None
-            self._wrap_ctx = WrapContext(Caster(self.cache), self.properties.half_dtype,
-                                         self.telemetry.counters, self.allow_banned, timer)
-        return self._wrap_ctx
+    @functools.cached_property
+    def o1(self) -> O1Patches:
+        """This session's O1 patches (made on first use: O1/O4 patch torch, decorators wrap)."""
+        timer = self.telemetry.add_wrapper_time if self.telemetry.time_wrappers else None
+        ctx = WrapContext(self.cache.caster, self.properties.half_dtype, self.telemetry.counters, self.allow_banned,
+                          timer)
+        return O1Patches(self.patcher, self.cache, ctx)
 
     def _patch_torch(self) -> None:
-        ctx = self._context()
-        # registrations first: they win, since an attribute is patched once
-        for owner, name, kind in user_policy.REGISTERED:
-            self._patch_one(owner, name, kind, ctx, user=True)
-        for path, lists in policy.NAMESPACES:
-            owner = resolve_owner(path)
-            for attr, kind in _LIST_KINDS:
-                for name in getattr(lists, attr, ()):
-                    self._patch_one(owner, name, kind, ctx)
-            for name, message in getattr(lists, "BANNED", {}).items():
-                self._patch_one(owner, name, BANNED, ctx, message)
-        patch_rnn_modules(self.patcher, ctx.caster, self.properties.half_dtype)
-        watch_data(self.cache, self.patcher)  # p.data changes drop p's casts (o1)
-        jit.install(self.patcher, self.cache)  # TorchScript: script without casts, trace with them (o1)
-        dynamo.install(self.patcher)  # torch.compile sees the casts of Tensor methods too (o1)
-        logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
-
-    def _patch_one(self, owner: Any, name: str, kind: str, ctx: WrapContext, message: str = "",
-                   user: bool = False) -> None:
-        if not hasattr(owner, name):
-            logger.debug("ampatch: %s has no %s on this torch; not patched", owner, name)
-            return
-        if (owner, name) in self.patcher:
-            return
-        hint = tips.qualified_name(owner, name) if user else None
-        self.patcher.patch(owner, name, wrap(kind, name, getattr(owner, name), ctx, message, owner, hint))
+        self.o1.install(user_policy.REGISTERED, policy.NAMESPACES)
 
     def decorated(self, kind: str, fn: Any) -> Any:
-        """The cast wrapper for a function decorated with `amp.half_function` & co., made once:
-        a wrapt proxy of `fn`, called like `fn` (torch.compile traces its twin)."""
-        key = (kind, fn)
-        wrapper = self._decorated.get(key)
-        if wrapper is None:
-            name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', 'function')}"
-            wrapper = self._decorated[key] = wrap(kind, getattr(fn, "__name__", "function"), fn, self._context(),
-                                                  hint_name=name)
-        return wrapper
+        """The cast wrapper of a function decorated with `amp.half_function` & co."""
+        return self.o1.decorated(kind, fn)
 
     def register_now(self, owner: Any, name: str, kind: str) -> None:
         """A registration made while this session patches torch takes effect at once."""
         if self.properties.enabled and self.properties.patch_torch_functions and not self.closed:
-            if (owner, name) in self.patcher:
-                logger.info("ampatch: %s was patched already; the new registration applies from the next "
-                            "initialize.", name)
-                return
-            self._patch_one(owner, name, kind, self._context(), user=True)
+            self.o1.register(owner, name, kind)
 
     # ------------------------------------------------------------------ training loop
     def handle(self, optimizer: torch.optim.Optimizer) -> OptimizerHandle:

@@ -8,7 +8,6 @@ Run: .venv/bin/python scripts/linear_floor.py
 from __future__ import annotations
 
 import itertools
-import threading
 import timeit
 
 import torch
@@ -16,19 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch import session
+from ampatch.session import current
+from ampatch.patching import cast_switch
 
 N = 100_000
-
-
-class Switch(threading.local):
-    """The hand-written wrapper's per-thread on/off switch: what ampatch's wrappers read
-    (a threading.local attribute), so the floor pays the same lookup."""
-
-    enabled = True
-
-
-switch = Switch()
 
 
 def us(fn) -> float:
@@ -48,12 +38,12 @@ def main() -> None:
     rows.append(("ampatch O4 (patched F.linear)", us(lambda: F.linear(x, w, b))))
     wg, bg = w.bfloat16(), b.bfloat16()  # cached casts carry a grad_fn, as in training
     rows.append(("floor: cast x + linear on cached bf16", us(lambda: linear(x.bfloat16(), wg, bg))))
-    hit = session.current().cache.caster(torch.bfloat16)
+    hit = current().cache.caster(torch.bfloat16)
     rows.append(("one cast-cache hit", us(lambda: hit(w))))
     tick = itertools.count()
 
     def hand(wrapped, instance, args, kwargs):
-        if not switch.enabled:
+        if not cast_switch.enabled:
             return wrapped(*args)
         next(tick)
         a, weight, bias = args

@@ -178,8 +178,8 @@ def test_rnn_cells_run_in_half(half, cls):
 
 # ----------------------------------------------------------------- the cast cache
 def _cache():
-    from ampatch import _Current
-    return _Current.session.cache
+    from ampatch.session import current
+    return current().cache
 
 
 def test_cache_casts_each_param_once_per_iteration(half):

@@ -25,8 +25,8 @@ def o1(half, *models, **kw):
 
 
 def _cache():
-    from ampatch import _Current
-    return _Current.session.cache
+    from ampatch.session import current
+    return current().cache
 
 
 # ----------------------------------------------------------------- D6: stale casts without a version bump

@@ -1,0 +1,86 @@
+"""The registry of patches: sets attributes on torch objects and puts every one back
+exactly as it was (`restore_all`), whatever wrapped it.
+
+Some names are inherited (`torch.Tensor.matmul` lives on `torch._C.TensorBase`), others are
+the owner's own: each record says which, so a restore deletes what was not there instead of
+setting it.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("ampatch")
+
+
+def resolve_owner(path: str) -> Any:
+    """"torch.nn.functional" -> the module; "torch.Tensor" -> the class."""
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        module, _, attr = path.rpartition(".")
+        return getattr(importlib.import_module(module), attr)
+
+
+@dataclass
+class _Record:
+    owner: Any
+    name: str
+    original: Any
+    had_own: bool  # was `name` in owner.__dict__ (else it was inherited / resolved lazily)
+    patched: Any
+
+
+class Patcher:
+    """Sets attributes on torch objects and remembers how to undo each one exactly."""
+
+    def __init__(self) -> None:
+        self._records: list[_Record] = []
+        self._index: dict[tuple[int, str], _Record] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def __contains__(self, key: tuple[Any, str]) -> bool:
+        return (id(key[0]), key[1]) in self._index
+
+    def patch(self, owner: Any, name: str, replacement: Any) -> None:
+        """Replace owner.name, once; a second patch of the same attribute is refused."""
+        key = (id(owner), name)
+        if key in self._index:
+            raise RuntimeError(f"ampatch: {name} on {owner!r} is already patched in this session.")
+        had_own = name in vars(owner)
+        record = _Record(owner, name, vars(owner)[name] if had_own else getattr(owner, name), had_own, replacement)
+        setattr(owner, name, replacement)
+        self._records.append(record)
+        self._index[key] = record
+
+    def patched(self) -> list[tuple[Any, str, Any, Any]]:
+        """(owner, name, original, replacement) of every live patch, oldest first."""
+        return [(r.owner, r.name, r.original, r.patched) for r in self._records]
+
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Run `undo` in `restore_all`, after the attributes are back (newest first)."""
+        self._undo.append(undo)
+
+    def restore_all(self) -> None:
+        """Undo every patch, newest first: originals back, inherited names deleted; then
+        the `on_restore` callbacks."""
+        while self._records:
+            rec = self._records.pop()
+            del self._index[(id(rec.owner), rec.name)]
+            current = vars(rec.owner).get(rec.name)
+            if current is not rec.patched and not getattr(current, "_wrapped_by_lr_sched", False):
+                # (an LR scheduler wrapping a patched optimizer.step is expected, not news)
+                logger.warning("ampatch: %s.%s was replaced by someone else after ampatch patched it; "
+                               "restoring the original anyway.", getattr(rec.owner, "__name__", rec.owner), rec.name)
+            if rec.had_own:
+                setattr(rec.owner, rec.name, rec.original)
+            elif rec.name in vars(rec.owner):
+                delattr(rec.owner, rec.name)
+        while self._undo:
+            self._undo.pop()()
+
+    def __len__(self) -> int:
+        return len(self._records)
