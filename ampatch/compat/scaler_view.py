@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..optimizer import OptimizerHandle
+from ..optimizer import OptimizerHandle, OptState
 from ..scaler import LossScaler
 
 logger = logging.getLogger("ampatch")
@@ -167,9 +167,9 @@ class LossScalerView:
         object.__setattr__(self, "_own_buf", False)
 
     def clear_overflow_state(self) -> None:
-        """Forget the overflow the script reported (its flag buffer zeroed, `_has_overflow` unset);
-        the last unscale's own outcome is ampatch's and stays."""
-        self._resolved()
+        """Apex's: a new window starts (`_has_overflow` False, the flag buffer zeroed); a skip
+        ampatch has pending stays."""
+        self._resolved().last_overflow = False
         object.__setattr__(self, "_pending", False)
         object.__setattr__(self, "_filled", 0)
         if self._buf is not None:
@@ -187,22 +187,26 @@ class LossScalerView:
         """Apex's `update_scale()`: returns should_skip.
 
         An overflow the script found (`_overflow_buf` non-zero, `_has_overflow = True`) that
-        the last unscale did not already show updates the scale as an overflow does. When the
+        ampatch has not seen since the last step (the last unscale overflowed, or a skip is
+        pending) updates the scale as an overflow does. When the
         answer is True the caller skips the step itself, so the optimizers' pending skip is
         taken now (a skipped step, params and state untouched); a later clean `step()` runs."""
         scaler = self._resolved()
         found = self._pending or self._script_flag()
         object.__setattr__(self, "_pending", False)
         handles = self._owner.handles()
-        if found and not scaler.last_overflow:
+        # an overflow ampatch saw since the last step (a skip still pending) is the same overflow
+        seen = scaler.last_overflow or any(h.stage is OptState.OVERFLOWED for h in handles)
+        if found and not seen:
             before = scaler.scale
             scaler.update(True, self._owner.iteration())
             logger.info("ampatch: %s.update_scale(): the script's overflow flag is set; skipping the step, loss "
                         "scale %g -> %g", self._owner.describe(), before, scaler.scale)
             for h in handles:
                 h.skip_next_step()
-        if not scaler.last_overflow:
+        if not (seen or found):
             return False
+        scaler.last_overflow = True  # this window overflowed: what `_has_overflow` says until the next unscale
         for h in handles:
             h.settle_skip()
         return True
