@@ -357,6 +357,8 @@ def test_the_stand_alone_loss_scalers_follow_apexs_rules() -> None:
         assert ours.loss_scale == ours.cur_scale == cur
     assert ours.cur_iter == len(flags) and ours.last_overflow_iter == len(flags) - 1 and ours.loss_scale == 1.0
     assert fp16_utils.DynamicLossScaler().loss_scale == 2.0 ** 32
+    with pytest.raises(ValueError, match="growth_factor must be a number above 1"):
+        fp16_utils.DynamicLossScaler(scale_factor=1.0)
     w = nn.Parameter(torch.ones(3))
     ours.backward((w * 2).sum())
     assert torch.equal(w.grad, torch.full((3,), 2.0)) and not ours.has_overflow([w])

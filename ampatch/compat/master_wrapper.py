@@ -84,7 +84,7 @@ class WrapperOwner:
 class MasterWeightOptimizer:
     """Apex's FP16_Optimizer skeleton: FP32 masters for the half params of `init_optimizer`
     (float16 or bfloat16, those that require grad), a loss scale, `backward(loss)` that scales
-    it and leaves the grads scaled until `unscale()`, a step skipped on overflow."""
+    it and leaves the grads scaled until `_unscale()`, a step skipped on overflow."""
 
     name = "FP16_Optimizer"
 
