@@ -188,9 +188,9 @@ class LossScalerView:
 
         An overflow the script found (`_overflow_buf` non-zero, `_has_overflow = True`) that
         ampatch has not seen since the last step (the last unscale overflowed, or a skip is
-        pending) updates the scale as an overflow does. When the
-        answer is True the caller skips the step itself, so the optimizers' pending skip is
-        taken now (a skipped step, params and state untouched); a later clean `step()` runs."""
+        pending) updates the scale as an overflow does. When the answer is True the caller
+        skips the step itself, so the optimizers' pending skip is taken now (a skipped step,
+        params and state untouched); a later clean `step()` runs."""
         scaler = self._resolved()
         found = self._pending or self._script_flag()
         object.__setattr__(self, "_pending", False)
