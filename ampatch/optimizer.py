@@ -17,7 +17,8 @@ never leak across steps whichever way the user zeroes.
 `optimizer.step(closure)` works where ampatch has nothing to do around the backward (no
 master weights and a static loss scale of 1.0: O0, O3, O4, and O1 in bfloat16); with master
 weights or loss scaling it raises `NotImplementedError`, because the closure's backward
-would bypass `scale_loss`.
+would bypass `scale_loss` (unless the driver scales the closure's backward itself:
+`HandleContext.scaled_closures`, Apex's FP16_Optimizer).
 
 Under torch.distributed (world size > 1) `before_backward` does not keep grads apart: it
 multiplies them by the coming scale and leaves them in `.grad` (master grads go back into
@@ -32,6 +33,7 @@ group, callbacks), and the overflow verdict that skips its step comes from outsi
 """
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from collections.abc import Callable, Iterator
@@ -51,6 +53,9 @@ logger = logging.getLogger("ampatch")
 
 SKIP_WARNING_AFTER = 50  # skipped steps in a row before the first warning (then 100, 200, ...)
 PATCHED = ("step", "zero_grad", "add_param_group", "state_dict", "load_state_dict")
+# Extra attributes `install` sets on the optimizer (removed again with its patches): name ->
+# the value for a handle. ampatch.compat registers Apex's `_amp_stash` view here on import.
+EXTRA_ATTRIBUTES: dict[str, Callable[["OptimizerHandle"], Any]] = {}
 
 
 class OptState(Enum):
@@ -86,6 +91,9 @@ class HandleContext:
     # the handle holding an FP32 master of a param, if any (add_param_group refuses a second one)
     master_owner: Callable[[torch.Tensor], "OptimizerHandle | None"] | None = None
     level: str = ""  # the opt level, for log lines
+    # step(closure) is allowed with scaling: the closure's backward is scaled and unscaled by the
+    # driver itself (Apex's FP16_Optimizer.backward), not by a scale_loss it would bypass
+    scaled_closures: bool = False
 
 
 def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
@@ -121,7 +129,7 @@ class OptimizerHandle:
         READY, OVERFLOWED  --after_backward(delay_unscale=True)-->  SCALED  (the stage left is kept)
         SCALED  --after_backward(delay_unscale=False), zero_grad-->  the stage it left
         FRESH, READY  --skip_next_step-->  OVERFLOWED  (in SCALED: the stage it goes back to)
-        OVERFLOWED  --step-->  READY  (skipped: params and optimizer state untouched)
+        OVERFLOWED  --step, settle_skip-->  READY  (skipped: params and optimizer state untouched)
 
     step() in SCALED raises: it would apply scaled grads. From before_backward to the unscale
     that ends the scale_loss, the grads that were there before are kept apart (`_stash`).
@@ -287,11 +295,16 @@ class OptimizerHandle:
                 # the patched step calls that wrapper, so the scheduler must not think it was replaced
                 method._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             patcher.patch(opt, name, types.MethodType(method, opt))
+        for name, make in EXTRA_ATTRIBUTES.items():
+            if not hasattr(opt, name):
+                value = make(self)
+                setattr(opt, name, value)
+                patcher.on_restore(functools.partial(_drop_attribute, opt, name, value))
 
     def _step(self, inner: Callable, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
         if self._guard is not None:
             self._guard.check(self)
-        if closure is not None and self.scaling_active():
+        if closure is not None and self.scaling_active() and not self._ctx.scaled_closures:
             raise NotImplementedError(
                 "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "
                 "backward bypasses scale_loss. Call backward inside `with amp.scale_loss(...)` before "
@@ -300,13 +313,9 @@ class OptimizerHandle:
             raise RuntimeError("scale_loss(..., delay_unscale=True) left scaled gradients before step(); the "
                                "last scale_loss of an iteration must use delay_unscale=False.")
         self.resolve()
-        self._steps += 1
-        if self._stage is OptState.OVERFLOWED:
-            self._stage = OptState.READY
-            for _, m in self.pairs():
-                m.grad = None
-            self._stepped(skipped=True)
+        if self.settle_skip():
             return None
+        self._steps += 1
         pairs = list(self.pairs()) if self.use_masters else None  # one walk for the whole step
         if pairs:
             self.masters.move_grads(pairs)
@@ -321,6 +330,20 @@ class OptimizerHandle:
                 m.grad = None
         self._stepped(skipped=False)
         return out
+
+    def settle_skip(self) -> bool:
+        """If the next step() is to be skipped (OVERFLOWED), skip it now, as step() would: params
+        and optimizer state untouched, master grads dropped, counted as a skipped step. For a
+        caller that skips the step itself (Apex's `update_scale()` returning should_skip);
+        returns whether a step was skipped."""
+        if self._stage is not OptState.OVERFLOWED:
+            return False
+        self._stage = OptState.READY
+        self._steps += 1
+        for _, m in self.pairs():
+            m.grad = None
+        self._stepped(skipped=True)
+        return True
 
     def _stepped(self, skipped: bool) -> None:
         """Count the skip streak (reported with back-off: 50, 100, 200, ... in a row), then tell on_step."""
@@ -403,6 +426,12 @@ class OptimizerHandle:
                           params: list[torch.Tensor] | None = None) -> None:
         """Masters re-read from the model after `model.load_state_dict` (see `Masters.resync_from_model`)."""
         self.masters.resync_from_model(incoming, params)
+
+
+def _drop_attribute(owner: Any, name: str, value: Any) -> None:
+    """Remove an `EXTRA_ATTRIBUTES` entry from `owner`, unless someone replaced it since."""
+    if vars(owner).get(name) is value:
+        delattr(owner, name)
 
 
 def _warn_skips(handle: OptimizerHandle, count: int) -> None:

@@ -2,7 +2,7 @@
 
 A `LossScaler` is one scale (per `loss_id`): static, or dynamic (start 2**16, halve on
 overflow down to `min_loss_scale`, double after `growth_interval` clean steps up to
-`max_loss_scale`). State, in Apex's checkpoint format: `loss_scale` and `unskipped`.
+`max_loss_scale`; Apex's FP16_Optimizer changes the start, the interval and the factor). State, in Apex's checkpoint format: `loss_scale` and `unskipped`.
 
 Every scale stays in a usable range: `1/scale` and `loss * scale` are finite FP32 numbers
 for any sane loss. A dynamic scale has a floor even when `min_loss_scale` is None
@@ -61,12 +61,16 @@ class LossScaler:
 
     def __init__(self, loss_scale: float | str, min_loss_scale: float | None = None,
                  max_loss_scale: float = 2.0 ** 24, growth_interval: int = 2000,
-                 init_scale: float = INITIAL_LOSS_SCALE) -> None:
+                 init_scale: float = INITIAL_LOSS_SCALE, growth_factor: float = 2.0) -> None:
+        if isinstance(growth_factor, bool) or not isinstance(growth_factor, (int, float)) or not growth_factor > 1:
+            raise ValueError(f"growth_factor must be a number above 1 (the scale is divided by it on overflow and "
+                             f"multiplied by it after growth_interval clean steps), got {growth_factor!r}.")
         self.dynamic = loss_scale == "dynamic"
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         self.floor = DEFAULT_MIN_LOSS_SCALE if min_loss_scale is None else min_loss_scale
         self.growth_interval = growth_interval
+        self.growth_factor = float(growth_factor)
         self.scale = self.clamp(init_scale) if self.dynamic else float(loss_scale)
         self.unskipped = 0
         self.last_overflow = False  # the outcome of the latest update (Apex's `_has_overflow`)
@@ -87,12 +91,12 @@ class LossScaler:
         if overflow:
             self.unskipped = 0
             if self.dynamic:
-                self._set(min(self.clamp(self.scale / 2.0), self.scale), iteration)  # never up on overflow
+                self._set(min(self.clamp(self.scale / self.growth_factor), self.scale), iteration)  # never up
             return
         self.unskipped += 1
         if self.dynamic and self.unskipped >= self.growth_interval:
             self.unskipped = 0
-            self._set(min(self.scale * 2.0, self.max_loss_scale), iteration)
+            self._set(min(self.scale * self.growth_factor, self.max_loss_scale), iteration)
 
     def _set(self, scale: float, iteration: int) -> None:
         if scale != self.scale:

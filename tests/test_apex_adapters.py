@@ -27,14 +27,7 @@ def _net() -> nn.Module:
 
 
 # ------------------------------------------------------------------ apex.optimizers
-# (the Fused* optimizers' math: tests/test_apex_optimizers.py)
-def test_fp16_optimizer_shows_the_amp_form() -> None:
-    for cls in (optimizers.FP16_Optimizer, fp16_utils.FP16_Optimizer):
-        with pytest.raises(NotImplementedError, match=r"amp.initialize\(model, optimizer, opt_level='O2'\)"):
-            cls(torch.optim.SGD(_net().parameters(), lr=0.1), static_loss_scale=128.0)
-    for cls in (fp16_utils.FP16_Module, fp16_utils.LossScaler, fp16_utils.DynamicLossScaler):
-        with pytest.raises(NotImplementedError, match="amp.initialize"):
-            cls()
+# (the Fused* optimizers' math: tests/test_apex_optimizers.py; FP16_Optimizer: tests/test_apex_fp16_utils.py)
 
 
 # ------------------------------------------------------------------ apex.parallel

@@ -3,11 +3,14 @@
 - `alias`: `install_apex_alias()` makes `from apex import amp` load ampatch (and `apex.parallel`,
   `apex.optimizers`, ... the adapters below); what ampatch does not provide fails to import
   with the PyTorch replacement in the message.
-- `state`: `amp._amp_state`, a view of the live session with the attributes real scripts touch.
+- `state`: `amp._amp_state`, a view of the live session with the attributes real scripts touch;
+  its loss scalers are `scaler_view.LossScalerView`s, and `stash` gives each optimizer an amp
+  session patches Apex's `_amp_stash` (registered when this package is imported).
 - `handle`: `amp.init()`, Apex's older O1-only entry point, and its handle.
 - one module per Apex package it stands in for, each a thin layer over PyTorch with Apex's
   names and keyword arguments: `parallel` (+ `larc`, `flat_dist`), `optimizers` (+ `adam`,
-  `lamb`, `optim_base`), `normalization`, `fp16_utils`, `multi_tensor_apply`, and `testing`
+  `lamb`, `optim_base`, `fused_fp16_optimizer`), `normalization`, `fp16_utils` (+
+  `fp16_optimizer`, `master_wrapper`, `loss_scalers`), `multi_tensor_apply`, and `testing`
   (what Apex's own tests import).
 - Apex's compiled modules: `amp_c` (`amp_C`: the multi-tensor kernels of `kernels` and
   `optim_kernels`, on torch's foreach ops), `apex_c` (`apex_C`), `extensions`
@@ -20,6 +23,9 @@ from typing import Any
 from .alias import NotProvidedError, apex_alias_installed, install_apex_alias, uninstall_apex_alias
 from .handle import Handle, OptimWrapper, init
 from .state import AmpState
+from . import stash
+
+stash.install()
 
 __all__ = ["install_apex_alias", "uninstall_apex_alias", "apex_alias_installed", "legacy_attribute",
            "AmpState", "Handle", "OptimWrapper", "init", "NotProvidedError"]

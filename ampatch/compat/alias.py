@@ -58,6 +58,7 @@ PROVIDED = {
     "apex.optimizers.fused_adagrad": "ampatch.compat.optimizers",
     "apex.optimizers.fused_lamb": "ampatch.compat.optimizers",
     "apex.optimizers.fused_novograd": "ampatch.compat.optimizers",
+    "apex.optimizers.fp16_optimizer": "ampatch.compat.optimizers",
     "apex.normalization.fused_layer_norm": "ampatch.compat.normalization",
     "apex.fp16_utils.fp16util": "ampatch.compat.fp16_utils",
     "apex.fp16_utils.fp16_optimizer": "ampatch.compat.fp16_utils",

@@ -1,10 +1,11 @@
-"""`apex.fp16_utils` under the alias: Apex's manual mixed-precision helpers, as plain PyTorch.
+"""`apex.fp16_utils` under the alias: Apex's manual mixed-precision helpers.
 
 `to_python_float`, `network_to_half`, `BN_convert_float`, `tofp16`, `convert_module`,
-`convert_network`, `prep_param_lists`, `model_grads_to_master_grads` and
-`master_params_to_model_params` behave as in Apex (the copies use torch's foreach ops). The
-deprecated `FP16_Optimizer` and its loss scalers are not provided: constructing one raises an
-error that shows the `amp.initialize` form, which does the same job.
+`convert_network`, `FP16Model`, `FP16_Module`, `fp32_to_fp16`, `fp16_to_fp32`,
+`prep_param_lists`, `model_grads_to_master_grads` and `master_params_to_model_params` behave as
+in Apex (the copies use torch's foreach ops). `FP16_Optimizer` (`fp16_optimizer`) and the
+stand-alone `LossScaler`/`DynamicLossScaler` (`loss_scalers`) are thin layers over ampatch's
+master weights and loss scaler. `Fused_Weight_Norm` (a CUDA kernel) is not provided.
 """
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .alias import not_provided_class
-from .optimizers import FP16_Optimizer
+from .fp16_optimizer import FP16_Optimizer
+from .loss_scalers import DynamicLossScaler, LossScaler
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
-           "prep_param_lists", "model_grads_to_master_grads", "master_params_to_model_params", "clip_grad_norm",
-           "FP16_Optimizer", "FP16_Module", "LossScaler", "DynamicLossScaler"]
+           "FP16Model", "FP16_Module", "fp32_to_fp16", "fp16_to_fp32", "prep_param_lists",
+           "model_grads_to_master_grads", "master_params_to_model_params", "clip_grad_norm", "FP16_Optimizer",
+           "LossScaler", "DynamicLossScaler", "Fused_Weight_Norm"]
 
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
@@ -37,8 +40,8 @@ class tofp16(nn.Module):  # noqa: N801 - Apex's name
 
 
 def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 - Apex's name
-    """Batch norms (recursively) back to FP32, for a model made half by `network_to_half`."""
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    """Affine batch norms (recursively) back to FP32, for a model made half by `network_to_half`."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
         module.float()
     for child in module.children():
         BN_convert_float(child)
@@ -56,12 +59,57 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Every module to `dtype` except affine batch norms, which stay FP32 (Apex's rule)."""
+    """Every module to `dtype` except affine batch norms, which stay FP32 (Apex's rule); RNN
+    weights are flattened again."""
     for module in network.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
             continue
         convert_module(module, dtype)
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()
     return network
+
+
+class FP16Model(nn.Module):
+    """`convert_network(network, torch.half)`, whose forward casts its inputs to half."""
+
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__()
+        self.network = convert_network(network, dtype=torch.half)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.network(*(t.half() for t in inputs))
+
+
+def _convert(value: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
+    """`value` (nested in lists/tuples) with its tensors of a `source` dtype in `target`."""
+    if isinstance(value, (list, tuple)):
+        out = [_convert(v, source, target) for v in value]
+        return tuple(out) if isinstance(value, tuple) else out
+    if isinstance(value, torch.Tensor) and value.dtype in source:
+        return value.to(target)
+    return value
+
+
+def fp32_to_fp16(value: Any) -> Any:
+    """FP32 tensors (nested in lists/tuples) to half."""
+    return _convert(value, (torch.float32,), torch.half)
+
+
+def fp16_to_fp32(value: Any) -> Any:
+    """Half tensors (nested in lists/tuples) to FP32."""
+    return _convert(value, (torch.float16,), torch.float32)
+
+
+class FP16_Module(nn.Module):  # noqa: N801 - Apex's name
+    """`module.half()` that takes FP32 inputs and returns FP32 outputs."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.add_module("module", module.half())
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return fp16_to_fp32(self.module(*fp32_to_fp16(inputs), **kwargs))
 
 
 def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -108,12 +156,6 @@ def master_params_to_model_params(model_params: list[torch.Tensor], master_param
             torch._foreach_copy_(list(model_params), list(master_params))
 
 
-def _not_provided(name: str) -> type:
-    return not_provided_class(name, __name__, f"apex.fp16_utils.{name} belongs to Apex's deprecated FP16_Optimizer "
-                              "workflow and is not provided; amp.initialize(model, optimizer, opt_level='O2') gives "
-                              "FP32 master weights, and dynamic loss scaling through amp.scale_loss.")
-
-
-FP16_Module = _not_provided("FP16_Module")
-LossScaler = _not_provided("LossScaler")
-DynamicLossScaler = _not_provided("DynamicLossScaler")
+Fused_Weight_Norm = not_provided_class(  # noqa: N816 - Apex's name
+    "Fused_Weight_Norm", __name__, "apex.fp16_utils.Fused_Weight_Norm is a CUDA kernel ampatch does not provide; use "
+    "torch.nn.utils.parametrizations.weight_norm.")

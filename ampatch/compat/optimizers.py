@@ -1,8 +1,9 @@
 """`apex.optimizers` under the alias: Apex's fused optimizers with Apex's math, arguments and
 defaults, computed by the `amp_C` stand-ins on torch's foreach ops (any device).
 
-`FusedAdam` lives in `adam`, `FusedLAMB` and `FusedMixedPrecisionLamb` in `lamb`; `FusedSGD`,
-`FusedAdagrad` and `FusedNovoGrad` here. Each keeps its state in `optimizer.state` (and, as in
+`FusedAdam` lives in `adam`, `FusedLAMB` and `FusedMixedPrecisionLamb` in `lamb`,
+`FP16_Optimizer` (Apex's wrapper for the pre-2019 FusedAdam) in `fused_fp16_optimizer`;
+`FusedSGD`, `FusedAdagrad` and `FusedNovoGrad` here. Each keeps its state in `optimizer.state` (and, as in
 Apex, `step` in the param group), so `state_dict()`/`load_state_dict()` round-trip it, and each
 works under `amp.initialize` at every level (at O2 the FP32 masters are the params it sees).
 """
@@ -18,7 +19,7 @@ from torch.optim.optimizer import required  # type: ignore[attr-defined]
 
 from . import optim_kernels as K
 from .adam import FusedAdam
-from .alias import not_provided_class
+from .fused_fp16_optimizer import FP16_Optimizer
 from .kernels import norms
 from .lamb import FusedLAMB, FusedMixedPrecisionLamb
 from .optim_base import ApexOptimizer
@@ -191,12 +192,3 @@ class FusedNovoGrad(ApexOptimizer):
                                         group["step"], 1 if group["bias_correction"] else 0, group["weight_decay"],
                                         1 if group["grad_averaging"] else 0, self.moment_mode, group["norm_type"])
         return loss
-
-
-# Apex's deprecated FP16 wrapper (also apex.fp16_utils.FP16_Optimizer): amp.initialize does its job.
-FP16_Optimizer = not_provided_class(  # noqa: N816 - Apex's name
-    "FP16_Optimizer", __name__,
-    "FP16_Optimizer is Apex's deprecated manual-master-weights wrapper and is not provided. Use amp "
-    "instead:\n    model, optimizer = amp.initialize(model, optimizer, opt_level='O2')\n"
-    "    with amp.scale_loss(loss, optimizer) as scaled_loss:\n        scaled_loss.backward()\n"
-    "    optimizer.step()\n(FP32 master weights and dynamic loss scaling included.)")

@@ -1,8 +1,10 @@
 """`amp._amp_state`: Apex's global state object, as a view of the live session.
 
 Real Apex scripts read and write a few of its attributes: the starting loss scale
-(`loss_scalers[0]._loss_scale = 2**20`), the current scale for logging, `opt_properties`,
-`handle._deactivate()`, and the flags `allow_incoming_model_not_fp32` and `hard_override`.
+(`loss_scalers[0]._loss_scale = 2**20`), the current scale for logging, the growth interval
+(`_scale_seq_len`), `update_scale()` after an all-reduce of their own (see
+`scaler_view.LossScalerView`), `opt_properties`, `handle._deactivate()`, and the flags
+`allow_incoming_model_not_fp32` and `hard_override`.
 Every attribute here reads or writes the live `Session` (no second copy of its state);
 the three flags are Apex's process-wide settings, kept in the core's `ampatch.settings`
 (where `initialize` reads them) and read and written through this view. Before `initialize` the view exists and is empty (`loss_scalers == []`).
@@ -12,111 +14,68 @@ Under the alias this module is also `apex.amp._amp_state`.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import ampatch
 
 from ..notices import set_verbosity
+from ..optimizer import OptimizerHandle
+from ..scaler import LossScaler
 from ..settings import SETTINGS, Settings
+from .scaler_view import LossScalerView
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["AmpState", "LossScalerView", "PropertiesView"]
+__all__ = ["AmpState", "LossScalerView", "PropertiesView", "SessionOwner"]
 
 _SETTABLE = ("hard_override", "allow_incoming_model_not_fp32", "verbosity")
 
 
-class LossScalerView:
-    """`_amp_state.loss_scalers[i]`: Apex's `LossScaler` attributes over the session's scaler.
+class SessionOwner:
+    """The `ScalerOwner` of `_amp_state.loss_scalers[i]`: one amp session (held weakly, so a
+    view kept past its session does not keep its models alive)."""
 
-    `_loss_scale` and `_unskipped` can be written: the write is validated like
-    `amp.load_state_dict` and goes straight into the live scaler.
-    """
+    __slots__ = ("_session", "_index")
 
-    __slots__ = ("_session", "_scaler")
+    def __init__(self, session: Any, index: int) -> None:
+        self._session = weakref.ref(session)
+        self._index = index
 
-    def __init__(self, session: Any, scaler: Any) -> None:
-        object.__setattr__(self, "_session", session)
-        object.__setattr__(self, "_scaler", scaler)
-
-    def _resolved(self) -> Any:
-        if self._session.closed:
+    def _get(self) -> Any:
+        s = self._session()
+        if s is None or s.closed:
             raise RuntimeError("_amp_state.loss_scalers[i]: this loss scaler's amp session has ended (amp.initialize "
                                "was called again, or amp.deinitialize()); take amp._amp_state.loss_scalers[i] again.")
-        self._session.resolve_pending()  # a deferred overflow verdict may still change the scale
-        return self._scaler
+        return s
 
-    def _load(self, **change: Any) -> float | None:
-        """Write `change` into the live scaler through its own `load_state_dict`, which
-        validates it as `amp.load_state_dict` does; returns the scale when it was not taken."""
-        scaler = self._resolved()
-        return scaler.load_state_dict({**scaler.state_dict(), **change})
+    def live(self) -> None:
+        self._get().resolve_pending()  # a deferred overflow verdict may still change the scale
 
-    def loss_scale(self) -> float:
-        """The current scale (Apex's method)."""
-        return self._resolved().scale
+    def handles(self) -> list[OptimizerHandle]:
+        return list(self._get().optimizers)
 
-    @property
-    def _loss_scale(self) -> float:
-        return self.loss_scale()
+    def iteration(self) -> int:
+        return self._get().iteration
 
-    @_loss_scale.setter
-    def _loss_scale(self, value: float) -> None:
+    def describe(self) -> str:
+        return f"_amp_state.loss_scalers[{self._index}]"
+
+    def set_scale(self, scaler: LossScaler, value: Any) -> None:
+        """Validated like `amp.load_state_dict`: a static scale stays, a dynamic one is clamped
+        into its range; either way a write that does not take says so."""
         if isinstance(value, bool):  # float(True) would pass the state check
             raise TypeError(f"_loss_scale must be a number, got {value!r}.")
-        asked = self._load(loss_scale=value)
-        if asked is not None:  # not taken, as in amp.load_state_dict: a static scale stays, a dynamic one is clamped
-            s, i = self._scaler, self._session.scalers.index(self._scaler)
-            what = f"ampatch: _amp_state.loss_scalers[{i}]._loss_scale = {asked:g}"
-            self._session.warn(
-                f"{what} is outside this scaler's range [{s.floor:g}, {s.max_loss_scale:g}] (min_loss_scale, "
-                f"max_loss_scale); it is now {s.scale:g}." if s.dynamic else
-                f"{what} has no effect: this session's loss scale is static ({s.scale:g}); pass "
-                f"loss_scale='dynamic' or loss_scale={asked:g} to amp.initialize instead.")
-
-    @property
-    def _unskipped(self) -> int:
-        return self._resolved().unskipped
-
-    @_unskipped.setter
-    def _unskipped(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):  # int(-1.5) would pass the state check
-            raise TypeError(f"_unskipped must be a non-negative int, got {value!r}.")
-        self._load(unskipped=value)
-
-    @property
-    def _has_overflow(self) -> bool:
-        return bool(self._resolved().last_overflow)
-
-    @property
-    def dynamic(self) -> bool:
-        return self._scaler.dynamic
-
-    @property
-    def _max_loss_scale(self) -> float:
-        return self._scaler.max_loss_scale
-
-    @property
-    def _min_loss_scale(self) -> float | None:
-        return self._scaler.min_loss_scale
-
-    @property
-    def _scale_seq_len(self) -> int:
-        return self._scaler.growth_interval
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        prop = getattr(type(self), name, None)
-        if isinstance(prop, property) and prop.fset is not None:
-            prop.fset(self, value)
+        asked = scaler.load_state_dict({**scaler.state_dict(), "loss_scale": value})
+        if asked is None:
             return
-        raise AttributeError(f"_amp_state.loss_scalers[i].{name} cannot be set; only _loss_scale and _unskipped "
-                             "can (min/max scale and dynamic scaling are amp.initialize arguments).")
-
-    def __repr__(self) -> str:
-        s = self._scaler
-        return (f"LossScalerView(loss_scale={s.scale}, dynamic={s.dynamic}, unskipped={s.unskipped}, "
-                f"has_overflow={s.last_overflow})")
+        what = f"ampatch: {self.describe()}._loss_scale = {asked:g}"
+        self._get().warn(
+            f"{what} is outside this scaler's range [{scaler.floor:g}, {scaler.max_loss_scale:g}] (min_loss_scale, "
+            f"max_loss_scale); it is now {scaler.scale:g}." if scaler.dynamic else
+            f"{what} has no effect: this session's loss scale is static ({scaler.scale:g}); pass "
+            f"loss_scale='dynamic' or loss_scale={asked:g} to amp.initialize instead.")
 
 
 class PropertiesView:
@@ -152,6 +111,9 @@ class AmpState:
     def __init__(self, current: Callable[[], Any], settings: Settings = SETTINGS) -> None:
         object.__setattr__(self, "_current", current)
         object.__setattr__(self, "_settings", settings)
+        # the views of the live session's scalers, made once each (a script's own attributes and
+        # flag buffer stay with them): (the session, weakly; {id(scaler): view})
+        object.__setattr__(self, "_views", (None, {}))
 
     def session(self) -> Any:
         """The live session, or None (for ampatch.compat; not an Apex attribute)."""
@@ -160,7 +122,16 @@ class AmpState:
     @property
     def loss_scalers(self) -> list[LossScalerView]:
         s = self._current()
-        return [] if s is None else [LossScalerView(s, scaler) for scaler in s.scalers]
+        if s is None:
+            return []
+        ref, views = self._views
+        if ref is None or ref() is not s:
+            views = {}
+            object.__setattr__(self, "_views", (weakref.ref(s), views))
+        for i, scaler in enumerate(s.scalers):
+            if id(scaler) not in views:
+                views[id(scaler)] = LossScalerView(SessionOwner(s, i), scaler)
+        return [views[id(scaler)] for scaler in s.scalers]
 
     @property
     def opt_properties(self) -> PropertiesView:
