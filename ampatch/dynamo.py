@@ -188,13 +188,24 @@ def _install_now(patcher: Patcher) -> None:
 
     _compile_without_casts(patcher)
     for cls, name in _EAGER:
-        patcher.patch(cls, name, torch.compiler.disable(vars(cls)[name], reason="ampatch: a module kept in FP32 "
-                                                        "runs eagerly, with O1 casts off"))
+        patcher.patch(cls, name, _eagerly(vars(cls)[name]))
     from torch._dynamo.eval_frame import skip_code
     for code in _eager_codes():  # a set in torch: adding twice is harmless
         skip_code(code)
     patcher.patch(TensorVariable, "call_method", tensor_call_method)
     patcher.patch(BuiltinVariable, "call_function", builtin_call_function)
+
+
+_EAGER_REASON = ("ampatch: at O1/O4 a module in keep_fp32 runs eagerly, with casts off (a graph break); compile "
+                 "without fullgraph=True, or use O2/O3/O5, where kept modules are part of the graph")
+
+
+def _eagerly(fn: Callable) -> Callable:
+    """`fn` as `torch.compiler.disable` makes it: Dynamo calls it, never traces it."""
+    try:
+        return torch.compiler.disable(fn, reason=_EAGER_REASON)
+    except TypeError:  # torch before 2.7: no reason
+        return torch.compiler.disable(fn)
 
 
 def _compile_without_casts(patcher: Patcher) -> None:

@@ -261,13 +261,11 @@ class _CastForward:
 
 
 def _bound_to(wrapper: Any, replica: nn.Module) -> Any:
-    """A copy of a forward wrapper of ours whose `__wrapped__` (a bound method, or another
-    wrapper of ours around one) is bound to `replica`."""
+    """A copy of a forward wrapper of ours whose `__wrapped__`, a bound method, is bound to
+    `replica` (one module never gets two: a model kept whole has only its keep wrapper)."""
     inner = wrapper.__wrapped__
     if isinstance(inner, types.MethodType):
         inner = types.MethodType(inner.__func__, replica)
-    elif isinstance(inner, (_CastForward, KeepForward)):
-        inner = inner.bound_to(replica)
     clone = copy.copy(wrapper)
     clone.__wrapped__ = inner
     return clone

@@ -453,3 +453,16 @@ def test_compiled_models_keep_the_module_in_fp32(level, backend):
     else:
         assert linears == [[BF16, BF16], [F32, F32], [F32, F32]]
     assert all(p.grad is not None and p.grad.dtype == F32 for p in model.head.parameters())
+
+
+def test_fullgraph_at_o1_says_why_it_breaks():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        model = Small()
+        amp.initialize(model, opt_level="O1", keep_fp32="head", verbosity=0)
+        with pytest.raises(Exception, match="keep_fp32 runs eagerly.*use O2/O3/O5"):
+            torch.compile(model, fullgraph=True, backend="eager")(torch.randn(2, 4))
+    finally:
+        torch._dynamo.reset()
