@@ -131,6 +131,10 @@ class Session:
         """The modules `keep_fp32` and AMPATCH_KEEP_FP32 keep in FP32 (see keep.py); where the
         model is cast to half, with the modules that share a parameter with them."""
         forced = keep.forced_names()
+        if forced and not models:  # amp.init(): a session of patches alone, nothing to keep
+            logger.warning("ampatch: %s is set, but this session has no models (amp.init()): nothing kept in FP32.",
+                           env.KEEP_FP32)
+            forced = []
         kept = keep.resolve(models, self.keep_fp32, forced)
         if forced:
             logger.warning("ampatch: %s=%s: these modules run in FP32 too (added to the script's keep_fp32).",

@@ -287,6 +287,12 @@ def test_env_name_that_matches_nothing_names_the_variable(monkeypatch):
         init(*make(), "O2")
 
 
+def test_env_names_leave_a_session_without_models_alone(monkeypatch):
+    monkeypatch.setenv(env.KEEP_FP32, "head")
+    handle = amp.init()  # Apex's old entry point: initialize([]), patches only
+    assert handle.is_active() and amp.report().keep_fp32 == []
+
+
 def test_report_lists_the_kept_modules():
     init(*make(), "O2", keep_fp32=[nn.Linear])
     report = amp.report()
