@@ -77,19 +77,21 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
                master_weights: Any = None, loss_scale: Any = None, cast_model_outputs: Any = None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
                max_loss_scale: float = 2.0 ** 24, half_dtype: Any = None, allow_banned: bool = False,
-               patch_torch_functions_type: Any = None, process_group: Any = None) -> Any:
+               patch_torch_functions_type: Any = None, process_group: Any = None, keep_fp32: Any = None) -> Any:
     """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
 
     Returns the models and optimizers in the shape they came in (only the models when no
     optimizers are given). Calling it again first undoes the previous session. A call that
-    raises leaves the "ampatch" logger's level as it was.
+    raises leaves the "ampatch" logger's level as it was. `keep_fp32` names modules (names
+    as `named_modules()` gives them, "1.head" with several models; classes; callables
+    `(name, module) -> bool`) that run in FP32 with everything inside them, at any level.
     """
     level_before = logger.level
     try:
         return _initialize(models, optimizers, enabled, opt_level, cast_model_type, patch_torch_functions,
                            keep_batchnorm_fp32, master_weights, loss_scale, cast_model_outputs, num_losses,
                            verbosity, min_loss_scale, max_loss_scale, half_dtype, allow_banned,
-                           patch_torch_functions_type, process_group)
+                           patch_torch_functions_type, process_group, keep_fp32)
     except BaseException:
         logger.setLevel(level_before)
         raise
@@ -99,7 +101,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
                 patch_torch_functions: Any, keep_batchnorm_fp32: Any, master_weights: Any, loss_scale: Any,
                 cast_model_outputs: Any, num_losses: int, verbosity: int, min_loss_scale: float | None,
                 max_loss_scale: float, half_dtype: Any, allow_banned: bool, patch_torch_functions_type: Any,
-                process_group: Any) -> Any:
+                process_group: Any, keep_fp32: Any) -> Any:
     model_list, single_model = _as_list(models, "models", nn.Module)
     if optimizers is None:
         opt_list, single_opt = [], True
@@ -143,7 +145,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
         levels.check_models(model_list, _SETTINGS.allow_incoming_model_not_fp32, _SETTINGS.hard_override)
     session = Session(props, num_losses=num_losses, min_loss_scale=min_loss_scale,
                       max_loss_scale=float(max_loss_scale), allow_banned=allow_banned,
-                      verbosity=verbosity, process_group=process_group)
+                      verbosity=verbosity, process_group=process_group, keep_fp32=keep_fp32)
     try:
         session.setup(model_list, opt_list)
     except BaseException:

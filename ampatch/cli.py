@@ -67,6 +67,18 @@ def _threads(text: str) -> int:
     return int(text)
 
 
+def _module_names(text: str) -> str:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("--keep-fp32 needs module names, e.g. --keep-fp32 head,blocks.0.attn")
+    return ",".join(names)
+
+
+KEEP_FP32_HELP = ("comma-separated module names, as model.named_modules() gives them ('1.head' with several "
+                  "models), that run in FP32 at every level, added to the script's own keep_fp32 "
+                  "(AMPATCH_KEEP_FP32)")
+
+
 def _budget(text: str) -> float | None:
     try:
         return parse_seconds(text)
@@ -102,6 +114,7 @@ def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
     cmp.add_argument("--json", metavar="PATH", help="write all rows, loss curves included")
     cmp.add_argument("--plot", metavar="PATH", help="write a PNG of loss curves and loss scale")
     cmp.add_argument("--half-dtype", **half)
+    cmp.add_argument("--keep-fp32", type=_module_names, metavar="NAMES", help=KEEP_FP32_HELP)
     cmp.set_defaults(func=cmd_compare)
 
 
@@ -111,6 +124,7 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
     run.add_argument("--opt-level", type=_level, default=None,
                      help="force every amp.initialize to this level (default: the script's own level)")
     run.add_argument("--half-dtype", **half)
+    run.add_argument("--keep-fp32", type=_module_names, metavar="NAMES", help=KEEP_FP32_HELP)
     run.add_argument("--report", metavar="PATH", help="write the run's report() JSON here")
     run.add_argument("--apex-alias", action="store_true",
                      help="make 'from apex import amp' (and apex.parallel, apex.optimizers, ...) in the "
@@ -181,7 +195,7 @@ def _compare_script(args: argparse.Namespace) -> Compared:
         raise CliError(f"{'/'.join(given)} apply to the built-in workloads; give your script its own options after --")
     cmd = runner.resolve_command(args.command)
     runs, interrupted = runner.run_all({lv: lambda cap, deadline: cmd for lv in args.levels},
-                                       args.half_dtype, sys.stderr)
+                                       args.half_dtype, sys.stderr, keep_fp32=args.keep_fp32)
     return Compared(runs, interrupted, None, f"ampatch compare: {' '.join(args.command)}",
                     {"command": list(args.command)}, [], "cpu")
 
@@ -198,7 +212,7 @@ def _compare_builtin(args: argparse.Namespace) -> Compared:
                             threads=builtin.DEFAULT_THREADS if args.threads is None else args.threads,
                             size=args.size or builtin.AUTO, log=sys.stderr, launch=launch, began=began)
         runs, interrupted = runner.run_all(plan.commands(args.levels), args.half_dtype, sys.stderr,
-                                           plan.budget, plan.steps, launch)
+                                           plan.budget, plan.steps, launch, keep_fp32=args.keep_fp32)
     upto = common_steps(runs) if plan.budget is not None else None
     return Compared(runs, interrupted, upto, plan.title(upto), plan.header(), plan.notes(upto), device)
 
@@ -210,10 +224,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     done = _compare_script(args) if args.command is not None else _compare_builtin(args)
     rows = summarize(done.runs, done.upto)
     machine, note = machine_of(rows, done.device)
-    notes = [note or "", *done.notes, interrupted_note(rows, args.levels) if done.interrupted else ""]
+    notes = [note or "", *done.notes, interrupted_note(rows, args.levels) if done.interrupted else "",
+             f"note: kept in FP32 at every level (--keep-fp32): {args.keep_fp32}" if args.keep_fp32 else ""]
     print(format_table(rows, done.title, machine, notes), flush=True)
     if args.json:
-        write_json(args.json, {**done.header, "levels": args.levels, "machine": machine,
+        write_json(args.json, {**done.header, "levels": args.levels, "machine": machine, "keep_fp32": args.keep_fp32,
                                "compared_steps": done.upto, "interrupted": done.interrupted}, rows)
     ok = rows and all(r.ok for r in rows) and len(rows) == len(args.levels)
     code = 130 if done.interrupted else 0 if ok else 1
@@ -239,7 +254,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"{args.opt_level} always uses bfloat16; --half-dtype float16 "
                        "contradicts it (use O1-O3 for float16)")
     env = runner.child_env(args.opt_level, args.half_dtype,
-                           str(Path(args.report).resolve()) if args.report else None)
+                           str(Path(args.report).resolve()) if args.report else None, keep_fp32=args.keep_fp32)
     if args.apex_alias:
         env = runner.with_apex_alias(env)
     returncode = subprocess.run(cmd, env=env).returncode

@@ -24,6 +24,11 @@ AOT Autograd traces it through torch's own Python decompositions (`aten.matmul`'
 (SDPA's math path with dropout then failed in backward). So the backend compile, and the
 lazy compile of the backward graph, run with casts off in their thread, as torch runs them
 with autocast off (`_BACKEND_COMPILE`).
+
+A module kept in FP32 (`keep_fp32`) runs with casts off, but Dynamo chooses the casts of
+what it traces when it traces (`CastFunctionWrapper._torchdynamo_inline`), not where a
+module runs: so its forward wrapper (`model.UncastForward`) runs eagerly, outside the graph,
+with casts off as in eager mode (`_EAGER`, `torch.compiler.disable`: a graph break).
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ import torch
 import wrapt
 
 from . import cache, rnn, tree
+from .model import UncastForward
 from .patching import CastFunctionWrapper, Patcher, disable_casts, is_traced
 from .patching import plans, proxies, registry, switch, wrappers
 
@@ -54,6 +60,9 @@ _OPERATORS: dict[Callable, tuple[str, str | None]] = {
     operator.truediv: ("__truediv__", "__rtruediv__"),
 }
 
+
+# (class, method) that Dynamo must run eagerly, outside the graph, while a session patches torch
+_EAGER: tuple[tuple[type, str], ...] = ((UncastForward, "__call__"),)
 
 # (module, class, method) of the steps that compile a captured graph: Dynamo's hand-over to the
 # backend (AOT Autograd traces forward and backward there) and AOT's lazy backward compile
@@ -178,11 +187,25 @@ def _install_now(patcher: Patcher) -> None:
         return call_function(self, tx, args, kwargs)
 
     _compile_without_casts(patcher)
+    for cls, name in _EAGER:
+        patcher.patch(cls, name, _eagerly(vars(cls)[name]))
     from torch._dynamo.eval_frame import skip_code
     for code in _eager_codes():  # a set in torch: adding twice is harmless
         skip_code(code)
     patcher.patch(TensorVariable, "call_method", tensor_call_method)
     patcher.patch(BuiltinVariable, "call_function", builtin_call_function)
+
+
+_EAGER_REASON = ("ampatch: at O1/O4 a module in keep_fp32 runs eagerly, with casts off (a graph break); compile "
+                 "without fullgraph=True, or use O2/O3/O5, where kept modules are part of the graph")
+
+
+def _eagerly(fn: Callable) -> Callable:
+    """`fn` as `torch.compiler.disable` makes it: Dynamo calls it, never traces it."""
+    try:
+        return torch.compiler.disable(fn, reason=_EAGER_REASON)
+    except TypeError:  # torch before 2.7: no reason
+        return torch.compiler.disable(fn)
 
 
 def _compile_without_casts(patcher: Patcher) -> None:

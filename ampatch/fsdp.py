@@ -17,8 +17,9 @@ What a level means for a sharded model:
   all-gathers half copies of them for forward and backward (`param_dtype` = half) and
   reduces gradients in FP32 (`reduce_dtype` = float32). There is no second copy of the
   weights. FSDP2 all-gathers one dtype per unit, so `keep_batchnorm_fp32` holds only for a
-  batch norm that is a `fully_shard` unit of its own; one that shares a unit with other
-  layers raises `ValueError`.
+  batch norm that is a `fully_shard` unit of its own, and `keep_fp32` only for modules made
+  units of their own (or of units inside them); one that shares a unit with layers in half
+  raises `ValueError`.
 - O3 (no master weights): the sharded parameters themselves become half; the optimizer
   steps half parameters and gradients are reduced in half.
 
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -197,13 +198,13 @@ def _probe(states: Sequence[Any], groups: Sequence[Any], params: Sequence[Any]) 
 class ShardedModel:
     """One FSDP2-sharded model at O2/O3/O5: the level set on its units, undone by `restore`."""
 
-    def __init__(self, units: _Units, props: Properties, patcher: Any) -> None:
+    def __init__(self, units: _Units, props: Properties, patcher: Any, kept: Collection[int] = frozenset()) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy  # imported already: the model is sharded
         self.units = units
         model = units.model
         half, keep_bn = props.cast_model_type, props.keep_batchnorm_fp32
         masters = bool(props.master_weights)
-        fp32_units = self._check(keep_bn, masters)  # everything checked before anything changes
+        fp32_units = self._check(keep_bn, masters, kept)  # everything checked before anything changes
         self._policies = units.policies()
         self._cast: list[tuple[nn.Parameter, torch.dtype]] = []
         self._buffers: list[tuple[nn.Module, str, torch.dtype]] = []
@@ -219,10 +220,10 @@ class ShardedModel:
                     param_dtype=None if id(state) in fp32_units else half,
                     reduce_dtype=torch.float32 if masters else None, output_dtype=None, cast_forward_inputs=True))
             if not masters:  # O3: the sharded parameters themselves go to half
-                self._cast = [(p, p.dtype) for p in params_to_cast(model, keep_bn) if p.dtype != half]
+                self._cast = [(p, p.dtype) for p in params_to_cast(model, keep_bn, kept) if p.dtype != half]
                 units.swap_dtype([p for p, _ in self._cast], lambda p: half)
             units.refresh_dtypes()
-            for m in modules_to_cast(model, keep_bn):
+            for m in modules_to_cast(model, keep_bn, kept):
                 for name, b in m._buffers.items():
                     if b is not None and b.is_floating_point() and b.dtype != half:
                         self._buffers.append((m, name, b.dtype))
@@ -231,17 +232,25 @@ class ShardedModel:
         except BaseException:
             self.restore()
             raise
-        wrap_outputs(model, props.cast_model_outputs, patcher, input_dtype=half)
+        if id(model) not in kept:  # a model kept whole: its keep_fp32 wrapper stands in
+            wrap_outputs(model, props.cast_model_outputs, patcher, input_dtype=half)
 
-    def _check(self, keep_bn: bool | None, masters: bool) -> set[int]:
-        """Raise what cannot be honoured; returns the ids of units that stay FP32 (batch norms)."""
+    def _check(self, keep_bn: bool | None, masters: bool, kept: Collection[int]) -> set[int]:
+        """Raise what cannot be honoured; returns the ids of units that stay FP32 (batch norms
+        with `keep_bn`, modules `keep_fp32` keeps: `kept`)."""
         units, fp32_units = self.units, set()
         for state in units.states:
-            kinds = {is_batchnorm(m) for g in _param_groups(state) for m in units.group_modules(g)}
-            if keep_bn and kinds == {True}:
+            modules = [m for g in _param_groups(state) for m in units.group_modules(g)]
+            fp32 = [id(m) in kept or bool(keep_bn and is_batchnorm(m)) for m in modules]
+            if modules and all(fp32):
                 fp32_units.add(id(state))
-            elif keep_bn and True in kinds:
-                bn = next(m for g in _param_groups(state) for m in units.group_modules(g) if is_batchnorm(m))
+            elif any(id(m) in kept for m in modules):
+                name = next(n for n, m in units.model.named_modules() if id(m) in kept and m in modules)
+                raise ValueError(f"keep_fp32 cannot be honoured under FSDP2: {name!r} is kept in FP32 but shares a "
+                                 "fully_shard unit with layers that run in half, and FSDP2 all-gathers one dtype per "
+                                 "unit. Call fully_shard on the kept module before its parent (it then stays FP32).")
+            elif any(fp32):
+                bn = next(m for m, f in zip(modules, fp32) if f)
                 raise ValueError(
                     f"keep_batchnorm_fp32=True cannot be honoured under FSDP2: the batch norm {type(bn).__name__} "
                     "shares a fully_shard unit with other layers, and FSDP2 all-gathers one dtype per unit. Call "
@@ -344,10 +353,11 @@ def _check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
 
 
 def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-          patcher: Any, context: HandleContext = HandleContext(),
+          patcher: Any, context: HandleContext = HandleContext(), kept: Collection[int] = frozenset(),
           ) -> tuple[list[ShardedModel], list[ShardedOptimizerHandle]]:
     """The level on FSDP2-sharded models (see the module docstring): returns the models' and
-    the optimizers' handles (no model handles at O0/O1/O4, where the models are left alone)."""
+    the optimizers' handles (no model handles at O0/O1/O4, where the models are left alone).
+    `kept`: the ids of the modules `keep_fp32` keeps and of those inside them."""
     units = [_Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
     if props.casts_model and not all(u.modules for u in units):
         raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
@@ -359,7 +369,7 @@ def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
     if props.casts_model:
         try:
             for u in units:
-                sharded.append(ShardedModel(u, props, patcher))
+                sharded.append(ShardedModel(u, props, patcher, kept))
         except BaseException:  # the units set up so far go back (a failing one restored itself)
             for m in sharded:
                 m.restore()
@@ -368,7 +378,8 @@ def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
             h.recast_state()
     elif props.cast_model_outputs is not None:
         for m in models:
-            wrap_outputs(m, props.cast_model_outputs, patcher)
+            if id(m) not in kept:
+                wrap_outputs(m, props.cast_model_outputs, patcher)
     return sharded, handles
 
 

@@ -7,11 +7,12 @@ model back to its original dtypes (from the FP32 masters where they exist).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -19,11 +20,29 @@ from torch import nn
 
 from . import huggingface
 from .dtypes import LOW
+from .patching import disable_casts
 from .tips import hint_dtype_error
 from .tree import map_tensors
 
 logger = logging.getLogger("ampatch")
 
+
+class _Bypass(threading.local):
+    active = False
+
+
+_bypass = _Bypass()
+
+
+@contextlib.contextmanager
+def forward_casts_bypassed() -> Iterator[None]:
+    """Inside the block, in this thread, the forward wrappers ampatch put on models pass inputs and outputs through untouched: a module can run as its own FP32 shadow (ampatch.diagnose), with FP32 parameters swapped in, exactly as its code is written."""
+    previous = _bypass.active
+    _bypass.active = True
+    try:
+        yield
+    finally:
+        _bypass.active = previous
 
 
 def is_batchnorm(module: nn.Module) -> bool:
@@ -31,15 +50,19 @@ def is_batchnorm(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
-def modules_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None) -> list[nn.Module]:
-    """The modules whose own parameters and buffers go to half."""
-    return [m for m in model.modules() if not (keep_batchnorm_fp32 and is_batchnorm(m))]
+def modules_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None,
+                    kept: Collection[int] = frozenset()) -> list[nn.Module]:
+    """The modules whose own parameters and buffers go to half: all but batch norms (with
+    `keep_batchnorm_fp32`) and the modules `keep_fp32` keeps (`kept`: their ids and those of
+    every module inside them, `keep.kept_module_ids`)."""
+    return [m for m in model.modules() if not (keep_batchnorm_fp32 and is_batchnorm(m)) and id(m) not in kept]
 
 
-def params_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None) -> list[nn.Parameter]:
+def params_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None,
+                   kept: Collection[int] = frozenset()) -> list[nn.Parameter]:
     """Floating parameters that `ModelHandle` will convert (known before converting, so
     masters can be made from the FP32 values)."""
-    out = {id(p): p for m in modules_to_cast(model, keep_batchnorm_fp32)
+    out = {id(p): p for m in modules_to_cast(model, keep_batchnorm_fp32, kept)
            for p in m.parameters(recurse=False) if p.is_floating_point()}
     return list(out.values())
 
@@ -84,11 +107,13 @@ class ModelHandle:
     trained in half and only buffers keep their values (an FP32 copy of the whole model
     would defeat O3). `seen` (shared by the session's model handles) maps the id of every
     param cast so far to its original dtype, so a param shared by two models, or tied
-    within one, is restored once and still saved in full precision under every name."""
+    within one, is restored once and still saved in full precision under every name.
+    `kept` (ids, see `modules_to_cast`) stay FP32; a model kept whole keeps the forward
+    wrapper `keep_in_fp32` gave it."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool | None,
                  output_dtype: torch.dtype | None, patcher, mastered: set[int] | None = None,
-                 seen: dict[int, torch.dtype] | None = None) -> None:
+                 seen: dict[int, torch.dtype] | None = None, kept: Collection[int] = frozenset()) -> None:
         self.model = model
         self.dtype = dtype
         self.casts: list[tuple[nn.Module, dict[str, _Cast]]] = []  # a list: modules may be unhashable
@@ -98,7 +123,7 @@ class ModelHandle:
         # what `model.dtype` says before the cast (transformers' convention: the first floating param)
         self.original_dtype = next((seen.get(id(p), p.dtype) for p in model.parameters() if p.is_floating_point()),
                                    None)
-        for m in modules_to_cast(model, keep_batchnorm_fp32):
+        for m in modules_to_cast(model, keep_batchnorm_fp32, kept):
             own: dict[str, _Cast] = {}
             for name, p in m._parameters.items():
                 if p is None or not p.is_floating_point():
@@ -115,7 +140,8 @@ class ModelHandle:
             m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
             if own:
                 self.casts.append((m, own))
-        self._wrap_forward(patcher, output_dtype)
+        if id(model) not in kept:
+            self._wrap_forward(patcher, output_dtype)
         for m, own in self.casts:
             load_hook = _LoadHook(self._on_load, own)
             self._hooks.append(m._register_state_dict_hook(_FullPrecisionStateDict(own)))
@@ -211,6 +237,8 @@ class _CastForward:
         self.nests = nests
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _bypass.active:
+            return self.__wrapped__(*args, **kwargs)
         if self.dtype is not None:
             args, kwargs = cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
         nesting = _nesting.__dict__
@@ -229,17 +257,79 @@ class _CastForward:
 
     def bound_to(self, replica: nn.Module) -> "_CastForward":
         """The same wrapper around `replica`'s own forward."""
-        inner = self.__wrapped__
-        if isinstance(inner, types.MethodType):
-            inner = types.MethodType(inner.__func__, replica)
-        clone = copy.copy(self)
-        clone.__wrapped__ = inner
-        return clone
+        return _bound_to(self, replica)
+
+
+def _bound_to(wrapper: Any, replica: nn.Module) -> Any:
+    """A copy of a forward wrapper of ours whose `__wrapped__`, a bound method, is bound to
+    `replica` (one module never gets two: a model kept whole has only its keep wrapper)."""
+    inner = wrapper.__wrapped__
+    if isinstance(inner, types.MethodType):
+        inner = types.MethodType(inner.__func__, replica)
+    clone = copy.copy(wrapper)
+    clone.__wrapped__ = inner
+    return clone
+
+
+_F32 = torch.float32
+
+
+class KeepForward:
+    """`forward` of a module that `keep_fp32` keeps in FP32, where the session does not patch
+    torch (O2/O3/O5): its parameters and buffers were left FP32; floating half inputs go to
+    FP32 at entry, and with `output_dtype` FP32 outputs go to it at exit (the model's half
+    dtype, as an FP32 batch norm returns its input's dtype). Dynamo traces it, so under
+    torch.compile the casts are nodes of the graph. A plain object, copyable and picklable
+    like `_CastForward`."""
+
+    def __init__(self, inner: Callable[..., Any], output_dtype: torch.dtype | None) -> None:
+        self.__wrapped__ = inner
+        self.output_dtype = output_dtype  # None: outputs leave as they are
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _bypass.active:
+            return self.__wrapped__(*args, **kwargs)
+        out = self.__wrapped__(*cast_tree(args, _F32, True), **cast_tree(kwargs, _F32, True))
+        return out if self.output_dtype is None else self.leave(out)
+
+    def leave(self, out: Any) -> Any:
+        """`out` with its FP32 tensors in `output_dtype`."""
+        dtype = self.output_dtype
+        return map_tensors(out, lambda t: t.to(dtype) if t.dtype == _F32 else t)
+
+    def bound_to(self, replica: nn.Module) -> "KeepForward":
+        """The same wrapper around `replica`'s own forward."""
+        return _bound_to(self, replica)
+
+
+class UncastForward(KeepForward):
+    """`KeepForward` where the session patches torch (O1/O4): the module's forward, and
+    everything it calls in this thread, runs with O1 casts off (`disable_casts`), on inputs
+    made FP32 at entry; its outputs stay FP32 (unless `output_dtype`). The O1 counters count
+    nothing inside. Under torch.compile it runs eagerly, a graph break (`dynamo.install`
+    makes `__call__` a `torch.compiler.disable` function while a session patches torch):
+    Dynamo picks the casts it traces when it traces, not where a module runs."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _bypass.active:
+            return self.__wrapped__(*args, **kwargs)
+        args, kwargs = cast_tree(args, _F32, True), cast_tree(kwargs, _F32, True)
+        with disable_casts():
+            out = self.__wrapped__(*args, **kwargs)
+        return out if self.output_dtype is None else self.leave(out)
+
+
+def keep_in_fp32(module: nn.Module, patcher, output_dtype: torch.dtype | None, casts_off: bool) -> None:
+    """Wrap the forward of a module kept in FP32 (see `KeepForward`; `casts_off`: the session
+    patches torch, `UncastForward`), undone by `patcher`."""
+    cls = UncastForward if casts_off else KeepForward
+    patcher.patch(module, "forward", cls(module.forward, output_dtype))
+    patcher.patch(module, "_replicate_for_data_parallel", _Replicate(module._replicate_for_data_parallel))
 
 
 class _Replicate:
-    """`model._replicate_for_data_parallel` of a cast model: the replica's forward wrapper is
-    rebound to the replica."""
+    """`module._replicate_for_data_parallel` of a module with a forward wrapper of ours (a
+    cast model, a kept module): the replica's forward wrapper is rebound to the replica."""
 
     def __init__(self, inner: Callable[[], nn.Module]) -> None:
         self.inner = inner
@@ -247,7 +337,7 @@ class _Replicate:
     def __call__(self) -> nn.Module:
         replica = self.inner()
         forward = replica.__dict__.get("forward")
-        if isinstance(forward, _CastForward):
+        if isinstance(forward, (_CastForward, KeepForward)):
             replica.__dict__["forward"] = forward.bound_to(replica)
         replica.__dict__.pop("_replicate_for_data_parallel", None)
         return replica

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import env, fsdp, hardware, policy, tips
+from . import env, fsdp, hardware, keep, policy, tips
 from .cache import CastCache
 from .levels import Properties
 from .master import check_one_master_each, master_ids
-from .model import ModelHandle, params_to_cast, wrap_outputs
+from .model import ModelHandle, keep_in_fp32, params_to_cast, wrap_outputs
 from .notices import warn
 from .o1 import O1Patches
 from .optimizer import HandleContext, OptimizerHandle, OptState
@@ -54,8 +54,10 @@ class Session:
 
     def __init__(self, properties: Properties, *, num_losses: int = 1, min_loss_scale: float | None = None,
                  max_loss_scale: float = 2.0 ** 24, allow_banned: bool = False, verbosity: int = 1,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, keep_fp32: Any = None) -> None:
         self.properties = properties
+        self.keep_fp32 = keep_fp32  # the script's specification (see keep.py); `kept` after setup
+        self.kept: list[keep.Kept] = []
         self.verbosity = verbosity
         self.allow_banned = allow_banned
         self.process_group = process_group
@@ -77,15 +79,18 @@ class Session:
         """Cast models, make masters, patch optimizers and (O1/O4) torch itself."""
         props = self.properties
         self.device = hardware.check_half(models, props, self.verbosity)
+        self.kept = self._resolve_kept(models)
         if not props.enabled:
             return
         tips.log_dims_tip(models, self.verbosity, props.opt_level)
         context = self._handle_context()
+        kept = self._keep_in_fp32()
         if fsdp.is_sharded(models):  # fsdp hook: FSDP2 (fully_shard) models, see fsdp.py
-            self.models, self.optimizers = fsdp.setup(props, models, optimizers, self.patcher, context)
+            self.models, self.optimizers = fsdp.setup(props, models, optimizers, self.patcher, context, kept)
         else:
             keep_bn = props.keep_batchnorm_fp32
-            cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn)} if props.casts_model else set()
+            cast_ids = ({id(p) for m in models for p in params_to_cast(m, keep_bn, kept)} if props.casts_model
+                        else set())
             ids = [self._master_ids(opt, cast_ids) for opt in optimizers]
             if props.master_weights:
                 check_one_master_each(optimizers, set().union(*ids) if ids else set())
@@ -97,14 +102,15 @@ class Session:
                 seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
                 for m in models:
                     handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, self.patcher,
-                                         mastered, seen)
+                                         mastered, seen, kept)
                     handle.on_load(self._resync_masters)
                     self.models.append(handle)
                 for h in self.optimizers:
                     h.recast_state()
             elif props.cast_model_outputs is not None:  # O0/O1/O4: only the outputs are cast (Apex)
                 for m in models:
-                    wrap_outputs(m, props.cast_model_outputs, self.patcher)
+                    if id(m) not in kept:  # a model kept whole: its keep wrapper casts the outputs
+                        wrap_outputs(m, props.cast_model_outputs, self.patcher)
         self.guard = fsdp.ParamGuard(models, self.optimizers)  # fsdp hook
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
@@ -120,6 +126,40 @@ class Session:
         if self.telemetry.record:
             ExitReport.track(self, env.get(env.REPORT))
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
+
+    def _resolve_kept(self, models: list[nn.Module]) -> list[keep.Kept]:
+        """The modules `keep_fp32` and AMPATCH_KEEP_FP32 keep in FP32 (see keep.py); where the
+        model is cast to half, with the modules that share a parameter with them."""
+        forced = keep.forced_names()
+        if forced and not models:  # amp.init(): a session of patches alone, nothing to keep
+            logger.warning("ampatch: %s is set, but this session has no models (amp.init()): nothing kept in FP32.",
+                           env.KEEP_FP32)
+            forced = []
+        kept = keep.resolve(models, self.keep_fp32, forced)
+        if forced:
+            logger.warning("ampatch: %s=%s: these modules run in FP32 too (added to the script's keep_fp32).",
+                           env.KEEP_FP32, ",".join(forced))
+        if self.properties.enabled and self.properties.casts_model:
+            kept, tied = keep.with_tied(models, kept)
+            if tied:
+                self.warn(f"ampatch: keep_fp32 keeps {', '.join(repr(k.label) for k in tied)} in FP32 too: "
+                          "it holds a parameter of a kept module (tied weights), and a parameter is FP32 or half "
+                          "everywhere it is used. Add it to keep_fp32 to silence this, or untie the weights.")
+        if kept:
+            logger.info("ampatch: keep_fp32: %s run in FP32.", ", ".join(repr(k.label) for k in kept))
+        return kept
+
+    def _keep_in_fp32(self) -> frozenset[int]:
+        """Wrap the forward of every kept module (see `model.keep_in_fp32`); returns the ids of
+        the modules that stay FP32 (kept ones and everything inside them). Levels that leave
+        the model FP32 and torch unpatched (O0) have nothing to wrap."""
+        props = self.properties
+        if props.casts_model or props.patch_torch_functions:
+            half = props.cast_model_type if props.casts_model else None
+            for k in self.kept:  # a model kept whole hands out what its model wrapper would
+                keep_in_fp32(k.module, self.patcher, props.cast_model_outputs if k.name == "" else half,
+                             props.patch_torch_functions)
+        return keep.kept_module_ids(self.kept)
 
     def _master_ids(self, optimizer: torch.optim.Optimizer, cast_ids: set[int]) -> set[int] | None:
         """The params that get an FP32 master (None: no master weights at this level)."""
@@ -339,6 +379,7 @@ class Session:
             step_times_every=t.step_times.stride,
             peak_memory_bytes=peak_memory_bytes(),
             device=dict(self.device),
+            keep_fp32=[k.label for k in self.kept],
         )
 
     # ------------------------------------------------------------------ teardown

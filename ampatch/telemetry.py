@@ -161,6 +161,7 @@ class Report:
     step_times_every: int = 1
     peak_memory_bytes: int = 0
     device: dict[str, Any] = field(default_factory=dict)  # hardware.check_half: device, half native?
+    keep_fp32: list[str] = field(default_factory=list)  # the modules kept in FP32 (keep_fp32, AMPATCH_KEEP_FP32)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -173,6 +174,7 @@ class Report:
         lines = [f"ampatch report: opt_level={self.opt_level} half_dtype={self.half_dtype} "
                  f"enabled={self.enabled}",
                  *([f"  device: {self.device['summary']}"] if self.device.get("summary") else []),
+                 *([f"  kept in FP32: {', '.join(n or '(the whole model)' for n in self.keep_fp32)}"] if self.keep_fp32 else []),
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
                  + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),
                  f"  cast cache: {self.cache['hits']} hits, {self.cache['misses']} misses",

@@ -432,6 +432,45 @@ def custom_policy(rank: int) -> dict[str, Any]:
     return {"during": str(during.param_dtype), "after": model._get_fsdp_state()._mp_policy == policy}
 
 
+def keep_fp32(rank: int, level: str) -> dict[str, Any]:
+    """keep_fp32="fc3" (a fully_shard unit of its own) stays FP32 at every level: its
+    all-gathered weight, its sharded parameters, what it computes; its output leaves in the
+    level's dtype. A kept module that shares a unit with half layers is refused."""
+    model, opt = build(level, keep_fp32="fc3")
+    seen: dict[str, str] = {}
+
+    def pre(name: str) -> Callable:  # after FSDP's pre-forward: the unsharded weight
+        def hook(module: nn.Module, args: tuple) -> None:
+            seen.setdefault(f"{name}.weight", str(module.weight.dtype))
+        return hook
+
+    def post(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        seen.setdefault("fc3.output", str(out.dtype))
+
+    handles = [model.fc2.register_forward_pre_hook(pre("fc2")), model.fc3.register_forward_pre_hook(pre("fc3")),
+               model.fc3.register_forward_hook(post)]
+    losses = train(model, opt, batches(rank, STEPS))
+    for h in handles:
+        h.remove()
+    res = {"losses": mean_over_ranks(losses), "seen": seen,
+           "fc2_sharded": str(model.fc2.weight.dtype), "fc3_sharded": str(model.fc3.weight.dtype),
+           "state_dict_dtypes": sorted({str(v.dtype) for v in model.state_dict().values()}),
+           "report": amp.report().keep_fp32, "full": full(model)}
+    amp.deinitialize()
+    res["restored"] = ("forward" not in vars(model.fc3), sorted({str(p.dtype) for p in model.parameters()}))
+    if level == "O3":  # fc1 shares the root's unit with the batch norm, which O3 casts to half
+        try:
+            build("O3", norm="batch", keep_fp32="fc1")
+            res["shared_unit"] = None
+        except ValueError as e:
+            res["shared_unit"] = str(e)
+        amp.deinitialize()
+        build("O3", norm="batch", keep_fp32="fc1,norm")  # the whole unit kept: fine
+        res["whole_unit"] = amp.report().keep_fp32
+        amp.deinitialize()
+    return res
+
+
 SCENARIOS: list[tuple[str, Callable[..., Any], tuple]] = (
     [(f"level/{lv}", each_level, (lv,)) for lv in LEVELS]
     + [("native", native, ())]
@@ -442,6 +481,7 @@ SCENARIOS: list[tuple[str, Callable[..., Any], tuple]] = (
     + [("wrong_orders", wrong_orders, ()), ("batchnorm", batchnorm, ()), ("custom_policy", custom_policy, ()),
        ("reinitialize", reinitialize, ()), ("bad_input", bad_input, ()),
        ("unscale_local", unscale_local, ()), ("example", example, ())]
+    + [(f"keep_fp32/{lv}", keep_fp32, (lv,)) for lv in ("O1", "O2", "O3", "O5")]
 )
 
 

@@ -182,6 +182,7 @@ def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
     (["compare", "--size", "small", "--", "python", "x.py"], "--size apply to the built-in workloads"),
     (["compare", "--size", "enormous"], "argument --size: invalid choice: 'enormous'"),
     (["compare", "--device", "tpu"], "--device: Expected one of cpu"),
+    (["run", "--keep-fp32", " , ", "--", "python", "x.py"], "--keep-fp32 needs module names"),
     pytest.param(["compare", "--device", "cuda"], "--device cuda: ",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
@@ -204,6 +205,61 @@ def test_table_without_matplotlib_still_prints_then_fails(
     assert "pip install matplotlib" in err
     o1 = next(line for line in out.splitlines() if line.startswith("O1")).split()
     assert o1[3] == "2.00x" and o1[6] == "0.01"     # speed-up and max deviation from O0
+
+
+# ----------------------------------------------------------------------------- --keep-fp32
+
+ENV_SCRIPT = textwrap.dedent("""\
+    # Writes a report like ampatch's, with the AMPATCH_KEEP_FP32 it was given as keep_fp32.
+    import json, os
+    report = {"opt_level": os.environ.get("AMPATCH_OPT_LEVEL", "O1"), "half_dtype": "bfloat16", "enabled": True,
+              "casts": {}, "cache": {"hits": 0, "misses": 0}, "steps": 2, "skipped_steps": [],
+              "loss_scale": {"loss_scaler0": 1.0}, "loss_scale_history": {"loss_scaler0": [[0, 1.0]]},
+              "time_s": {"wrappers": 0.0, "scale_loss": 0.0}, "step_times_s": [0.01], "losses": [1.0, 0.5],
+              "peak_memory_bytes": 0, "keep_fp32": os.environ.get("AMPATCH_KEEP_FP32", "").split(",")}
+    with open(os.environ["AMPATCH_REPORT"], "w") as f:
+        json.dump(report, f)
+""")
+
+
+def test_run_and_compare_pass_keep_fp32_to_the_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.delenv("AMPATCH_KEEP_FP32", raising=False)
+    script = write(tmp_path / "env.py", ENV_SCRIPT)
+    report = tmp_path / "report.json"
+    assert cli.main(["run", "--keep-fp32", "head, blocks.0", "--report", str(report), "--",
+                     sys.executable, str(script)]) == 0
+    assert json.loads(report.read_text())["keep_fp32"] == ["head", "blocks.0"]
+    out = tmp_path / "out.json"
+    assert cli.main(["compare", "--levels", "O0,O2", "--keep-fp32", "head", "--json", str(out), "--",
+                     sys.executable, str(script)]) == 0
+    data = json.loads(out.read_text())
+    assert data["keep_fp32"] == "head" and [r["report"]["keep_fp32"] for r in data["rows"]] == [["head"]] * 2
+    assert "kept in FP32 at every level (--keep-fp32): head" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_run_keep_fp32_reaches_initialize(tmp_path: Path) -> None:
+    """An unmodified script rerun with a module kept in FP32; a name it lacks fails, naming the variable."""
+    script = write(tmp_path / "train.py", AMP_SCRIPT)
+    report = tmp_path / "report.json"
+    proc = ampatch("run", "--opt-level", "O3", "--keep-fp32", "2", "--report", str(report), "--",
+                   "python", str(script), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(report.read_text())["keep_fp32"] == ["2"]
+    bad = ampatch("run", "--keep-fp32", "head", "--", "python", str(script), cwd=tmp_path)
+    assert bad.returncode == 1 and "AMPATCH_KEEP_FP32: no module is named 'head'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_compare_built_in_workload_with_keep_fp32(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    proc = ampatch("compare", "--levels", "O1,O2", "--steps", "2", "--size", "tiny", "--keep-fp32", "head",
+                   "--json", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["report"]["keep_fp32"] for r in rows] == [["head"], ["head"]]
+    assert all(r["ok"] and math.isfinite(r["final_loss"]) for r in rows)
 
 
 def test_report_at_exit_is_the_last_session(tmp_path: Path) -> None:

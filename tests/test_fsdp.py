@@ -193,6 +193,25 @@ def test_unscale_of_sharded_grads_is_local(ranks):
         assert r["collectives"] == 0 and r["found"] == 0.0 and r["halved"]
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
+def test_keep_fp32_under_fsdp2(ranks, level):
+    half = level in ("O2", "O3", "O5")
+    r0, r1 = scenario(ranks, f"keep_fp32/{level}")
+    assert r0["losses"] == r1["losses"] and same(r0["full"], r1["full"])
+    assert r0["losses"][-1] < r0["losses"][0]
+    for r in (r0, r1):
+        assert r["report"] == ["fc3"]
+        assert r["seen"] == {"fc2.weight": BF16 if half else F32, "fc3.weight": F32,
+                             "fc3.output": BF16 if half else F32}
+        assert r["fc3_sharded"] == F32 and r["fc2_sharded"] == (BF16 if level == "O3" else F32)
+        assert r["state_dict_dtypes"] == [F32]
+        assert r["restored"] == (True, [F32])
+        if level == "O3":
+            assert "keep_fp32 cannot be honoured under FSDP2: 'fc1'" in r["shared_unit"]
+            assert "Call fully_shard on the kept module" in r["shared_unit"]
+            assert r["whole_unit"] == ["fc1", "norm"]
+
+
 def test_policy_given_to_fully_shard_is_replaced_then_restored(ranks):
     for r in scenario(ranks, "custom_policy"):
         assert r["during"] == BF16 and r["after"] is True

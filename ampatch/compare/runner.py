@@ -77,12 +77,15 @@ def prepend_path(env: dict[str, str], directory: str) -> None:
 
 
 def child_env(level: str | None, half_dtype: str | None, report: str | None = None,
-              base: Mapping[str, str] | None = None) -> dict[str, str]:
+              base: Mapping[str, str] | None = None, keep_fp32: str | None = None) -> dict[str, str]:
     """The environment of a run: ``base`` (default: this process's) with the forced level
-    (None: the script's own), the half type, the report path, and ampatch importable."""
+    (None: the script's own), the half type, the report path, the modules to keep in FP32
+    (comma-separated names, added to the script's ``keep_fp32``), and ampatch importable."""
     env = dict(os.environ if base is None else base)
     if level is not None:
         env[envvars.OPT_LEVEL] = level
+    if keep_fp32:
+        env[envvars.KEEP_FP32] = keep_fp32
     if report:
         env[envvars.REPORT] = report
     # O0 has no half type and O4/O5 are bfloat16 by definition
@@ -246,9 +249,11 @@ class LevelRun:
 
 
 def run_level(cmd: Sequence[str], level: str, half_dtype: str | None, progress: Progress | None = None,
-              launch: Launch = popen) -> LevelRun:
-    """Run ``cmd`` forced to ``level``; its report, or why the run failed (see `run_child`)."""
-    done = run_child(cmd, child_env(level, half_dtype), collect=(envvars.REPORT,), progress=progress, launch=launch)
+              launch: Launch = popen, keep_fp32: str | None = None) -> LevelRun:
+    """Run ``cmd`` forced to ``level`` (and ``keep_fp32``, see `child_env`); its report, or why
+    the run failed (see `run_child`)."""
+    done = run_child(cmd, child_env(level, half_dtype, keep_fp32=keep_fp32), collect=(envvars.REPORT,),
+                     progress=progress, launch=launch)
     report = done.outputs.get(envvars.REPORT)
     error = None
     if envvars.REPORT in done.unreadable:
@@ -266,11 +271,12 @@ CommandFor = Callable[[int | None, float | None], list[str]]  # (step cap, deadl
 
 def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: TextIO,
             budget: Budget | None = None, steps: int | None = None,
-            launch: Launch = popen) -> tuple[list[LevelRun], bool]:
+            launch: Launch = popen, keep_fp32: str | None = None) -> tuple[list[LevelRun], bool]:
     """Run every level in turn: a line on ``log`` when each starts and ends, live progress in
     between. ``cmd_for`` maps a level to the function of (step cap, deadline) that gives its
-    command (a user script's ignores both); ``budget`` sets them for the built-in workloads.
-    Returns the finished runs and whether Ctrl-C stopped the comparison."""
+    command (a user script's ignores both); ``budget`` sets them for the built-in workloads;
+    ``keep_fp32`` goes to every run (see `child_env`). Returns the finished runs and whether
+    Ctrl-C stopped the comparison."""
     runs: list[LevelRun] = []
     start, n = time.perf_counter(), len(cmd_for)
     i, level = 0, ""
@@ -291,7 +297,7 @@ def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: Text
                 expected = total is not None
             say("running", f", up to {cap} steps in {deadline - time.time():.0f}s" if deadline else "")
             progress = Progress(level, total, deadline, stream=log, expected=expected)
-            run = run_level(make(cap, deadline), level, half_dtype, progress, launch)
+            run = run_level(make(cap, deadline), level, half_dtype, progress, launch, keep_fp32)
             if budget is not None:
                 budget.ran(progress.start_s(), progress.exit_s(), level, progress.seconds_per_step())
             runs.append(run)
