@@ -10,7 +10,7 @@ when a level failed), 2 for a usage error, 130 after Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import re
+import json
 import subprocess
 import sys
 import time
@@ -19,15 +19,20 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ampatch import levels as levels_policy
+from ampatch.cliargs import (HALF_OPTION, KEEP_FP32_HELP, LEVELS, budget, module_names, opt_level, opt_levels,
+                             positive, threads)
 from ampatch.compare import UsageError, builtin, runner
-from ampatch.compare.budget import DEFAULT_BUDGET_S, TARGET_STEPS, parse_seconds
+from ampatch.compare.budget import DEFAULT_BUDGET_S, TARGET_STEPS
 from ampatch.compare.plot import write_plot
 from ampatch.compare.rows import common_steps, summarize
 from ampatch.compare.sizing import sizes_in_words
 from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
+from ampatch.diagnose import command as diagnosis
+from ampatch.keep import parse_names
+from ampatch.diagnose.child import DEFAULT_STEPS as DIAGNOSE_STEPS
+from ampatch.diagnose.render import render, write_plot as write_diagnosis_plot
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
-LEVELS = tuple(levels_policy.LEVELS)
 WORKLOAD_OPTIONS = ("steps", "workload", "device", "threads", "size")  # and --budget: see _compare_script
 
 
@@ -41,60 +46,15 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
-def _level(text: str) -> str:
-    level = text.strip().upper()
-    if level not in LEVELS:
-        raise argparse.ArgumentTypeError(f"unknown opt level {text!r} (choose from {', '.join(LEVELS)})")
-    return level
-
-
-def _levels(text: str) -> list[str]:
-    levels = [_level(t) for t in re.split(r"[,\s]+", text) if t]
-    if not levels:
-        raise argparse.ArgumentTypeError("no opt level given")
-    return list(dict.fromkeys(levels))
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def _threads(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"--threads must be 0 (torch's default) or a positive number, got {text!r}")
-    return int(text)
-
-
-def _module_names(text: str) -> str:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("--keep-fp32 needs module names, e.g. --keep-fp32 head,blocks.0.attn")
-    return ",".join(names)
-
-
-KEEP_FP32_HELP = ("comma-separated module names, as model.named_modules() gives them ('1.head' with several "
-                  "models), that run in FP32 at every level, added to the script's own keep_fp32 "
-                  "(AMPATCH_KEEP_FP32)")
-
-
-def _budget(text: str) -> float | None:
-    try:
-        return parse_seconds(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
     cmp = sub.add_parser("compare", help="train once per opt level and print one table",
                          usage="ampatch compare [options] [-- python train.py ARGS...]")
-    cmp.add_argument("--levels", type=_levels, default=list(LEVELS),
+    cmp.add_argument("--levels", type=opt_levels, default=list(LEVELS),
                      help="comma-separated opt levels (default: O0,O1,O2,O3,O4,O5)")
-    cmp.add_argument("--steps", type=_positive,
+    cmp.add_argument("--steps", type=positive,
                      help=f"steps per run (built-in workloads only; default {DEFAULT_STEPS[DEFAULT_WORKLOAD]}, "
                           "within the budget)")
-    cmp.add_argument("--budget", type=_budget, metavar="TIME", default=argparse.SUPPRESS,
+    cmp.add_argument("--budget", type=budget, metavar="TIME", default=argparse.SUPPRESS,
                      help=f"time for the whole comparison, e.g. 120s or 3m, or none (built-in workloads only; "
                           f"default {DEFAULT_BUDGET_S:g}s, or none when --steps is given): each level gets a share "
                           "of what is left, weighted by its expected step cost, and stops early when it runs out; "
@@ -108,23 +68,23 @@ def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
     cmp.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     cmp.add_argument("--device", help="device for the built-in workloads: auto (default: CUDA when "
                      "available, else CPU), cpu, cuda, cuda:1, ...")
-    cmp.add_argument("--threads", type=_threads, metavar="N",
+    cmp.add_argument("--threads", type=threads, metavar="N",
                      help=f"torch threads of the built-in workloads (default {builtin.DEFAULT_THREADS}: stable "
                           "timings on a shared machine; 0: torch's default)")
     cmp.add_argument("--json", metavar="PATH", help="write all rows, loss curves included")
     cmp.add_argument("--plot", metavar="PATH", help="write a PNG of loss curves and loss scale")
     cmp.add_argument("--half-dtype", **half)
-    cmp.add_argument("--keep-fp32", type=_module_names, metavar="NAMES", help=KEEP_FP32_HELP)
+    cmp.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
     cmp.set_defaults(func=cmd_compare)
 
 
 def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
     run = sub.add_parser("run", help="run a script once, optionally forced to one opt level",
                          usage="ampatch run [--opt-level LEVEL] [--apex-alias] [options] -- python train.py ARGS")
-    run.add_argument("--opt-level", type=_level, default=None,
+    run.add_argument("--opt-level", type=opt_level, default=None,
                      help="force every amp.initialize to this level (default: the script's own level)")
     run.add_argument("--half-dtype", **half)
-    run.add_argument("--keep-fp32", type=_module_names, metavar="NAMES", help=KEEP_FP32_HELP)
+    run.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
     run.add_argument("--report", metavar="PATH", help="write the run's report() JSON here")
     run.add_argument("--apex-alias", action="store_true",
                      help="make 'from apex import amp' (and apex.parallel, apex.optimizers, ...) in the "
@@ -132,8 +92,26 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
     run.set_defaults(func=cmd_run)
 
 
-SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction, dict], None]] = {"compare": add_compare,
-                                                                                "run": add_run}
+def add_diagnose(sub: argparse._SubParsersAction, half: dict) -> None:
+    diag = sub.add_parser("diagnose", help="find where half precision hurts, and verify a fix",
+                          usage="ampatch diagnose [options] [-- python train.py ARGS...]")
+    diag.add_argument("--opt-level", type=opt_level, default=None,
+                      help="the level to diagnose (default: the script's own; O1 for a built-in workload)")
+    diag.add_argument("--half-dtype", **half)
+    diag.add_argument("--steps", type=positive, default=DIAGNOSE_STEPS,
+                      help=f"optimizer steps recorded; each run stops after them (default {DIAGNOSE_STEPS})")
+    diag.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
+    diag.add_argument("--size", choices=SIZES, default="small", help="size of the built-in workload (default small)")
+    diag.add_argument("--keep-fp32", type=module_names, metavar="NAMES",
+                      help="modules already kept in FP32: diagnosed, and verified, with them")
+    diag.add_argument("--apex-alias", action="store_true", help="the script's Apex imports load ampatch")
+    diag.add_argument("--json", metavar="PATH", help="write the diagnosis (every module) as JSON")
+    diag.add_argument("--plot", metavar="PATH", help="write a PNG of each module's error and headroom")
+    diag.set_defaults(func=cmd_diagnose)
+
+
+SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction, dict], None]] = {
+    "compare": add_compare, "run": add_run, "diagnose": add_diagnose}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,11 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ampatch", description="Automatic mixed precision: compare opt "
                      "levels, or run a training script forced to one level.")
     sub = parser.add_subparsers(dest="subcommand", metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    half = dict(choices=("auto", "bfloat16", "float16"), default=None,
-                help="half type for O1-O3 (default and 'auto': float16 on CUDA, bfloat16 "
-                     "elsewhere; O4/O5 always use bfloat16)")
     for add in SUBCOMMANDS.values():
-        add(sub, half)
+        add(sub, HALF_OPTION)
     return parser
 
 
@@ -259,3 +234,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         env = runner.with_apex_alias(env)
     returncode = subprocess.run(cmd, env=env).returncode
     return 128 - returncode if returncode < 0 else returncode
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """``ampatch diagnose``: 0 once diagnosed (whatever it found), 1 when the script gave nothing
+    to diagnose (it crashed first, or never trained under amp), 2 for a usage error."""
+    _check_output_path(args.json, "--json")
+    _check_output_path(args.plot, "--plot")
+    if args.command is not None:
+        if args.workload:
+            raise CliError("--workload and a script after -- exclude each other")
+        cmd, level, shown = runner.resolve_command(args.command), args.opt_level, " ".join(args.command)
+    else:
+        workload = args.workload or DEFAULT_WORKLOAD
+        cmd = [sys.executable, "-m", f"ampatch.workloads.{workload}", "--size", args.size, "--threads", "1",
+               "--steps", str(args.steps)]
+        level, shown = args.opt_level or "O1", f"built-in workload {workload} ({args.size})"
+    req = diagnosis.Request(cmd, level, args.half_dtype, args.steps, args.apex_alias, tuple(parse_names(args.keep_fp32 or "")))
+    try:
+        result = diagnosis.diagnose(req, sys.stderr)
+    except diagnosis.RunFailed as exc:
+        print(f"ampatch diagnose: {exc}", file=sys.stderr)
+        return 1
+    print(render(result, shown), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        try:
+            write_diagnosis_plot(args.plot, result, f"ampatch diagnose: {shown}")
+        except ImportError:
+            print("ampatch: error: --plot needs matplotlib: pip install ampatch[plot]", file=sys.stderr)
+            return 1
+    return 0

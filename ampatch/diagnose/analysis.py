@@ -1,6 +1,7 @@
 """From recorded statistics to a diagnosis: where half precision hurts, and what to keep in FP32.
 
-`analyse(raw)` takes `Recorder.result()` and returns the JSON-ready diagnosis:
+`analyse(doc)` takes what a diagnosed run wrote (see `child.py`: `Recorder.result()` under
+"recorded", with the run's level, half dtype and notes) and returns the JSON-ready diagnosis:
 
 - `first_nonfinite`: the first module to produce inf/NaN — in forward, the innermost
   module whose output turned non-finite from finite inputs; in backward, the first module
@@ -74,17 +75,22 @@ def _is_within(name: str, others: list[str]) -> bool:
 
 def _persistent_backward(steps: list[dict[str, Any]]) -> tuple[dict | None, list[str]]:
     """The backward culprit of the streak of non-finite backward passes that lasts to the last
-    step (None if the last step's backward was clean), and notes on streaks that ended."""
+    step (None if a later step's backward was clean), and notes on streaks that ended while the
+    loss scale backed off. Steps whose forward already went non-finite (a non-finite loss, a
+    forward culprit) say nothing about the backward: they neither start nor end a streak."""
     notes = []
     streak_start = None
     for i, s in enumerate(steps):
+        if not s["loss_finite"] or s["forward_culprit"] is not None:
+            continue
         if s["backward_nonfinite"]:
             streak_start = i if streak_start is None else streak_start
         elif streak_start is not None:
-            first, last = steps[streak_start], steps[i - 1]
-            notes.append(f"non-finite gradients at steps {first['step']}-{last['step']} went away once the "
-                         f"loss scale backed off from {first['loss_scale']:g} to {s['loss_scale']:g}: the "
-                         "dynamic loss scaler doing its job, not a module to keep in FP32.")
+            first = steps[streak_start]
+            if s["loss_scale"] < first["loss_scale"]:
+                notes.append(f"non-finite gradients from step {first['step']} went away once the loss scale backed "
+                             f"off from {first['loss_scale']:g} to {s['loss_scale']:g}: the dynamic loss scaler "
+                             "doing its job, not a module to keep in FP32.")
             streak_start = None
     if streak_start is None:
         return None, notes
@@ -92,14 +98,15 @@ def _persistent_backward(steps: list[dict[str, Any]]) -> tuple[dict | None, list
     return culprit, notes
 
 
-def analyse(raw: dict[str, Any]) -> dict[str, Any]:
+def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     """The diagnosis of one recorded run (see the module docstring)."""
-    half = raw.get("half_dtype")
+    raw = doc.get("recorded", doc)
+    half = doc.get("half_dtype") or raw.get("half_dtype")
     steps = raw.get("steps", [])
     entries = [_entry(m, half) for m in raw.get("modules", [])]
     leaves = sorted((e for e in entries if e["leaf"]), key=_rank_key, reverse=True)
     others = sorted((e for e in entries if not e["leaf"]), key=_rank_key, reverse=True)
-    notes: list[str] = list(raw.get("notes", []))
+    notes: list[str] = list(doc.get("notes", []))
     settings: dict[str, Any] = {}
     keep: list[str] = []
 

@@ -100,13 +100,15 @@ class Recorder:
     shadows; without one, the parameter's own values are upcast."""
 
     def __init__(self, models: Sequence[nn.Module], half_dtype: torch.dtype, steps: int,
-                 masters: Masters | None = None, on_done: Callable[["Recorder"], None] | None = None) -> None:
+                 masters: Masters | None = None, on_done: Callable[["Recorder"], None] | None = None,
+                 shadows: bool = True) -> None:
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}.")
         self.half_dtype = half_dtype
         self.steps_wanted = steps
         self.masters = masters
         self.on_done = on_done
+        self.shadows = shadows
         self.names = module_names(models)
         self.records = {name: ModuleRecord(name, type(m).__name__, not any(True for _ in m.children()))
                         for name, m in self.names}
@@ -130,10 +132,18 @@ class Recorder:
         self.active = True
 
     def detach(self) -> None:
+        """Remove every hook (tensor hooks already on a live graph see `active` and do nothing)."""
         self.active = False
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def close(self) -> None:
+        """The session ends: stop recording, and report what was recorded if not done yet."""
+        was_active = self.active
+        self.detach()
+        if was_active and self.on_done is not None:
+            self.on_done(self)
 
     def _new_step(self) -> None:
         self._events: list[tuple[str, str, int]] = []  # (module, "in"/"out", non-finite count), backward order
@@ -164,7 +174,7 @@ class Recorder:
         amax, bad = magnitude(outs)
         in_bad = magnitude(list(floating_tensors(inputs)))[1]
         rel, failure = None, None
-        if in_bad == 0 and outs and self._shadows.get(name, 0) < SHADOWS_PER_STEP:
+        if self.shadows and in_bad == 0 and outs and self._shadows.get(name, 0) < SHADOWS_PER_STEP:
             self._shadows[name] = self._shadows.get(name, 0) + 1
             try:
                 shadow = run_shadow(module, inputs[0], inputs[1], rng, self.masters)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..model import forward_casts_bypassed
 from ..patching import disable_casts
+from ..tree import map_tensors
 
 __all__ = ["RandomState", "upcast", "run_shadow", "quiet", "is_quiet"]
 
@@ -75,30 +76,23 @@ class RandomState:
             yield
 
 
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_floating_point():
+        return t
+    return t.detach().to(torch.float32 if t.dtype != torch.float64 else t.dtype, copy=True)
+
+
 def upcast(x: Any) -> Any:
-    """A detached FP32 copy of every floating tensor in `x` (lists, tuples, dicts); other
+    """A detached FP32 copy of every floating tensor in `x` (float64 stays float64); other
     values as they are. Always a copy, so an in-place op of the real call cannot change it."""
-    if isinstance(x, torch.Tensor):
-        if x.is_floating_point() and x.dtype != torch.float64:
-            return x.detach().to(torch.float32, copy=True)
-        return x.detach().clone() if x.is_floating_point() else x
-    if isinstance(x, dict):
-        out = {k: upcast(v) for k, v in x.items()}
-        try:
-            return out if type(x) is dict else type(x)(out)
-        except TypeError:  # a dict subclass that cannot be built from a dict
-            return out
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(upcast(v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(upcast(v) for v in x)
-    return x
+    return map_tensors(x, _fp32_copy)
 
 
 @contextlib.contextmanager
 def _fp32_state(module: nn.Module, masters: Masters | None) -> Iterator[None]:
     """`module` and its children hold FP32 parameters (the FP32 master where there is one)
-    and copies of their floating buffers until the block ends; then the originals are back."""
+    and copies of their buffers (floating ones in FP32) until the block ends; then the
+    originals are back, untouched by what the shadow did to the copies."""
     swapped: list[tuple[nn.Module, str, bool, Any]] = []
     made: dict[int, torch.Tensor] = {}  # tied parameters share one FP32 copy
     try:
@@ -114,9 +108,9 @@ def _fp32_state(module: nn.Module, masters: Masters | None) -> Iterator[None]:
                 swapped.append((m, name, True, p))
                 setattr(m, name, fp32)  # through the module's __setattr__: RNNs refresh their flat weights
             for name, b in list(m._buffers.items()):
-                if b is not None and b.is_floating_point():
+                if b is not None:  # every buffer, counters too (a batch norm's num_batches_tracked)
                     swapped.append((m, name, False, b))
-                    m._buffers[name] = b.detach().to(torch.float32, copy=True)
+                    m._buffers[name] = b.detach().to(torch.float32 if b.is_floating_point() else b.dtype, copy=True)
         yield
     finally:
         for m, name, is_param, original in reversed(swapped):

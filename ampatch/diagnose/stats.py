@@ -8,31 +8,27 @@ no activations, gradients or copies past the call that measured them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ..tree import map_tensors
+
 __all__ = ["floating_tensors", "magnitude", "relative_error", "underflow_fraction", "headroom"]
 
 
-def floating_tensors(x: Any) -> Iterator[torch.Tensor]:
-    """Every floating tensor in `x`, in order: nested lists, tuples, dicts (Hugging Face
-    outputs are dicts) and objects with tensor fields in `__dict__` are searched."""
-    if isinstance(x, torch.Tensor):
-        if x.is_floating_point():
-            yield x._values() if x.is_sparse else x
-        return
-    if isinstance(x, dict):
-        for v in x.values():
-            yield from floating_tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from floating_tensors(v)
-    elif hasattr(x, "__dict__") and not isinstance(x, (torch.nn.Module, type)):
-        for v in vars(x).values():
-            if isinstance(v, (torch.Tensor, list, tuple, dict)):
-                yield from floating_tensors(v)
+def floating_tensors(x: Any) -> list[torch.Tensor]:
+    """Every floating tensor in `x` (nested lists, tuples, namedtuples and dicts, as the
+    wrappers see arguments: `tree.map_tensors`), in order; a sparse one by its values."""
+    found: list[torch.Tensor] = []
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            found.append(t._values() if t.is_sparse else t)
+        return t
+
+    map_tensors(x, visit)
+    return found
 
 
 def magnitude(tensors: list[torch.Tensor]) -> tuple[float, int]:
