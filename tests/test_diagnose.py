@@ -205,3 +205,23 @@ def test_no_false_alarm_on_the_built_in_workloads(tmp_path, monkeypatch, workloa
     assert result["first_nonfinite"] is None
     assert result["recommendation"]["keep_fp32"] == [], result["recommendation"]["notes"]
     assert result["recommendation"]["settings"] == {}
+
+
+def test_a_loss_scale_forced_from_outside_wins_and_a_bad_one_names_the_variable(monkeypatch):
+    monkeypatch.setenv(env.LOSS_SCALE, "dynamic")
+    model = nn.Linear(2, 2)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O3", half_dtype=torch.float16,
+                   verbosity=0)
+    assert amp.loss_scale() == 2.0 ** 16 and amp._amp_state.loss_scalers[0].dynamic
+    amp.deinitialize()
+    monkeypatch.setenv(env.LOSS_SCALE, "lots")
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="AMPATCH_LOSS_SCALE='lots'"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O3", verbosity=0)
+
+
+def test_a_bad_max_steps_names_the_variable(monkeypatch):
+    monkeypatch.setenv(env.MAX_STEPS, "-3")
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="AMPATCH_MAX_STEPS='-3'"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
