@@ -20,7 +20,8 @@ from . import env, fsdp, hardware, keep, policy, tips
 from .cache import CastCache
 from .levels import Properties
 from .master import check_one_master_each, master_ids
-from .model import ModelHandle, keep_in_fp32, params_to_cast, wrap_outputs
+from .forwards import keep_in_fp32, wrap_outputs
+from .model import ModelHandle, params_to_cast
 from .notices import warn
 from .o1 import O1Patches
 from .optimizer import HandleContext, OptimizerHandle, OptState
@@ -155,7 +156,7 @@ class Session:
         return kept
 
     def _keep_in_fp32(self) -> frozenset[int]:
-        """Wrap the forward of every kept module (see `model.keep_in_fp32`); returns the ids of
+        """Wrap the forward of every kept module (see `forwards.keep_in_fp32`); returns the ids of
         the modules that stay FP32 (kept ones and everything inside them). Levels that leave
         the model FP32 and torch unpatched (O0) have nothing to wrap."""
         props = self.properties

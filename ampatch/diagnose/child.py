@@ -90,7 +90,7 @@ def attach(session: Any, models: Sequence[nn.Module], path: str) -> Recorder:
                      "underflow are.")
     meta = {"opt_level": props.opt_level, "half_dtype": short_name(props.half_dtype) if props.opt_level != "O0"
             else None, "loss_scale": props.loss_scale, "notes": notes,
-            "keep_fp32": list(getattr(session, "kept_names", []))}
+            "keep_fp32": [k.label for k in session.kept]}
     _Output.track(recorder, path, meta)
     recorder.attach()
     logger.info("ampatch: diagnosing %d modules for %d optimizer steps (%s)", len(recorder.names),

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from .. import env
 from ..compare import UsageError
-from ..compare.rows import Row, summarize
+from ..compare.rows import Row
 from ..compare.runner import LevelRun, child_env, failure_line, run_child, with_apex_alias
 from .analysis import analyse
 from .child import DEFAULT_STEPS, FORMAT
@@ -127,7 +127,8 @@ def _grow(keep: list[str], run: _Run) -> str | None:
 def diagnose(req: Request, log: TextIO = sys.stderr) -> dict[str, Any]:
     """The whole diagnosis (see the module docstring) as JSON-ready data. Raises `RunFailed`
     when the diagnosed run gives nothing to analyse."""
-    first = _run(req, log, f"recording {req.steps} steps at {req.level or "the script's own level"}", req.level,
+    where = req.level or "the script's own level"
+    first = _run(req, log, f"recording {req.steps} steps at {where}", req.level,
                  keep=req.keep_fp32)
     doc = first.diagnosis
     if doc is None:

@@ -66,8 +66,21 @@ def _verification(v: dict[str, Any], level: str) -> list[str]:
     return _table(header, rows, 1)
 
 
-def render(result: dict[str, Any], command: str) -> str:
-    """The diagnosis as the command prints it."""
+def _apply(rec: dict[str, Any], rerun: str | None) -> list[str]:
+    """How to apply a verified recommendation: in code, and (for a script) without editing it."""
+    args = [f"keep_fp32={rec['keep_fp32']!r}"] if rec["keep_fp32"] else []
+    args += [f"{k}={v!r}" for k, v in rec["settings"].items()]
+    lines = [f"apply it: amp.initialize(..., {', '.join(args)})"]
+    if rerun is not None:
+        options = (f"--keep-fp32 {','.join(rec['keep_fp32'])} " if rec["keep_fp32"] else "")
+        options += (f"--loss-scale {rec['settings']['loss_scale']} " if "loss_scale" in rec["settings"] else "")
+        lines.append("  or, without editing the script: " + rerun.format(options=options))
+    return lines
+
+
+def render(result: dict[str, Any], command: str, rerun: str | None = None) -> str:
+    """The diagnosis as the command prints it; `rerun` is the `ampatch run` line that applies
+    the fix to an unmodified script, with "{options}" where the fix's options go."""
     level, half = result.get("opt_level"), result.get("half_dtype")
     out = [f"ampatch diagnose: {command}", f"level {level}, half dtype {half}, {result['steps']} optimizer steps "
            "recorded"]
@@ -104,11 +117,8 @@ def render(result: dict[str, Any], command: str) -> str:
         out += ["  " + ln for ln in _verification(v, level or "")]
         if v["gave_up"]:
             out.append("  the fix did not make the run finite: gave up (see the last note).")
-        elif rec["keep_fp32"]:
-            names = ",".join(rec["keep_fp32"])
-            flag = f" --loss-scale {rec['settings']['loss_scale']}" if "loss_scale" in rec["settings"] else ""
-            out += ["", f"apply it: amp.initialize(..., keep_fp32={rec['keep_fp32']!r}), or without editing the "
-                    f"script: ampatch run --keep-fp32 {names}{flag} -- {command}"]
+        else:
+            out += ["", *_apply(rec, rerun)]
     return "\n".join(out)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model import forward_casts_bypassed
+from ..forwards import forward_casts_bypassed
 from ..patching import disable_casts
 from ..tree import map_tensors
 

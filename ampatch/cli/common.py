@@ -1,16 +1,18 @@
-"""Argument types and shared options of the `ampatch` command's subcommands (argparse `type=`
-functions raise `ArgumentTypeError`, which the parser reports as a usage error)."""
+"""What the `ampatch` subcommands share: the usage error, argument types (argparse `type=`
+functions raise `ArgumentTypeError`, which the parser reports as a usage error), shared options."""
 
 from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Any
 
 from ampatch import levels as levels_policy
+from ampatch.compare import UsageError
 from ampatch.compare.budget import parse_seconds
 
-__all__ = ["LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "positive", "threads", "budget", "module_names", "KEEP_FP32_HELP"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "positive", "threads", "budget", "loss_scale", "module_names", "KEEP_FP32_HELP"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -57,9 +59,29 @@ KEEP_FP32_HELP = ("comma-separated module names, as model.named_modules() gives 
                   "(AMPATCH_KEEP_FP32)")
 
 
+def loss_scale(text: str) -> str:
+    """A loss scale as `initialize` takes it: a number or "dynamic" (checked here, passed on as text)."""
+    try:
+        levels_policy.parse_loss_scale(text.strip())
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 def module_names(text: str) -> str:
     """"a, b" -> "a,b": module names as `named_modules()` gives them, for AMPATCH_KEEP_FP32."""
     found = [t.strip() for t in text.split(",") if t.strip()]
     if not found:
         raise argparse.ArgumentTypeError("--keep-fp32 needs module names, e.g. --keep-fp32 head,blocks.0.attn")
     return ",".join(found)
+
+
+class CliError(UsageError):
+    """A usage error: reported as one ``ampatch: error:`` line, exit code 2 (as is every
+    `UsageError` the compare package raises)."""
+
+
+def check_output_path(path: str | None, option: str) -> None:
+    """An output file's directory must exist before any run starts."""
+    if path and not Path(path).resolve().parent.is_dir():
+        raise CliError(f"{option}: directory of {path!r} does not exist")
