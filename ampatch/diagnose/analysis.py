@@ -149,7 +149,9 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
         notes.append(f"gradient underflow: in {len(underflowing)} of {len(with_params)} layers with parameters, at "
                      f"least {UNDERFLOW_SHARE:.0%} of the gradient is zero or subnormal in {half} (worst: "
                      f"{worst['name']}, {worst['grad_underflow']:.0%}) and the loss is not scaled: use a dynamic "
-                     "loss scale (amp.initialize(..., loss_scale='dynamic')).")
+                     "loss scale (amp.initialize(..., loss_scale='dynamic'))."
+                     + (" At O3 the unscaled gradients are float16 again and keep few bits; O2's FP32 master "
+                        "gradients keep them whole." if doc.get("opt_level") == "O3" else ""))
     bad_loss = next((s for s in steps if not s["loss_finite"]), None)
     if bad_loss is not None and forward is None:
         notes.append(f"the loss is not finite at step {bad_loss['step']} while every module's output was: the "

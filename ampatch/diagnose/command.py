@@ -139,9 +139,14 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> dict[str, Any]:
     if doc.get("format") != FORMAT:
         raise RunFailed(f"the run wrote a diagnosis of format {doc.get('format')!r}; this ampatch reads {FORMAT}.")
     result = analyse(doc)
-    if not doc.get("recorded", {}).get("steps"):
+    steps = doc.get("recorded", {}).get("steps") or []
+    if not steps:
         raise RunFailed("nothing to diagnose: the script never completed an optimizer step after amp.scale_loss "
                         "under amp.initialize." + (f" It failed: {first.error}" if first.error else ""))
+    if all(s.get("loss") is None for s in steps):
+        raise RunFailed("nothing to diagnose: the script stepped its optimizer but never completed an optimizer "
+                        "step after amp.scale_loss: the loss's backward must run inside `with "
+                        "amp.scale_loss(loss, optimizer) as scaled: scaled.backward()` for ampatch to see it.")
     result.update(opt_level=doc.get("opt_level"), kept_already=list(req.keep_fp32),
                   crashed=first.error, verification=None)
     rec = result["recommendation"]
