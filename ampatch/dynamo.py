@@ -27,7 +27,7 @@ with autocast off (`_BACKEND_COMPILE`).
 
 A module kept in FP32 (`keep_fp32`) runs with casts off, but Dynamo chooses the casts of
 what it traces when it traces (`CastFunctionWrapper._torchdynamo_inline`), not where a
-module runs: so its forward wrapper (`model.UncastForward`) runs eagerly, outside the graph,
+module runs: so its forward wrapper (`forwards.UncastForward`) runs eagerly, outside the graph,
 with casts off as in eager mode (`_EAGER`, `torch.compiler.disable`: a graph break).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 import wrapt
 
 from . import cache, rnn, tree
-from .model import UncastForward
+from .forwards import UncastForward
 from .patching import CastFunctionWrapper, Patcher, disable_casts, is_traced
 from .patching import plans, proxies, registry, switch, wrappers
 

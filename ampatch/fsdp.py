@@ -56,7 +56,8 @@ from torch import nn
 from .dtypes import LOW
 from .levels import Properties
 from .master import MASTERS_KEY
-from .model import is_batchnorm, modules_to_cast, params_to_cast, wrap_outputs
+from .forwards import wrap_outputs
+from .model import is_batchnorm, modules_to_cast, params_to_cast
 from .optimizer import HandleContext, OptimizerHandle, OptState
 
 logger = logging.getLogger("ampatch")

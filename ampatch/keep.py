@@ -1,5 +1,5 @@
 """`keep_fp32`: which modules run in FP32 whatever the opt level. This module only decides
-which; `model.keep_in_fp32` wraps them and `model.modules_to_cast` leaves them FP32.
+which; `forwards.keep_in_fp32` wraps them and `model.modules_to_cast` leaves them FP32.
 
 A specification is a module name as `model.named_modules()` gives it (with several models,
 a name may carry the model's index: "1.head"; a string may hold several names, "a,b"), a

@@ -201,6 +201,7 @@ def resolve(opt_level: str = "O1", *, device: torch.device | None = None, enable
     }
     if overrides:
         raise TypeError(f"Unknown property keyword(s): {', '.join(sorted(overrides))}.")
+    clean["loss_scale"] = _loss_scale_from_env(clean["loss_scale"])
     outputs = parse_dtype(cast_model_outputs, "cast_model_outputs")
     forced = forced_level()
     half = _half_from_env(parse_dtype(half_dtype, "half_dtype"), forced or level)
@@ -212,6 +213,21 @@ def resolve(opt_level: str = "O1", *, device: torch.device | None = None, enable
             logger.warning("ampatch: %s=%s overrides the script's opt_level=%s.", env.OPT_LEVEL, forced, level)
         return _resolve_forced(forced, device, half, outputs, clean)
     return _build(level, device, half, outputs, clean, enabled, hard_override)
+
+
+def _loss_scale_from_env(scale: float | str | None) -> float | str | None:
+    """AMPATCH_LOSS_SCALE (a number or "dynamic") forces the loss scale over the script's;
+    `ampatch diagnose` verifies its advice against gradient underflow this way."""
+    value = env.get(env.LOSS_SCALE)
+    if value is None:
+        return scale
+    try:
+        forced = parse_loss_scale(value.strip())
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{env.LOSS_SCALE}={value!r}: {exc}") from None
+    if scale is not None and scale != forced:
+        logger.warning("ampatch: %s=%s overrides the script's loss_scale=%s.", env.LOSS_SCALE, value, scale)
+    return forced
 
 
 def _half_from_env(half: torch.dtype | None, level: str) -> torch.dtype | None:

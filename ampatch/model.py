@@ -1,18 +1,14 @@
-"""Model casting for O2/O3/O5: convert the model to half (batch norms optionally kept in
-FP32), wrap `forward` so inputs arrive in half and outputs leave in FP32, and make
-`state_dict()` return FP32 tensors.
+"""Model casting for O2/O3/O5: convert the model to half (batch norms, and the modules
+`keep_fp32` names, optionally kept in FP32), wrap `forward` (see forwards.py) so inputs arrive
+in half and outputs leave in FP32, and make `state_dict()` return FP32 tensors.
 
 Everything done to a model is recorded in a `ModelHandle`, so `restore()` can put the
 model back to its original dtypes (from the FP32 masters where they exist).
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
-import threading
-import types
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -20,29 +16,9 @@ from torch import nn
 
 from . import huggingface
 from .dtypes import LOW
-from .patching import disable_casts
-from .tips import hint_dtype_error
-from .tree import map_tensors
+from .forwards import CastForward, Replicate
 
 logger = logging.getLogger("ampatch")
-
-
-class _Bypass(threading.local):
-    active = False
-
-
-_bypass = _Bypass()
-
-
-@contextlib.contextmanager
-def forward_casts_bypassed() -> Iterator[None]:
-    """Inside the block, in this thread, the forward wrappers ampatch put on models pass inputs and outputs through untouched: a module can run as its own FP32 shadow (ampatch.diagnose), with FP32 parameters swapped in, exactly as its code is written."""
-    previous = _bypass.active
-    _bypass.active = True
-    try:
-        yield
-    finally:
-        _bypass.active = previous
 
 
 def is_batchnorm(module: nn.Module) -> bool:
@@ -65,18 +41,6 @@ def params_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None,
     out = {id(p): p for m in modules_to_cast(model, keep_batchnorm_fp32, kept)
            for p in m.parameters(recurse=False) if p.is_floating_point()}
     return list(out.values())
-
-
-def cast_tree(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
-    """Cast floating tensors nested in lists, tuples, namedtuples and dicts to `dtype`, and
-    custom batch objects through their `.to(dtype)`; numpy arrays, integer tensors and the
-    rest pass untouched. `only_low` casts just float16/bfloat16 tensors (model outputs)."""
-    def leaf(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and t.dtype != dtype and (not only_low or t.dtype in LOW):
-            return t.to(dtype)
-        return t
-
-    return map_tensors(x, leaf, None if only_low else (lambda batch: batch.to(dtype)))
 
 
 class _Cast:
@@ -151,15 +115,15 @@ class ModelHandle:
     def _wrap_forward(self, patcher, output_dtype: torch.dtype | None) -> None:
         model = self.model
         inner = model.forward  # bound method (or an instance attribute someone set)
-        patcher.patch(model, "forward", _CastForward(inner, self.dtype, output_dtype))
+        patcher.patch(model, "forward", CastForward(inner, self.dtype, output_dtype))
         # nn.DataParallel copies the instance __dict__ into each replica: give each replica a
         # forward bound to itself, or every replica would run the original's weights (Apex's
         # O2 + DataParallel device-mismatch bug).
-        patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
+        patcher.patch(model, "_replicate_for_data_parallel", Replicate(model._replicate_for_data_parallel))
         # Hugging Face entry points that reach submodules without passing forward (generate,
         # get_image_features, ...): inputs cast the same way; their calls of forward cast as usual
         for name in huggingface.entry_points(model):
-            patcher.patch(model, name, _CastForward(getattr(model, name), self.dtype, output_dtype, nests=False))
+            patcher.patch(model, name, CastForward(getattr(model, name), self.dtype, output_dtype, nests=False))
         if self.original_dtype is not None and huggingface.saves_config_dtype(model):
             patcher.patch(model, "save_pretrained", huggingface.SavePretrained(model.save_pretrained,
                                                                                self.original_dtype))
@@ -201,146 +165,6 @@ class ModelHandle:
 def _rounds_to(exact: torch.Tensor, half: torch.Tensor) -> bool:
     """`half` still holds `exact` rounded (nothing changed it since the cast)."""
     return exact.shape == half.shape and torch.equal(exact.to(half.device, half.dtype), half)
-
-
-def wrap_outputs(model: nn.Module, output_dtype: torch.dtype | None, patcher,
-                 input_dtype: torch.dtype | None = None) -> None:
-    """`cast_model_outputs` at a level that leaves the model alone (O0/O1/O4), as in Apex:
-    floating outputs are cast to `output_dtype`, inputs pass untouched. With `input_dtype`
-    (FSDP2-sharded models at O2/O3/O5, see fsdp.py) inputs are cast to it and half outputs
-    to `output_dtype` or FP32, as `ModelHandle` does."""
-    patcher.patch(model, "forward", _CastForward(model.forward, input_dtype, output_dtype))
-    patcher.patch(model, "_replicate_for_data_parallel", _Replicate(model._replicate_for_data_parallel))
-
-
-_nesting = threading.local()  # per thread: how many wrapped forwards are running
-
-
-class _CastForward:
-    """`model.forward` under O2/O3/O5: floating inputs to half, half outputs to FP32 (or
-    `cast_model_outputs`); with `dtype=None` (see `wrap_outputs`) only the outputs are cast.
-
-    A plain object rather than a closure so the model stays copyable and picklable:
-    `copy.deepcopy(model)` (EMA copies) rebinds `__wrapped__`, a bound method, to the copy,
-    so the copy runs its own weights; pickling stores it as `getattr(model, "forward")`,
-    which resolves to the class's forward while the model is being rebuilt.
-    """
-
-    def __init__(self, inner: Callable[..., Any], dtype: torch.dtype | None,
-                 output_dtype: torch.dtype | None, nests: bool = True) -> None:
-        self.__wrapped__ = inner
-        self.dtype = dtype  # None: inputs pass as they are (outputs-only wrapper)
-        self.only_low = output_dtype is None
-        self.output_dtype = output_dtype or torch.float32
-        # False for an entry point other than forward (generate): the forwards it calls are
-        # not nested in it, so they hand it FP32 outputs as they hand the user
-        self.nests = nests
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _bypass.active:
-            return self.__wrapped__(*args, **kwargs)
-        if self.dtype is not None:
-            args, kwargs = cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
-        nesting = _nesting.__dict__
-        depth = nesting.get("depth", 0)
-        nesting["depth"] = depth + 1 if self.nests else depth
-        try:
-            out = self.__wrapped__(*args, **kwargs)
-        except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an FP32 constant meets half
-            hint_dtype_error(exc, model_dtype=self.dtype)
-            raise
-        finally:
-            nesting["depth"] = depth
-        if depth:  # a model passed to initialize called inside another one: part of its half graph
-            return out
-        return cast_tree(out, self.output_dtype, self.only_low)
-
-    def bound_to(self, replica: nn.Module) -> "_CastForward":
-        """The same wrapper around `replica`'s own forward."""
-        return _bound_to(self, replica)
-
-
-def _bound_to(wrapper: Any, replica: nn.Module) -> Any:
-    """A copy of a forward wrapper of ours whose `__wrapped__`, a bound method, is bound to
-    `replica` (one module never gets two: a model kept whole has only its keep wrapper)."""
-    inner = wrapper.__wrapped__
-    if isinstance(inner, types.MethodType):
-        inner = types.MethodType(inner.__func__, replica)
-    clone = copy.copy(wrapper)
-    clone.__wrapped__ = inner
-    return clone
-
-
-_F32 = torch.float32
-
-
-class KeepForward:
-    """`forward` of a module that `keep_fp32` keeps in FP32, where the session does not patch
-    torch (O2/O3/O5): its parameters and buffers were left FP32; floating half inputs go to
-    FP32 at entry, and with `output_dtype` FP32 outputs go to it at exit (the model's half
-    dtype, as an FP32 batch norm returns its input's dtype). Dynamo traces it, so under
-    torch.compile the casts are nodes of the graph. A plain object, copyable and picklable
-    like `_CastForward`."""
-
-    def __init__(self, inner: Callable[..., Any], output_dtype: torch.dtype | None) -> None:
-        self.__wrapped__ = inner
-        self.output_dtype = output_dtype  # None: outputs leave as they are
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _bypass.active:
-            return self.__wrapped__(*args, **kwargs)
-        out = self.__wrapped__(*cast_tree(args, _F32, True), **cast_tree(kwargs, _F32, True))
-        return out if self.output_dtype is None else self.leave(out)
-
-    def leave(self, out: Any) -> Any:
-        """`out` with its FP32 tensors in `output_dtype`."""
-        dtype = self.output_dtype
-        return map_tensors(out, lambda t: t.to(dtype) if t.dtype == _F32 else t)
-
-    def bound_to(self, replica: nn.Module) -> "KeepForward":
-        """The same wrapper around `replica`'s own forward."""
-        return _bound_to(self, replica)
-
-
-class UncastForward(KeepForward):
-    """`KeepForward` where the session patches torch (O1/O4): the module's forward, and
-    everything it calls in this thread, runs with O1 casts off (`disable_casts`), on inputs
-    made FP32 at entry; its outputs stay FP32 (unless `output_dtype`). The O1 counters count
-    nothing inside. Under torch.compile it runs eagerly, a graph break (`dynamo.install`
-    makes `__call__` a `torch.compiler.disable` function while a session patches torch):
-    Dynamo picks the casts it traces when it traces, not where a module runs."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _bypass.active:
-            return self.__wrapped__(*args, **kwargs)
-        args, kwargs = cast_tree(args, _F32, True), cast_tree(kwargs, _F32, True)
-        with disable_casts():
-            out = self.__wrapped__(*args, **kwargs)
-        return out if self.output_dtype is None else self.leave(out)
-
-
-def keep_in_fp32(module: nn.Module, patcher, output_dtype: torch.dtype | None, casts_off: bool) -> None:
-    """Wrap the forward of a module kept in FP32 (see `KeepForward`; `casts_off`: the session
-    patches torch, `UncastForward`), undone by `patcher`."""
-    cls = UncastForward if casts_off else KeepForward
-    patcher.patch(module, "forward", cls(module.forward, output_dtype))
-    patcher.patch(module, "_replicate_for_data_parallel", _Replicate(module._replicate_for_data_parallel))
-
-
-class _Replicate:
-    """`module._replicate_for_data_parallel` of a module with a forward wrapper of ours (a
-    cast model, a kept module): the replica's forward wrapper is rebound to the replica."""
-
-    def __init__(self, inner: Callable[[], nn.Module]) -> None:
-        self.inner = inner
-
-    def __call__(self) -> nn.Module:
-        replica = self.inner()
-        forward = replica.__dict__.get("forward")
-        if isinstance(forward, (_CastForward, KeepForward)):
-            replica.__dict__["forward"] = forward.bound_to(replica)
-        replica.__dict__.pop("_replicate_for_data_parallel", None)
-        return replica
 
 
 class _LoadHook:

@@ -20,7 +20,8 @@ from . import env, fsdp, hardware, keep, policy, tips
 from .cache import CastCache
 from .levels import Properties
 from .master import check_one_master_each, master_ids
-from .model import ModelHandle, keep_in_fp32, params_to_cast, wrap_outputs
+from .forwards import keep_in_fp32, wrap_outputs
+from .model import ModelHandle, params_to_cast
 from .notices import warn
 from .o1 import O1Patches
 from .optimizer import HandleContext, OptimizerHandle, OptState
@@ -72,6 +73,8 @@ class Session:
         self.closed = False
         self.guard: fsdp.ParamGuard | None = None  # fsdp hook: parameters swapped after initialize
         self._last_loss: torch.Tensor | None = None
+        self.stop_after = env.positive_int(env.MAX_STEPS)  # AMPATCH_MAX_STEPS: end the process after N steps
+        self.recorder: Any = None  # ampatch.diagnose's Recorder when AMPATCH_DIAGNOSE asks for one
         self.device: dict[str, Any] = {}  # hardware.check_half: the device and its half-precision paths
 
     # ------------------------------------------------------------------ set-up
@@ -125,6 +128,9 @@ class Session:
             self._patch_torch()
         if self.telemetry.record:
             ExitReport.track(self, env.get(env.REPORT))
+        if env.get(env.DIAGNOSE):  # per-module statistics for `ampatch diagnose` (ampatch/diagnose/)
+            from .diagnose.child import attach
+            self.recorder = attach(self, models, env.get(env.DIAGNOSE))
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
     def _resolve_kept(self, models: list[nn.Module]) -> list[keep.Kept]:
@@ -150,7 +156,7 @@ class Session:
         return kept
 
     def _keep_in_fp32(self) -> frozenset[int]:
-        """Wrap the forward of every kept module (see `model.keep_in_fp32`); returns the ids of
+        """Wrap the forward of every kept module (see `forwards.keep_in_fp32`); returns the ids of
         the modules that stay FP32 (kept ones and everything inside them). Levels that leave
         the model FP32 and torch unpatched (O0) have nothing to wrap."""
         props = self.properties
@@ -241,6 +247,8 @@ class Session:
         handles = [self.handle(o) for o in opts]
         if loss_id == 0:
             self.telemetry.on_loss(loss)
+            if self.recorder is not None:
+                self.recorder.on_loss(loss, self.scalers[0].scale)
         self._last_loss = loss.detach()  # only read when steps keep being skipped
         scaler = self.scalers[loss_id]
         if scaler.is_identity and not any(h.use_masters for h in handles):  # nothing to unscale or check
@@ -313,6 +321,12 @@ class Session:
         iteration = handle.steps - 1
         if handle.index == 0:
             self.telemetry.on_step(iteration, skipped)
+            if self.recorder is not None:
+                self.recorder.on_step(skipped)
+            if self.stop_after is not None and handle.steps >= self.stop_after:
+                logger.info("ampatch: %s=%d: ending the process after %d optimizer steps.", env.MAX_STEPS,
+                            self.stop_after, handle.steps)
+                raise SystemExit(0)
         elif skipped and iteration not in self.telemetry.skipped[-len(self.optimizers):]:
             self.telemetry.skipped.append(iteration)  # an iteration is listed once, however many skipped
 
@@ -390,6 +404,8 @@ class Session:
         ExitReport.release(self)
         self.closed = True
         self._last_loss = None
+        if self.recorder is not None:  # its hooks leave the models (what it measured is kept)
+            self.recorder.close()
         try:
             masters: dict[int, torch.Tensor] = {}
             for h in self.optimizers:

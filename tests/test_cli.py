@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ampatch import cli
+from ampatch.cli import common
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -292,11 +293,11 @@ def test_help_says_what_each_size_is() -> None:
 
 
 def test_budget_values() -> None:
-    assert cli._budget("120") == 120 and cli._budget("90s") == 90 and cli._budget("2m") == 120
-    assert cli._budget("1.5min") == 90 and cli._budget("none") is None and cli._budget("0") is None
+    assert common.budget("120") == 120 and common.budget("90s") == 90 and common.budget("2m") == 120
+    assert common.budget("1.5min") == 90 and common.budget("none") is None and common.budget("0") is None
     for bad in ("-5", "soon", "5h"):
         with pytest.raises(Exception, match="expected a time"):
-            cli._budget(bad)
+            common.budget(bad)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from torch import nn
 
 import ampatch as amp
 from ampatch import env, keep
-from ampatch.model import forward_casts_bypassed
+from ampatch.forwards import forward_casts_bypassed
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
@@ -472,3 +472,42 @@ def test_fullgraph_at_o1_says_why_it_breaks():
             torch.compile(model, fullgraph=True, backend="eager")(torch.randn(2, 4))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_kept_output_layer_gives_the_model_its_fp32_values(level):
+    """A kept module whose output is the model's own output: the model returns its FP32
+    values, not their half rounding (logits beyond float16's 65504 stay finite)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    with torch.no_grad():
+        model[1].weight.mul_(1e5)
+    x = torch.full((2, 8), 10.0)
+    reference = model(x)
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,
+                              half_dtype=torch.float16, keep_fp32=["1"], verbosity=0)
+    out = model(x)
+    assert out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+    assert out.abs().max() > 65504
+    torch.testing.assert_close(out, reference, rtol=1e-2, atol=0)
+    out.sum().backward()
+    assert model[1].weight.grad is not None and model[1].weight.grad.dtype == torch.float32
+
+
+class AddsInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = self.head(x)
+        out += 1.0  # the half copy changed after the kept module returned it
+        return out
+
+
+def test_a_kept_output_changed_in_place_afterwards_is_returned_as_changed():
+    torch.manual_seed(0)
+    model = AddsInPlace()
+    reference = model(torch.ones(2, 4))
+    model = amp.initialize(model, opt_level="O2", half_dtype=torch.float16, keep_fp32=["head"], verbosity=0)
+    torch.testing.assert_close(model(torch.ones(2, 4)), reference, rtol=1e-2, atol=1e-2)

@@ -1,0 +1,69 @@
+"""The ``ampatch`` command: the parser, and one module per subcommand, each with its ``add_*``
+parser entry (in ``SUBCOMMANDS``) and its ``cmd_*`` function. The command line is the only part
+of ampatch that prints; the packages it drives (``ampatch.compare``, ``ampatch.diagnose``)
+return results and write progress to the stream they are given.
+
+- ``compare`` trains a built-in workload, or the script after ``--``, once per opt level and
+  prints one table;
+- ``run`` runs a script once, forced to a level, with ``--apex-alias`` making its Apex
+  imports load ampatch;
+- ``diagnose`` finds where half precision hurts a script and verifies a fix.
+
+Exit codes: the runs' (1 when a level failed or nothing could be diagnosed), 2 for a usage
+error, 130 after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from ampatch.cli.common import HALF_OPTION, CliError
+from ampatch.cli.compare import add_compare
+from ampatch.cli.diagnose import add_diagnose
+from ampatch.cli.run import add_run
+from ampatch.compare import UsageError
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "CliError"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CliError(message)
+
+
+SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction, dict], None]] = {
+    "compare": add_compare, "run": add_run, "diagnose": add_diagnose}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (the command after ``--`` is split off before parsing)."""
+    parser = _Parser(prog="ampatch", description="Automatic mixed precision: compare opt "
+                     "levels, run a training script forced to one level, or diagnose where half "
+                     "precision hurts it.")
+    sub = parser.add_subparsers(dest="subcommand", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for add in SUBCOMMANDS.values():
+        add(sub, HALF_OPTION)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ampatch`` command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The user's command goes after the first "--", untouched by argparse.
+    cut = argv.index("--") if "--" in argv else len(argv)
+    options, command = argv[:cut], (argv[cut + 1:] if cut < len(argv) else None)
+    try:
+        args = build_parser().parse_args(options)
+        if args.subcommand is None:
+            raise CliError(f"choose a command: {' or '.join(SUBCOMMANDS)} (see ampatch --help)")
+        args.command = command
+        return args.func(args)
+    except UsageError as exc:
+        print(f"ampatch: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,87 @@
+"""What the `ampatch` subcommands share: the usage error, argument types (argparse `type=`
+functions raise `ArgumentTypeError`, which the parser reports as a usage error), shared options."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+from ampatch import levels as levels_policy
+from ampatch.compare import UsageError
+from ampatch.compare.budget import parse_seconds
+
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "positive", "threads", "budget", "loss_scale", "module_names", "KEEP_FP32_HELP"]
+
+LEVELS = tuple(levels_policy.LEVELS)
+# the --half-dtype option every subcommand has
+HALF_OPTION: dict[str, Any] = dict(choices=("auto", "bfloat16", "float16"), default=None,
+                                   help="half type for O1-O3 (default and 'auto': float16 on CUDA, bfloat16 "
+                                        "elsewhere; O4/O5 always use bfloat16)")
+
+
+def opt_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown opt level {text!r} (choose from {', '.join(LEVELS)})")
+    return level
+
+
+def opt_levels(text: str) -> list[str]:
+    levels = [opt_level(t) for t in re.split(r"[,\s]+", text) if t]
+    if not levels:
+        raise argparse.ArgumentTypeError("no opt level given")
+    return list(dict.fromkeys(levels))
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def threads(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--threads must be 0 (torch's default) or a positive number, got {text!r}")
+    return int(text)
+
+
+def budget(text: str) -> float | None:
+    try:
+        return parse_seconds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+KEEP_FP32_HELP = ("comma-separated module names, as model.named_modules() gives them ('1.head' with several "
+                  "models), that run in FP32 at every level, added to the script's own keep_fp32 "
+                  "(AMPATCH_KEEP_FP32)")
+
+
+def loss_scale(text: str) -> str:
+    """A loss scale as `initialize` takes it: a number or "dynamic" (checked here, passed on as text)."""
+    try:
+        levels_policy.parse_loss_scale(text.strip())
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
+def module_names(text: str) -> str:
+    """"a, b" -> "a,b": module names as `named_modules()` gives them, for AMPATCH_KEEP_FP32."""
+    found = [t.strip() for t in text.split(",") if t.strip()]
+    if not found:
+        raise argparse.ArgumentTypeError("--keep-fp32 needs module names, e.g. --keep-fp32 head,blocks.0.attn")
+    return ",".join(found)
+
+
+class CliError(UsageError):
+    """A usage error: reported as one ``ampatch: error:`` line, exit code 2 (as is every
+    `UsageError` the compare package raises)."""
+
+
+def check_output_path(path: str | None, option: str) -> None:
+    """An output file's directory must exist before any run starts."""
+    if path and not Path(path).resolve().parent.is_dir():
+        raise CliError(f"{option}: directory of {path!r} does not exist")

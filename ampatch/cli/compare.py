@@ -1,0 +1,123 @@
+"""``ampatch compare``: its options, and the command that runs the levels (``ampatch.compare``
+does the work) and prints the table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, NamedTuple
+
+from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, module_names,
+                                opt_levels, positive, threads)
+from ampatch.compare import builtin, runner
+from ampatch.compare.budget import DEFAULT_BUDGET_S, TARGET_STEPS
+from ampatch.compare.plot import write_plot
+from ampatch.compare.rows import common_steps, summarize
+from ampatch.compare.sizing import sizes_in_words
+from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
+from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
+
+WORKLOAD_OPTIONS = ("steps", "workload", "device", "threads", "size")  # and --budget: see compare_script
+
+
+def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
+    cmp = sub.add_parser("compare", help="train once per opt level and print one table",
+                         usage="ampatch compare [options] [-- python train.py ARGS...]")
+    cmp.add_argument("--levels", type=opt_levels, default=list(LEVELS),
+                     help="comma-separated opt levels (default: O0,O1,O2,O3,O4,O5)")
+    cmp.add_argument("--steps", type=positive,
+                     help=f"steps per run (built-in workloads only; default {DEFAULT_STEPS[DEFAULT_WORKLOAD]}, "
+                          "within the budget)")
+    cmp.add_argument("--budget", type=budget, metavar="TIME", default=argparse.SUPPRESS,
+                     help=f"time for the whole comparison, e.g. 120s or 3m, or none (built-in workloads only; "
+                          f"default {DEFAULT_BUDGET_S:g}s, or none when --steps is given): each level gets a share "
+                          "of what is left, weighted by its expected step cost, and stops early when it runs out; "
+                          "later levels run at most as many steps as the earlier ones, so the losses compare "
+                          "step for step")
+    cmp.add_argument("--size", choices=(builtin.AUTO, *SIZES), metavar="SIZE",
+                     help=f"size of the built-in workload: {builtin.AUTO} (default: a few seconds of calibration "
+                          f"pick the largest where every level runs >= {TARGET_STEPS} steps in the budget, or its "
+                          f"--steps in about {DEFAULT_BUDGET_S:g}s without one), or {', '.join(SIZES)}, each about "
+                          f"4x the compute of the one before ({DEFAULT_WORKLOAD}: {sizes_in_words(DEFAULT_WORKLOAD)})")
+    cmp.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
+    cmp.add_argument("--device", help="device for the built-in workloads: auto (default: CUDA when "
+                     "available, else CPU), cpu, cuda, cuda:1, ...")
+    cmp.add_argument("--threads", type=threads, metavar="N",
+                     help=f"torch threads of the built-in workloads (default {builtin.DEFAULT_THREADS}: stable "
+                          "timings on a shared machine; 0: torch's default)")
+    cmp.add_argument("--json", metavar="PATH", help="write all rows, loss curves included")
+    cmp.add_argument("--plot", metavar="PATH", help="write a PNG of loss curves and loss scale")
+    cmp.add_argument("--half-dtype", **half)
+    cmp.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
+    cmp.set_defaults(func=cmd_compare)
+
+
+class Compared(NamedTuple):
+    """The runs of a comparison (losses compared before step ``upto``; None: all) and what the
+    table and ``--json`` say about them; ``device`` for the machine line if no run reports one."""
+
+    runs: list[runner.LevelRun]
+    interrupted: bool
+    upto: int | None
+    title: str
+    header: dict[str, Any]
+    notes: list[str]
+    device: str
+
+
+def compare_script(args: argparse.Namespace) -> Compared:
+    given = [f"--{o}" for o in WORKLOAD_OPTIONS if getattr(args, o) is not None]
+    given += ["--budget"] if hasattr(args, "budget") else []
+    if given:
+        raise CliError(f"{'/'.join(given)} apply to the built-in workloads; give your script its own options after --")
+    cmd = runner.resolve_command(args.command)
+    runs, interrupted = runner.run_all({lv: lambda cap, deadline: cmd for lv in args.levels},
+                                       args.half_dtype, sys.stderr, keep_fp32=args.keep_fp32)
+    return Compared(runs, interrupted, None, f"ampatch compare: {' '.join(args.command)}",
+                    {"command": list(args.command)}, [], "cpu")
+
+
+def compare_builtin(args: argparse.Namespace) -> Compared:
+    began, workload = time.time(), args.workload or DEFAULT_WORKLOAD
+    device = builtin.workload_device(args.device)
+    print(builtin.machine_notice(device, args.levels, args.half_dtype), file=sys.stderr, flush=True)
+    # an explicit --budget (none included) wins; --steps alone asks for exactly that many steps
+    seconds = args.budget if hasattr(args, "budget") else (None if args.steps else DEFAULT_BUDGET_S)
+    with builtin.launcher(device, sys.stderr) as launch:
+        plan = builtin.plan(workload, levels=args.levels, half_dtype=args.half_dtype, seconds=seconds,
+                            steps=args.steps or DEFAULT_STEPS[workload], device=device,
+                            threads=builtin.DEFAULT_THREADS if args.threads is None else args.threads,
+                            size=args.size or builtin.AUTO, log=sys.stderr, launch=launch, began=began)
+        runs, interrupted = runner.run_all(plan.commands(args.levels), args.half_dtype, sys.stderr,
+                                           plan.budget, plan.steps, launch, keep_fp32=args.keep_fp32)
+    upto = common_steps(runs) if plan.budget is not None else None
+    return Compared(runs, interrupted, upto, plan.title(upto), plan.header(), plan.notes(upto), device)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``ampatch compare``: one run per level, one table; 1 if any run failed, 130 on Ctrl-C."""
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
+    done = compare_script(args) if args.command is not None else compare_builtin(args)
+    rows = summarize(done.runs, done.upto)
+    machine, note = machine_of(rows, done.device)
+    notes = [note or "", *done.notes, interrupted_note(rows, args.levels) if done.interrupted else "",
+             f"note: kept in FP32 at every level (--keep-fp32): {args.keep_fp32}" if args.keep_fp32 else ""]
+    print(format_table(rows, done.title, machine, notes), flush=True)
+    if args.json:
+        write_json(args.json, {**done.header, "levels": args.levels, "machine": machine, "keep_fp32": args.keep_fp32,
+                               "compared_steps": done.upto, "interrupted": done.interrupted}, rows)
+    ok = rows and all(r.ok for r in rows) and len(rows) == len(args.levels)
+    code = 130 if done.interrupted else 0 if ok else 1
+    if args.plot and rows:
+        try:
+            write_plot(args.plot, rows, done.title)
+        except ImportError:
+            print("ampatch: error: --plot needs matplotlib: pip install matplotlib "
+                  "(or pip install ampatch[plot])", file=sys.stderr)
+            return code or 1
+        except (OSError, ValueError) as exc:  # unwritable path, unknown image format
+            print(f"ampatch: error: --plot: {exc}", file=sys.stderr)
+            return code or 1
+    return code

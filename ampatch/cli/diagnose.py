@@ -1,0 +1,74 @@
+"""``ampatch diagnose``: its options, and the command that diagnoses a script or a built-in
+workload (``ampatch.diagnose`` does the work) and prints the diagnosis."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ampatch.cli.common import CliError, check_output_path, module_names, opt_level, positive
+from ampatch.compare import runner
+from ampatch.diagnose import command as diagnosis
+from ampatch.diagnose.child import DEFAULT_STEPS as DIAGNOSE_STEPS
+from ampatch.diagnose.render import render
+from ampatch.diagnose.render import write_plot as write_diagnosis_plot
+from ampatch.keep import parse_names
+from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
+
+
+def add_diagnose(sub: argparse._SubParsersAction, half: dict) -> None:
+    diag = sub.add_parser("diagnose", help="find where half precision hurts, and verify a fix",
+                          usage="ampatch diagnose [options] [-- python train.py ARGS...]")
+    diag.add_argument("--opt-level", type=opt_level, default=None,
+                      help="the level to diagnose (default: the script's own; O1 for a built-in workload)")
+    diag.add_argument("--half-dtype", **half)
+    diag.add_argument("--steps", type=positive, default=DIAGNOSE_STEPS,
+                      help=f"optimizer steps recorded; each run stops after them (default {DIAGNOSE_STEPS})")
+    diag.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
+    diag.add_argument("--size", choices=SIZES, default="small", help="size of the built-in workload (default small)")
+    diag.add_argument("--keep-fp32", type=module_names, metavar="NAMES",
+                      help="modules already kept in FP32: diagnosed, and verified, with them")
+    diag.add_argument("--apex-alias", action="store_true", help="the script's Apex imports load ampatch")
+    diag.add_argument("--json", metavar="PATH", help="write the diagnosis (every module) as JSON")
+    diag.add_argument("--plot", metavar="PATH", help="write a PNG of each module's error and headroom")
+    diag.set_defaults(func=cmd_diagnose)
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """``ampatch diagnose``: 0 once diagnosed (whatever it found), 1 when the script gave nothing
+    to diagnose (it crashed first, or never trained under amp), 2 for a usage error."""
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
+    if args.command is not None:
+        if args.workload:
+            raise CliError("--workload and a script after -- exclude each other")
+        cmd, level, shown = runner.resolve_command(args.command), args.opt_level, " ".join(args.command)
+        rerun = " ".join([*(["--opt-level", level] if level else []),
+                          *(["--half-dtype", args.half_dtype] if args.half_dtype else []),
+                          *(["--apex-alias"] if args.apex_alias else [])])
+        rerun = f"ampatch run {rerun + ' ' if rerun else ''}{{options}}-- {shown}"
+    else:
+        workload = args.workload or DEFAULT_WORKLOAD
+        cmd = [sys.executable, "-m", f"ampatch.workloads.{workload}", "--size", args.size, "--threads", "1",
+               "--steps", str(args.steps)]
+        level, shown = args.opt_level or "O1", f"built-in workload {workload} ({args.size})"
+        rerun = None
+    kept = tuple(parse_names(args.keep_fp32 or ""))
+    req = diagnosis.Request(cmd, level, args.half_dtype, args.steps, args.apex_alias, kept)
+    try:
+        result = diagnosis.diagnose(req, sys.stderr)
+    except diagnosis.RunFailed as exc:
+        print(f"ampatch diagnose: {exc}", file=sys.stderr)
+        return 1
+    print(render(result, shown, rerun), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        try:
+            write_diagnosis_plot(args.plot, result, f"ampatch diagnose: {shown}")
+        except ImportError:
+            print("ampatch: error: --plot needs matplotlib: pip install ampatch[plot]", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,47 @@
+"""``ampatch run``: one run of a script, forced to a level (or kept at its own), with modules
+kept in FP32 or Apex's imports aliased to ampatch."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+from ampatch import env as envvars
+from ampatch import levels as levels_policy
+from ampatch.cli.common import KEEP_FP32_HELP, CliError, check_output_path, loss_scale, module_names, opt_level
+from ampatch.compare import runner
+
+
+def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
+    run = sub.add_parser("run", help="run a script once, optionally forced to one opt level",
+                         usage="ampatch run [--opt-level LEVEL] [--apex-alias] [options] -- python train.py ARGS")
+    run.add_argument("--opt-level", type=opt_level, default=None,
+                     help="force every amp.initialize to this level (default: the script's own level)")
+    run.add_argument("--half-dtype", **half)
+    run.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
+    run.add_argument("--loss-scale", type=loss_scale, metavar="SCALE",
+                     help="force the loss scale of every amp.initialize: a number or 'dynamic' (AMPATCH_LOSS_SCALE)")
+    run.add_argument("--report", metavar="PATH", help="write the run's report() JSON here")
+    run.add_argument("--apex-alias", action="store_true",
+                     help="make 'from apex import amp' (and apex.parallel, apex.optimizers, ...) in the "
+                          "script load ampatch")
+    run.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``ampatch run``: the command's own exit code (128+N when killed by signal N). Without
+    ``--opt-level`` the script keeps its own ``opt_level``."""
+    cmd = runner.resolve_command(args.command)
+    check_output_path(args.report, "--report")
+    if args.half_dtype == "float16" and args.opt_level in levels_policy.BFLOAT16_LEVELS:
+        raise CliError(f"{args.opt_level} always uses bfloat16; --half-dtype float16 "
+                       "contradicts it (use O1-O3 for float16)")
+    env = runner.child_env(args.opt_level, args.half_dtype,
+                           str(Path(args.report).resolve()) if args.report else None, keep_fp32=args.keep_fp32)
+    if args.loss_scale is not None:
+        env[envvars.LOSS_SCALE] = args.loss_scale
+    if args.apex_alias:
+        env = runner.with_apex_alias(env)
+    returncode = subprocess.run(cmd, env=env).returncode
+    return 128 - returncode if returncode < 0 else returncode

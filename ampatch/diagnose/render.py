@@ -1,0 +1,145 @@
+"""The diagnosis as text (what `ampatch diagnose` prints) and as a figure (``--plot``).
+
+Columns of the module table, per module over the recorded steps:
+- ``out amax``: the largest finite |value| of its outputs; ``headroom``: how many times that
+  fits under the half dtype's largest finite number (float16: 65504), below 1x it overflows;
+- ``inf/NaN out``: non-finite output elements (a module fed non-finite inputs counts too);
+- ``inf/NaN grad``: non-finite elements in the grads reaching it, leaving it, and of its params;
+- ``underflow``: the largest share of a parameter's grad, as produced (scaled), that is zero
+  or subnormal in the half dtype;
+- ``rel error``: its local relative error, ``||out - shadow||_2 / ||shadow||_2`` against its
+  FP32 shadow (the same call on FP32 inputs with FP32 params and no casts), worst call.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["render", "write_plot", "MODULE_ROWS"]
+
+MODULE_ROWS = 12  # modules shown in the table (all are in --json)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _module_rows(modules: Sequence[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for m in modules:
+        err = "inf" if m["rel_error_inf"] else _fmt(m["rel_error"], ".3g")
+        under = None if m["grad_underflow"] is None else f"{m['grad_underflow']:.0%}"
+        rows.append([m["name"] or "(model)", m["type"], _fmt(m["out_amax"], ".3g"),
+                     "-" if m["headroom"] is None else f"{m['headroom']:.3g}x", str(m["out_nonfinite"]),
+                     str(m["grad_nonfinite"]), under or "-", err])
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]], text_columns: int) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return [line(header)] + [line(r) for r in rows]
+
+
+def _chosen(modules: Sequence[dict[str, Any]], keep: Sequence[str]) -> list[dict[str, Any]]:
+    """The modules the table shows: the top-ranked, plus every module in the recommendation
+    or with inf/NaN, in the ranked order."""
+    picked = [m for i, m in enumerate(modules) if i < MODULE_ROWS or m["name"] in keep
+              or m["out_nonfinite"] or m["grad_nonfinite"]]
+    return picked[:max(MODULE_ROWS, len(keep) + 4)]
+
+
+def _verification(v: dict[str, Any], level: str) -> list[str]:
+    header = ["run", "finite", "final loss", "max dev vs O0", "skipped", "steps"]
+
+    def row(label: str, f: dict[str, Any]) -> list[str]:
+        return [label, "yes" if f["finite"] else "no", _fmt(f["final_loss"], ".4f"),
+                _fmt(f["max_dev_vs_O0"], ".3g"), str(f["skipped_steps"]), str(f["steps"])]
+
+    rows = [row(level, v["without"])]
+    for t in v["tries"]:
+        extra = f" + {t['settings']}" if t["settings"] else ""
+        rows.append(row(f"{level} + keep_fp32={t['keep_fp32']}{extra}", t))
+    rows.append(row("O0", v["O0"]))
+    return _table(header, rows, 1)
+
+
+def _apply(rec: dict[str, Any], rerun: str | None) -> list[str]:
+    """How to apply a verified recommendation: in code, and (for a script) without editing it."""
+    args = [f"keep_fp32={rec['keep_fp32']!r}"] if rec["keep_fp32"] else []
+    args += [f"{k}={v!r}" for k, v in rec["settings"].items()]
+    lines = [f"apply it: amp.initialize(..., {', '.join(args)})"]
+    if rerun is not None:
+        options = (f"--keep-fp32 {','.join(rec['keep_fp32'])} " if rec["keep_fp32"] else "")
+        options += (f"--loss-scale {rec['settings']['loss_scale']} " if "loss_scale" in rec["settings"] else "")
+        lines.append("  or, without editing the script: " + rerun.format(options=options))
+    return lines
+
+
+def render(result: dict[str, Any], command: str, rerun: str | None = None) -> str:
+    """The diagnosis as the command prints it; `rerun` is the `ampatch run` line that applies
+    the fix to an unmodified script, with "{options}" where the fix's options go."""
+    level, half = result.get("opt_level"), result.get("half_dtype")
+    out = [f"ampatch diagnose: {command}", f"level {level}, half dtype {half}, {result['steps']} optimizer steps "
+           "recorded"]
+    if result.get("crashed"):
+        out.append(f"note: the run failed after the recorded steps: {result['crashed']}")
+    first = result["first_nonfinite"]
+    if first is None:
+        out.append("first non-finite: none")
+    else:
+        out.append(f"first non-finite: {first['phase']} {first['kind']} in {first['module'] or '(model)'!s} at "
+                   f"step {first['step']}")
+    rec = result["recommendation"]
+    shown = _chosen(result["modules"], rec["keep_fp32"])
+    out += ["", "modules (leaves ranked by local error against their FP32 shadow, then the others):"]
+    out += ["  " + ln for ln in _table(["module", "type", "out amax", "headroom", "inf/NaN out", "inf/NaN grad",
+                                        "underflow", "rel error"], _module_rows(shown), 2)]
+    hidden = len(result["modules"]) - len(shown)
+    if hidden > 0:
+        out.append(f"  ... {hidden} more (all in --json)")
+    out.append("")
+    if not rec["keep_fp32"] and not rec["settings"]:
+        out.append("recommendation: none: no module stands out and nothing went non-finite.")
+    else:
+        what = []
+        if rec["keep_fp32"]:
+            what.append(f"keep_fp32={rec['keep_fp32']}")
+        if rec["settings"]:
+            what += [f"{k}={v!r}" for k, v in rec["settings"].items()]
+        out.append("recommendation: " + ", ".join(what))
+    out += [f"  - {n}" for n in rec["notes"]]
+    v = result.get("verification")
+    if v is not None:
+        out += ["", f"verification ({v['steps']} steps each, same seed):"]
+        out += ["  " + ln for ln in _verification(v, level or "")]
+        if v["gave_up"]:
+            out.append("  the fix did not make the run finite: gave up (see the last note).")
+        else:
+            out += ["", *_apply(rec, rerun)]
+    return "\n".join(out)
+
+
+def write_plot(path: str, result: dict[str, Any], title: str) -> None:
+    """Two panels over the leaf modules: local relative error, and headroom (log scales).
+    Raises ImportError without matplotlib."""
+    from matplotlib.figure import Figure  # optional dependency: ampatch[plot]
+
+    leaves = [m for m in result["modules"] if m["leaf"]][:30]
+    names = [m["name"] or "(model)" for m in leaves]
+    fig = Figure(figsize=(12, max(3.0, 0.3 * len(leaves) + 1.5)), layout="constrained")
+    ax_err, ax_head = fig.subplots(1, 2, sharey=True)
+    errors = [(m["rel_error"] or 0.0) if not m["rel_error_inf"] else 1e6 for m in leaves]
+    heads = [m["headroom"] or 0.0 for m in leaves]
+    kept = set(result["recommendation"]["keep_fp32"])
+    colors = ["tab:red" if m["name"] in kept else "tab:blue" for m in leaves]
+    ax_err.barh(names, [max(e, 1e-9) for e in errors], color=colors)
+    ax_err.set(xscale="log", title="local relative error vs FP32 shadow", xlabel="||out - shadow|| / ||shadow||")
+    ax_head.barh(names, [max(h, 1e-3) for h in heads], color=colors)
+    ax_head.axvline(1.0, color="k", lw=0.8)
+    ax_head.set(xscale="log", title="headroom to the half dtype's largest value", xlabel="times")
+    ax_err.invert_yaxis()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)

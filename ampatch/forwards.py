@@ -1,0 +1,242 @@
+"""The forward wrappers ampatch puts on models, and the one switch that silences them.
+
+- `CastForward`: a cast model's (O2/O3/O5) `forward`: floating inputs to half, half outputs to
+  FP32 (or `cast_model_outputs`); `wrap_outputs` puts one on a model that is not cast;
+- `KeepForward` / `UncastForward`: the forward of a module `keep_fp32` keeps in FP32 (inputs
+  to FP32 at entry; at O2/O3/O5 FP32 outputs back to half at exit, at O1/O4 casts off inside);
+- `Replicate`: rebinds these wrappers to each `nn.DataParallel` replica;
+- `forward_casts_bypassed()`: inside it, in this thread, they all pass everything through
+  untouched (a module run as its own FP32 shadow, ampatch.diagnose).
+
+Each is a plain object, not a closure, so a model stays copyable and picklable.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dtypes import LOW
+from .patching import disable_casts
+from .tips import hint_dtype_error
+from .tree import map_tensors
+
+__all__ = ["CastForward", "KeepForward", "UncastForward", "Replicate", "cast_tree", "wrap_outputs",
+           "keep_in_fp32", "forward_casts_bypassed"]
+
+
+class _Bypass(threading.local):
+    active = False
+
+
+_bypass = _Bypass()
+
+
+@contextlib.contextmanager
+def forward_casts_bypassed() -> Iterator[None]:
+    """Inside the block, in this thread, the forward wrappers ampatch put on models pass inputs and outputs through untouched: a module can run as its own FP32 shadow (ampatch.diagnose), with FP32 parameters swapped in, exactly as its code is written."""
+    previous = _bypass.active
+    _bypass.active = True
+    try:
+        yield
+    finally:
+        _bypass.active = previous
+
+
+def cast_tree(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
+    """Cast floating tensors nested in lists, tuples, namedtuples and dicts to `dtype`, and
+    custom batch objects through their `.to(dtype)`; numpy arrays, integer tensors and the
+    rest pass untouched. `only_low` casts just float16/bfloat16 tensors (model outputs)."""
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dtype != dtype and (not only_low or t.dtype in LOW):
+            return t.to(dtype)
+        return t
+
+    return map_tensors(x, leaf, None if only_low else (lambda batch: batch.to(dtype)))
+
+
+def wrap_outputs(model: nn.Module, output_dtype: torch.dtype | None, patcher,
+                 input_dtype: torch.dtype | None = None) -> None:
+    """`cast_model_outputs` at a level that leaves the model alone (O0/O1/O4), as in Apex:
+    floating outputs are cast to `output_dtype`, inputs pass untouched. With `input_dtype`
+    (FSDP2-sharded models at O2/O3/O5, see fsdp.py) inputs are cast to it and half outputs
+    to `output_dtype` or FP32, as `ModelHandle` does."""
+    patcher.patch(model, "forward", CastForward(model.forward, input_dtype, output_dtype))
+    patcher.patch(model, "_replicate_for_data_parallel", Replicate(model._replicate_for_data_parallel))
+
+
+_nesting = threading.local()  # per thread: how many wrapped forwards are running
+
+
+class CastForward:
+    """`model.forward` under O2/O3/O5: floating inputs to half, half outputs to FP32 (or
+    `cast_model_outputs`); with `dtype=None` (see `wrap_outputs`) only the outputs are cast.
+
+    A plain object rather than a closure so the model stays copyable and picklable:
+    `copy.deepcopy(model)` (EMA copies) rebinds `__wrapped__`, a bound method, to the copy,
+    so the copy runs its own weights; pickling stores it as `getattr(model, "forward")`,
+    which resolves to the class's forward while the model is being rebuilt.
+    """
+
+    def __init__(self, inner: Callable[..., Any], dtype: torch.dtype | None,
+                 output_dtype: torch.dtype | None, nests: bool = True) -> None:
+        self.__wrapped__ = inner
+        self.dtype = dtype  # None: inputs pass as they are (outputs-only wrapper)
+        self.only_low = output_dtype is None
+        self.output_dtype = output_dtype or torch.float32
+        # False for an entry point other than forward (generate): the forwards it calls are
+        # not nested in it, so they hand it FP32 outputs as they hand the user
+        self.nests = nests
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _bypass.active:
+            return self.__wrapped__(*args, **kwargs)
+        if self.dtype is not None:
+            args, kwargs = cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
+        nesting = _nesting.__dict__
+        depth = nesting.get("depth", 0)
+        nesting["depth"] = depth + 1 if self.nests else depth
+        try:
+            out = self.__wrapped__(*args, **kwargs)
+        except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an FP32 constant meets half
+            hint_dtype_error(exc, model_dtype=self.dtype)
+            raise
+        finally:
+            nesting["depth"] = depth
+            if not depth and not torch.compiler.is_compiling() and _kept_outputs.by_id and sys.exc_info()[0]:
+                _kept_outputs.by_id = {}  # a forward that raised: drop what kept modules noted
+        if depth:  # a model passed to initialize called inside another one: part of its half graph
+            return out
+        if not torch.compiler.is_compiling():  # (in a compiled graph the half copy stays: see KeepForward)
+            originals, _kept_outputs.by_id = _kept_outputs.by_id, {}
+            if originals:  # an output of a module kept in FP32 is the model's own: its FP32 values
+                out = map_tensors(out, lambda t: _fp32_original(t, originals))
+        return cast_tree(out, self.output_dtype, self.only_low)
+
+    def bound_to(self, replica: nn.Module) -> "CastForward":
+        """The same wrapper around `replica`'s own forward."""
+        return _bound_to(self, replica)
+
+
+class _KeptOutputs(threading.local):
+    """Per thread, while a cast model's forward runs: the FP32 originals of the half outputs
+    that modules kept in FP32 returned (id(half) -> (half, its version, FP32 original)). When
+    such an output is also what the model returns, unchanged, the model hands its caller the
+    FP32 original itself, never a half rounding of an FP32 result (an FP32 output layer whose
+    logits overflow the half dtype stays finite)."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+
+_kept_outputs = _KeptOutputs()
+
+
+def _fp32_original(t: torch.Tensor, originals: dict[int, tuple[torch.Tensor, int, torch.Tensor]]) -> torch.Tensor:
+    entry = originals.get(id(t))
+    if entry is not None and entry[0] is t and t._version == entry[1]:  # not changed in place since
+        return entry[2]
+    return t
+
+
+def _bound_to(wrapper: Any, replica: nn.Module) -> Any:
+    """A copy of a forward wrapper of ours whose `__wrapped__`, a bound method, is bound to
+    `replica` (one module never gets two: a model kept whole has only its keep wrapper)."""
+    inner = wrapper.__wrapped__
+    if isinstance(inner, types.MethodType):
+        inner = types.MethodType(inner.__func__, replica)
+    clone = copy.copy(wrapper)
+    clone.__wrapped__ = inner
+    return clone
+
+
+_F32 = torch.float32
+
+
+class KeepForward:
+    """`forward` of a module that `keep_fp32` keeps in FP32, where the session does not patch
+    torch (O2/O3/O5): its parameters and buffers were left FP32; floating half inputs go to
+    FP32 at entry, and with `output_dtype` FP32 outputs go to it at exit (the model's half
+    dtype, as an FP32 batch norm returns its input's dtype). Dynamo traces it, so under
+    torch.compile the casts are nodes of the graph. A plain object, copyable and picklable
+    like `CastForward`."""
+
+    def __init__(self, inner: Callable[..., Any], output_dtype: torch.dtype | None) -> None:
+        self.__wrapped__ = inner
+        self.output_dtype = output_dtype  # None: outputs leave as they are
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _bypass.active:
+            return self.__wrapped__(*args, **kwargs)
+        out = self.__wrapped__(*cast_tree(args, _F32, True), **cast_tree(kwargs, _F32, True))
+        return out if self.output_dtype is None else self.leave(out)
+
+    def leave(self, out: Any) -> Any:
+        """`out` with its FP32 tensors in `output_dtype`; inside a cast model's forward each
+        FP32 original is noted, in case the model returns the half copy as it is."""
+        dtype = self.output_dtype
+        # not under torch.compile: a graph cannot hand a Python dict its tensors (there the model
+        # returns the half copy, widened)
+        noted = (_kept_outputs.by_id if _nesting.__dict__.get("depth", 0) and not torch.compiler.is_compiling()
+                 else None)
+
+        def down(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype != _F32:
+                return t
+            half = t.to(dtype)
+            if noted is not None:
+                noted[id(half)] = (half, half._version, t)
+            return half
+        return map_tensors(out, down)
+
+    def bound_to(self, replica: nn.Module) -> "KeepForward":
+        """The same wrapper around `replica`'s own forward."""
+        return _bound_to(self, replica)
+
+
+class UncastForward(KeepForward):
+    """`KeepForward` where the session patches torch (O1/O4): the module's forward, and
+    everything it calls in this thread, runs with O1 casts off (`disable_casts`), on inputs
+    made FP32 at entry; its outputs stay FP32 (unless `output_dtype`). The O1 counters count
+    nothing inside. Under torch.compile it runs eagerly, a graph break (`dynamo.install`
+    makes `__call__` a `torch.compiler.disable` function while a session patches torch):
+    Dynamo picks the casts it traces when it traces, not where a module runs."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _bypass.active:
+            return self.__wrapped__(*args, **kwargs)
+        args, kwargs = cast_tree(args, _F32, True), cast_tree(kwargs, _F32, True)
+        with disable_casts():
+            out = self.__wrapped__(*args, **kwargs)
+        return out if self.output_dtype is None else self.leave(out)
+
+
+def keep_in_fp32(module: nn.Module, patcher, output_dtype: torch.dtype | None, casts_off: bool) -> None:
+    """Wrap the forward of a module kept in FP32 (see `KeepForward`; `casts_off`: the session
+    patches torch, `UncastForward`), undone by `patcher`."""
+    cls = UncastForward if casts_off else KeepForward
+    patcher.patch(module, "forward", cls(module.forward, output_dtype))
+    patcher.patch(module, "_replicate_for_data_parallel", Replicate(module._replicate_for_data_parallel))
+
+
+class Replicate:
+    """`module._replicate_for_data_parallel` of a module with a forward wrapper of ours (a
+    cast model, a kept module): the replica's forward wrapper is rebound to the replica."""
+
+    def __init__(self, inner: Callable[[], nn.Module]) -> None:
+        self.inner = inner
+
+    def __call__(self) -> nn.Module:
+        replica = self.inner()
+        forward = replica.__dict__.get("forward")
+        if isinstance(forward, (CastForward, KeepForward)):
+            replica.__dict__["forward"] = forward.bound_to(replica)
+        replica.__dict__.pop("_replicate_for_data_parallel", None)
+        return replica

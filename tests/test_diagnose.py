@@ -1,0 +1,227 @@
+"""ampatch diagnose: planted precision problems are found in the module that has them, a clean
+model gets no recommendation, and recording changes nothing in the training it watches.
+
+Each planted model runs in-process with AMPATCH_DIAGNOSE set (the session attaches the
+recorder, as in a diagnosed child run); the command line, with its verification runs, is
+tested in tests/test_diagnose_cli.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ampatch as amp
+from ampatch import env
+from ampatch.diagnose.analysis import analyse, error_floor
+from ampatch.diagnose.recorder import Recorder
+from ampatch.diagnose.stats import relative_error, underflow_fraction
+
+
+class _Amplify(torch.autograd.Function):
+    """Identity forward; a backward that overflows in float16 on the way (x 1e6, then / 1e6)
+    and is exact in FP32."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g * 1e6) / 1e6
+
+
+class Fragile(nn.Module):
+    def forward(self, x):
+        return _Amplify.apply(x)
+
+
+class Cancel(nn.Module):
+    """(x + 512) - 512: bfloat16 keeps 8 bits, so x is lost; FP32 keeps it."""
+
+    def forward(self, x):
+        return (x + 512.0) - 512.0
+
+
+class Net(nn.Module):
+    def __init__(self, mid: nn.Module | None = None, big: float = 1.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.big = nn.Linear(32, 32)
+        self.mid = mid if mid is not None else nn.Identity()
+        self.norm = nn.LayerNorm(32)
+        self.out = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.big.weight.mul_(big)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        return self.out(self.norm(self.mid(self.big(h))))
+
+
+def _train(model: nn.Module, level: str, half: torch.dtype | None, steps: int = 6, loss_mult: float = 1.0,
+           lr: float = 1e-3, **kwargs) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen) * 4
+        y = torch.randint(0, 4, (8,), generator=gen)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y) * loss_mult
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.item())
+    amp.deinitialize()
+    return losses
+
+
+def _diagnose(tmp_path, monkeypatch, model: nn.Module, level: str, half: torch.dtype | None, **kw) -> dict:
+    path = tmp_path / "diag.json"
+    monkeypatch.setenv(env.DIAGNOSE, str(path))
+    _train(model, level, half, **kw)
+    doc = json.loads(path.read_text())
+    return analyse(doc)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_forward_overflow_in_float16_is_the_first_nonfinite_module(tmp_path, monkeypatch, level):
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(big=20000.0), level, torch.float16)
+    first = result["first_nonfinite"]
+    assert first == {"step": 0, "phase": "forward", "module": "big", "kind": "overflow"}
+    assert result["recommendation"]["keep_fp32"] == ["big"]
+    big = next(m for m in result["modules"] if m["name"] == "big")
+    assert big["out_nonfinite"] > 0 and big["rel_error_inf"] and big["headroom"] < 1.5
+    # its parents and the modules after it saw non-finite inputs: not blamed
+    assert next(m for m in result["modules"] if m["name"] == "norm")["rel_error"] is not None
+
+
+def test_a_backward_overflow_is_found_in_the_module_whose_backward_overflows(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(mid=Fragile()), "O1", torch.float16, steps=8)
+    assert result["first_nonfinite"]["phase"] == "backward"
+    assert result["first_nonfinite"]["module"] == "mid"
+    assert result["recommendation"]["keep_fp32"] == ["mid"]
+    assert result["skipped_steps"] == list(range(8))  # no loss scale helps: the scaler is not blamed
+
+
+def test_a_catastrophic_cancellation_in_bfloat16_has_the_largest_local_error(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(mid=Cancel()), "O4", None)
+    assert result["first_nonfinite"] is None
+    leaves = [m for m in result["modules"] if m["leaf"]]
+    assert leaves[0]["name"] == "mid" and leaves[0]["rel_error"] > 0.5
+    assert all(m["rel_error"] < error_floor("bfloat16") for m in leaves[1:] if m["rel_error"] is not None)
+    assert result["recommendation"]["keep_fp32"] == ["mid"]
+
+
+def test_grad_underflow_without_a_loss_scale_recommends_a_dynamic_one(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(), "O3", torch.float16, loss_mult=1e-7)
+    rec = result["recommendation"]
+    assert rec["settings"] == {"loss_scale": "dynamic"}
+    assert any("underflow" in n and "dynamic loss scale" in n for n in rec["notes"])
+    assert rec["keep_fp32"] == []
+
+
+@pytest.mark.parametrize("level,half", [("O1", torch.float16), ("O2", torch.float16), ("O4", None),
+                                        ("O5", None), ("O3", torch.bfloat16), ("O0", None)])
+def test_a_clean_model_gets_an_empty_recommendation(tmp_path, monkeypatch, level, half):
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(), level, half)
+    assert result["first_nonfinite"] is None
+    assert result["recommendation"]["keep_fp32"] == []
+    assert result["recommendation"]["settings"] == {}
+
+
+def test_recording_changes_nothing_in_the_training(tmp_path, monkeypatch):
+    """Dropout draws the same masks, batch norm's running statistics move once, the losses
+    and weights are bit-for-bit those of an unrecorded run, and no hook stays behind."""
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+    plain = model()
+    torch.manual_seed(5)
+    losses = _train(plain, "O2", torch.bfloat16)
+    watched = model()
+    monkeypatch.setenv(env.DIAGNOSE, str(tmp_path / "d.json"))
+    torch.manual_seed(5)
+    assert _train(watched, "O2", torch.bfloat16) == losses
+    assert json.loads((tmp_path / "d.json").read_text())["recorded"]["steps"]  # it did record
+    for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
+        assert torch.equal(a, b)
+    for m in watched.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    assert all(not p._backward_hooks for p in watched.parameters())
+    assert all(math.isfinite(x) for x in losses)
+
+
+def test_the_recorder_stops_after_its_steps_and_removes_its_hooks():
+    model = Net()
+    rec = Recorder([model], torch.bfloat16, steps=2)
+    rec.attach()
+    for _ in range(3):
+        out = model(torch.randn(4, 16))
+        rec.on_loss(out.sum(), 1.0)
+        out.sum().backward()
+        rec.on_step(False)
+    assert len(rec.steps) == 2 and not rec.active
+    assert all(not m._forward_hooks for m in model.modules())
+    assert {m["name"] for m in rec.result()["modules"]} == {"", "inp", "big", "mid", "norm", "out"}
+
+
+def test_relative_error_and_underflow_figures():
+    a = torch.tensor([1.0, 2.0, 2.0])
+    assert relative_error([a], [a]) == 0.0
+    assert relative_error([a * 1.1], [a]) == pytest.approx(0.1)
+    assert relative_error([torch.tensor([math.inf, 0, 0])], [a]) == math.inf
+    assert relative_error([a], [torch.tensor([math.nan, 0, 0])]) is None  # no finite reference
+    assert relative_error([a], [a[:2]]) is None
+    g = torch.tensor([0.0, 1e-6, 1e-3, 1.0])
+    assert underflow_fraction(g, torch.float16) == 0.5   # 0 and 1e-6 are below float16's smallest normal
+    assert underflow_fraction(g, torch.bfloat16) == 0.25
+
+
+@pytest.mark.parametrize("workload", ["lm", "cnn", "lstm"])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O4", "O5"])
+def test_no_false_alarm_on_the_built_in_workloads(tmp_path, monkeypatch, workload, level):
+    """A model that trains fine shows nothing alarming, at every level (bfloat16, the CPU's
+    half dtype): nothing non-finite, no module to keep, no setting to change."""
+    import importlib
+    module = importlib.import_module(f"ampatch.workloads.{workload}")
+    path = tmp_path / "diag.json"
+    monkeypatch.setenv(env.DIAGNOSE, str(path))
+    module.main(["--steps", "4", "--size", "tiny", "--opt-level", level, "--threads", "1"])
+    amp.deinitialize()
+    result = analyse(json.loads(path.read_text()))
+    assert result["steps"] == 4
+    assert result["first_nonfinite"] is None
+    assert result["recommendation"]["keep_fp32"] == [], result["recommendation"]["notes"]
+    assert result["recommendation"]["settings"] == {}
+
+
+def test_a_loss_scale_forced_from_outside_wins_and_a_bad_one_names_the_variable(monkeypatch):
+    monkeypatch.setenv(env.LOSS_SCALE, "dynamic")
+    model = nn.Linear(2, 2)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O3", half_dtype=torch.float16,
+                   verbosity=0)
+    assert amp.loss_scale() == 2.0 ** 16 and amp._amp_state.loss_scalers[0].dynamic
+    amp.deinitialize()
+    monkeypatch.setenv(env.LOSS_SCALE, "lots")
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="AMPATCH_LOSS_SCALE='lots'"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O3", verbosity=0)
+
+
+def test_a_bad_max_steps_names_the_variable(monkeypatch):
+    monkeypatch.setenv(env.MAX_STEPS, "-3")
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="AMPATCH_MAX_STEPS='-3'"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
