@@ -142,8 +142,23 @@ _kept_outputs = _KeptOutputs()
 def _fp32_original(t: torch.Tensor, originals: dict[int, tuple[torch.Tensor, int, torch.Tensor]]) -> torch.Tensor:
     entry = originals.get(id(t))
     if entry is not None and entry[0] is t and t._version == entry[1]:  # not changed in place since
-        return entry[2]
+        return _FP32Values.apply(t, entry[2])
     return t
+
+
+class _FP32Values(torch.autograd.Function):
+    """The FP32 original's values, with the gradient routed through the half copy: hooks on
+    that copy (FSDP2's pre-backward hook that gathers the kept unit's weight again, a user's
+    `register_hook`) still fire, and the gradient is the one the half output would get."""
+
+    @staticmethod
+    def forward(ctx: Any, half: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+        ctx.half_dtype = half.dtype
+        return original.view_as(original)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.half_dtype), None
 
 
 def _bound_to(wrapper: Any, replica: nn.Module) -> Any:

@@ -494,6 +494,27 @@ def test_a_kept_output_layer_gives_the_model_its_fp32_values(level):
     assert model[1].weight.grad is not None and model[1].weight.grad.dtype == torch.float32
 
 
+def test_hooks_on_a_kept_output_still_fire_when_the_model_returns_its_fp32_values():
+    """The FP32 values the model returns route their gradient through the half copy the kept
+    module returned, so hooks on that copy (FSDP2 gathers the kept unit's weight there) fire
+    and the gradient equals the one the half copy gets."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                              half_dtype=torch.float16, keep_fp32=["1"], verbosity=0)
+    grads = []
+
+    def note(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(grads.append)
+    model[1].register_forward_hook(note)
+    out = model(torch.randn(2, 8))
+    assert out.dtype == torch.float32
+    (out * torch.arange(4.0)).sum().backward()
+    assert len(grads) == 1 and grads[0].dtype == torch.float16
+    torch.testing.assert_close(grads[0].float(), torch.arange(4.0).expand(2, 4))
+    assert model[1].weight.grad is not None
+
+
 class AddsInPlace(nn.Module):
     def __init__(self) -> None:
         super().__init__()
