@@ -225,3 +225,25 @@ def test_a_bad_max_steps_names_the_variable(monkeypatch):
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="AMPATCH_MAX_STEPS='-3'"):
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+
+
+def test_the_plot_draws_each_leaf_and_marks_the_recommended_one(tmp_path, monkeypatch):
+    """`--plot`: a PNG with one bar per leaf module in each panel, the recommended module red."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from ampatch.diagnose.render import write_plot
+
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(big=20000.0), "O2", torch.float16)
+    drawn: list[Figure] = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: (drawn.append(self), save(self, *a, **kw)))
+    write_plot(str(tmp_path / "diag.png"), result, "planted overflow")
+    assert (tmp_path / "diag.png").read_bytes().startswith(b"\x89PNG")
+    errors, headroom = drawn[0].axes
+    leaves = [m["name"] for m in result["modules"] if m["leaf"]]
+    assert [t.get_text() for t in errors.get_yticklabels()] == leaves
+    bars = {name: bar for name, bar in zip(leaves, headroom.patches)}
+    assert bars["big"].get_facecolor()[:3] == (0.8392156862745098, 0.15294117647058825, 0.1568627450980392)  # tab:red
+    assert bars["big"].get_width() < 1.5 and bars["out"].get_width() > 1.5
