@@ -141,6 +141,20 @@ def test_sgd_kernel_skips_when_flagged_and_writes_the_model_copy() -> None:
     torch.testing.assert_close(w[0], torch.full((3,), 0.9 - 0.1 * (2.9 + 0.09)))
 
 
+def test_sgd_kernel_rounds_the_step_of_a_half_weight_to_half_before_adding_it() -> None:
+    """Apex's `weight += -lr * d` on an FP16 weight converts the step to FP16 first (c10's
+    Half += Half), so two roundings, not one (Apex's FusedSGD test_half matches torch's SGD
+    bit for bit only this way)."""
+    torch.manual_seed(0)
+    g, w = [torch.rand(4096).half()], [(torch.rand(4096) * 4).half()]
+    want = (w[0].float() + (-0.3 * g[0].float()).half().float()).half()
+    once = (w[0].float() - 0.3 * g[0].float()).half()
+    assert not torch.equal(want, once)  # the case tells the two apart
+    applier(amp_c.multi_tensor_sgd, _flag(), [g, w, [torch.zeros(4096, dtype=F16)]], 0.0, 0.0, 0.0, 0.3, False,
+            True, False, 1.0)
+    assert torch.equal(w[0], want)
+
+
 @pytest.mark.parametrize("mode, bias_correction", [(0, 1), (1, 1), (1, 0)])
 def test_adam_kernel_against_the_formula(mode, bias_correction) -> None:
     torch.manual_seed(0)
