@@ -213,7 +213,7 @@ def _trust_ratios(lr: float, param_norms: Tensor, update_norms: Tensor, decay: f
     if not (use_nvlamb or decay != 0.0):
         return lr_t
     ok = (param_norms != 0) & (update_norms != 0)
-    return torch.where(ok, lr_t * param_norms / torch.where(ok, update_norms, 1.0), lr_t)
+    return torch.where(ok, lr_t * (param_norms / torch.where(ok, update_norms, 1.0)), lr_t)  # Apex's order
 
 
 def _lamb_update(g32: list[Tensor], p32: list[Tensor], m32: list[Tensor], v32: list[Tensor], beta1: float,
