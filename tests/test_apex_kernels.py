@@ -141,6 +141,44 @@ def test_sgd_kernel_skips_when_flagged_and_writes_the_model_copy() -> None:
     torch.testing.assert_close(w[0], torch.full((3,), 0.9 - 0.1 * (2.9 + 0.09)))
 
 
+def test_sgd_kernel_rounds_the_step_of_a_half_weight_to_half_before_adding_it() -> None:
+    """Apex's `weight += -lr * d` on an FP16 weight converts the step to FP16 first (c10's
+    Half += Half), so two roundings, not one (Apex's FusedSGD test_half matches torch's SGD
+    bit for bit only this way)."""
+    torch.manual_seed(0)
+    g, w = [torch.rand(4096).half()], [(torch.rand(4096) * 4).half()]
+    want = (w[0].float() + (-0.3 * g[0].float()).half().float()).half()
+    once = (w[0].float() - 0.3 * g[0].float()).half()
+    assert not torch.equal(want, once)  # the case tells the two apart
+    applier(amp_c.multi_tensor_sgd, _flag(), [g, w, [torch.zeros(4096, dtype=F16)]], 0.0, 0.0, 0.0, 0.3, False,
+            True, False, 1.0)
+    assert torch.equal(w[0], want)
+
+
+def test_l2norm_is_the_correctly_rounded_norm_as_apex_returns_it() -> None:
+    """Apex's kernel (FP32 fused multiply-adds per lane, then pairwise trees) lands on the
+    correctly rounded norm; an FP32 running sum on CPU is off by ulps, biased low."""
+    torch.manual_seed(1)
+    xs = [torch.rand(65536 * 3 + 5), torch.rand(65536)]
+    want = [x.double().square().sum().sqrt().float() for x in xs]
+    total, per = applier(amp_c.multi_tensor_l2norm, _flag(), [xs], True)
+    assert per.tolist() == [w.item() for w in want]
+    exact = math.sqrt(sum(float(x.double().square().sum()) for x in xs))
+    assert abs(total.item() / exact - 1) < 1.2e-7  # within an ulp
+
+
+def test_lamb_trust_ratio_is_lr_times_the_norm_ratio_in_apex_order() -> None:
+    """Stage 2 takes `lr * (|p| / |u|)` in FP32, in that order (3/7 and 10/3 round differently
+    from `(lr * |p|) / |u|`)."""
+    for pn, un in ((3.0, 7.0), (10.0, 3.0)):
+        p, u = [torch.full((4,), 1e-3)], [torch.ones(4)]  # p small enough to show an ulp of the step
+        ratio = torch.tensor(5e-4) * (torch.tensor(pn) / torch.tensor(un))
+        assert ratio != torch.tensor(5e-4) * torch.tensor(pn) / torch.tensor(un)
+        applier(amp_c.multi_tensor_lamb_stage2_cuda, _flag(), [p, u], torch.tensor([pn]), torch.tensor([un]), 5e-4,
+                0.01)
+        assert torch.equal(p[0], torch.full((4,), 1e-3) - ratio)
+
+
 @pytest.mark.parametrize("mode, bias_correction", [(0, 1), (1, 1), (1, 0)])
 def test_adam_kernel_against_the_formula(mode, bias_correction) -> None:
     torch.manual_seed(0)

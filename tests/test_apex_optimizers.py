@@ -138,6 +138,9 @@ CASES = {
                                                       bias_correction=False, betas=(0.8, 0.9)), adam_ref),
     "adam-pre-2019": (O.FusedAdam, dict(lr=1e-2, weight_decay=0.01, eps_inside_sqrt=True, max_grad_norm=0.5,
                                         bias_correction=False), legacy_adam_ref),
+    # eps outside the un-corrected sqrt(v), sqrt(bc2) in the step size (not torch.optim.Adam's since
+    # PyTorch 1.6): with gradients clipped to ~1e-5 that placement moves each step by ~2%
+    "adam-pre-2019-eps-outside": (O.FusedAdam, dict(lr=1.0, max_grad_norm=1e-4), legacy_adam_ref),
     "lamb": (O.FusedLAMB, dict(lr=1e-2, weight_decay=0.01, max_grad_norm=0.5), lamb_ref),
     "lamb-l2-nvlamb": (O.FusedLAMB, dict(lr=1e-2, weight_decay=0.0, adam_w_mode=False, use_nvlamb=True,
                                          grad_averaging=False, bias_correction=False), lamb_ref),

@@ -86,11 +86,13 @@ def store(targets: Sequence[Tensor], values: Sequence[Tensor]) -> None:
 
 
 def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
-    """Per-tensor norms (L2 or, with `ord=inf`, max |x|) computed in FP32, as one FP32 tensor.
+    """Per-tensor norms (L2 or, with `ord=inf`, max |x|), as one FP32 tensor.
 
-    An L2 norm is taken per chunk of `CHUNK` elements and the chunks' squares summed in FP64,
-    as Apex's kernel summed its chunks: torch's CPU norm of a large FP32 tensor accumulates
-    serially (relative error 1e-3 at 30M elements, enough to move a LAMB trust ratio)."""
+    An L2 norm is accumulated in FP64 per chunk of `CHUNK` elements and the chunks' squares
+    summed in FP64, then rounded once to FP32: the correctly rounded norm, which is what
+    Apex's kernel (FP32 fused multiply-adds over 32 elements per lane, then a pairwise tree)
+    returns in practice. torch's FP32 norm on CPU is off by several ulps even on one chunk
+    (biased low), enough to move a LAMB trust ratio."""
     tensors = list(tensors)
     device = tensors[0].device
     if ord == float("inf"):
@@ -102,8 +104,7 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
         chunks = t.reshape(-1).split(CHUNK) if t.numel() > CHUNK else (t,)
         pieces.extend(chunks)
         owner.extend([i] * len(chunks))
-    squares = torch.stack([n.to(device, torch.float64) for n in
-                           torch._foreach_norm(pieces, 2, dtype=torch.float32)]).square()
+    squares = torch.stack([n.to(device) for n in torch._foreach_norm(pieces, 2, dtype=torch.float64)]).square()
     index = torch.tensor(owner, device=device)
     total = torch.zeros(len(tensors), dtype=torch.float64, device=device).index_add_(0, index, squares)
     return total.sqrt().float()

@@ -134,7 +134,13 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLis
         store(moms, m32)
     if wd and wd_after_momentum:
         torch._foreach_add_(d, w32, alpha=wd)
-    torch._foreach_add_(w32, d, alpha=-lr)
+    if any(w is not w_ for w, w_ in zip(weights, w32)):
+        # Apex's `weight += -lr * d` on a half weight converts the step to the weight's type first
+        # (c10's Half += Half), so the FP16 step rounds before it is added, not only the sum.
+        d = [(t * -lr).to(w.dtype).float() if w is not w_ else t * -lr for t, w, w_ in zip(d, weights, w32)]
+        torch._foreach_add_(w32, d)
+    else:
+        torch._foreach_add_(w32, d, alpha=-lr)
     store(weights, w32)
     if len(lists) == 4:
         store(lists[3], w32)
@@ -207,7 +213,7 @@ def _trust_ratios(lr: float, param_norms: Tensor, update_norms: Tensor, decay: f
     if not (use_nvlamb or decay != 0.0):
         return lr_t
     ok = (param_norms != 0) & (update_norms != 0)
-    return torch.where(ok, lr_t * param_norms / torch.where(ok, update_norms, 1.0), lr_t)
+    return torch.where(ok, lr_t * (param_norms / torch.where(ok, update_norms, 1.0)), lr_t)  # Apex's order
 
 
 def _lamb_update(g32: list[Tensor], p32: list[Tensor], m32: list[Tensor], v32: list[Tensor], beta1: float,
