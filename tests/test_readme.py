@@ -29,7 +29,8 @@ def test_every_environment_variable_is_documented_and_every_documented_one_exist
                and v != env.PREFIX}
     table = set(re.findall(r"^\| `(AMPATCH_[A-Z0-9_]+)=", _section(README, "Environment variables"), re.M))
     assert defined == table
-    assert set(re.findall(r"\bAMPATCH_[A-Z][A-Z0-9_]*\b", README)) <= defined
+    scripts = set(re.findall(r"\bAMPATCH_[A-Z][A-Z0-9_]*\b", " ".join(p.read_text() for p in (ROOT / "scripts").glob("*.sh"))))
+    assert set(re.findall(r"\bAMPATCH_[A-Z][A-Z0-9_]*\b", README)) <= defined | scripts
 
 
 def _parser_options() -> dict[str, set[str]]:
