@@ -1,7 +1,7 @@
 """One row per level: the statistics of its run, computed from its report against O0's.
 
 A `Row` is built once from a `LevelRun` (and the baseline's row) and never changed: median
-step time (warm-up skipped), speed-up over O0, final loss, largest deviation from O0's loss
+step time (warm-up skipped), speed-up over O0, first and final loss, largest deviation from O0's loss
 curve at the same step, peak memory, skipped steps and the final loss scale.
 """
 
@@ -48,6 +48,7 @@ class Row:
     steps: int | None
     median_step_ms: float | None
     peak_memory_mib: float | None
+    first_loss: float | None               # the loss of the first step: with final_loss, how far it fell
     final_loss: float | None
     losses: list[float]
     losses_every: int                      # a long run's curve is thinned: losses[i] is step i * every
@@ -83,6 +84,7 @@ class Row:
             steps=rep.get("steps"),
             median_step_ms=median_ms,
             peak_memory_mib=rep["peak_memory_bytes"] / 2**20 if rep.get("peak_memory_bytes") else None,
+            first_loss=next(iter(at.values()), None),
             final_loss=sum(tail) / len(tail) if tail else None,
             losses=losses, losses_every=every,
             loss_scale_history=rep.get("loss_scale_history") or {},

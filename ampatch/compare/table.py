@@ -14,7 +14,8 @@ from ampatch.compare.rows import FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
 # (heading, Row attribute, format)
 COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
            ("step ms", "median_step_ms", "{:.1f}"), ("speed-up", "speedup_vs_O0", "{:.2f}x"),
-           ("peak MiB", "peak_memory_mib", "{:.0f}"), ("final loss", "final_loss", "{:.4f}"),
+           ("peak MiB", "peak_memory_mib", "{:.0f}"), ("first loss", "first_loss", "{:.4f}"),
+           ("final loss", "final_loss", "{:.4f}"),
            ("max dev vs O0", "max_loss_dev_vs_O0", "{:.3g}"),
            ("skipped", "skipped_steps", "{}"), ("loss scale", "final_loss_scale", "{:g}"),
            ("steps", "steps", "{}")]
@@ -48,7 +49,7 @@ def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
     out += ["",
             f"step ms: median wall time per optimizer step, first {WARMUP_FRACTION:.0%} "
             "of steps skipped as warm-up; speed-up is relative to O0.",
-            f"final loss: mean of the last {FINAL_LOSS_WINDOW} losses (all, if fewer); "
+            f"first loss: the first step's; final loss: mean of the last {FINAL_LOSS_WINDOW} losses (all, if fewer); "
             "max dev: largest |loss - O0 loss| at the same step.",
             "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS."]
     out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
