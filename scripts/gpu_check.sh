@@ -80,7 +80,7 @@ LEFT=$(( BUDGET - $(elapsed) - 15 ))
 XDIST=()
 if "$PY" -c "import xdist" >/dev/null 2>&1; then
   N=$(nproc); [ "$N" -gt 8 ] && N=8
-  [ "$N" -gt 1 ] && XDIST=(-n "$N")
+  [ "$N" -gt 1 ] && XDIST=(-n "$N" --dist loadfile)  # a file per worker: module fixtures run once
 fi
 step suite "$LEFT" "$PY" -m pytest -q -p no:cacheprovider -rfE "${XDIST[@]}"
 grep -E "^(FAILED|ERROR) " "$DEST/suite.log" | head -n 40 | tee -a "$REPORT"
