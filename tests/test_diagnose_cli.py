@@ -120,6 +120,8 @@ def test_bad_options_are_usage_errors(tmp_path):
     assert done.returncode == 2 and "exclude each other" in done.stderr
     done = _ampatch("diagnose", "--json", str(tmp_path / "no" / "d.json"))
     assert done.returncode == 2 and "does not exist" in done.stderr
+    done = _ampatch("diagnose", "--opt-level", "O5", "--half-dtype", "float16")
+    assert done.returncode == 2 and "O5 always uses bfloat16" in done.stderr
 
 
 def test_max_steps_ends_the_run_after_that_many_steps_with_its_report(tmp_path):

@@ -85,3 +85,9 @@ def check_output_path(path: str | None, option: str) -> None:
     """An output file's directory must exist before any run starts."""
     if path and not Path(path).resolve().parent.is_dir():
         raise CliError(f"{option}: directory of {path!r} does not exist")
+
+
+def check_half_dtype(level: str | None, half_dtype: str | None) -> None:
+    """Refuse ``--half-dtype float16`` with a level that is always bfloat16 (O4/O5)."""
+    if half_dtype == "float16" and level in levels_policy.BFLOAT16_LEVELS:
+        raise CliError(f"{level} always uses bfloat16; --half-dtype float16 contradicts it (use O1-O3 for float16)")

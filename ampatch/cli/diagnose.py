@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ampatch.cli.common import CliError, check_output_path, module_names, opt_level, positive
+from ampatch.cli.common import CliError, check_half_dtype, check_output_path, module_names, opt_level, positive
 from ampatch.compare import runner
 from ampatch.diagnose import command as diagnosis
 from ampatch.diagnose.child import DEFAULT_STEPS as DIAGNOSE_STEPS
@@ -40,6 +40,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     to diagnose (it crashed first, or never trained under amp), 2 for a usage error."""
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
+    check_half_dtype(args.opt_level, args.half_dtype)
     if args.command is not None:
         if args.workload:
             raise CliError("--workload and a script after -- exclude each other")

@@ -8,8 +8,7 @@ import subprocess
 from pathlib import Path
 
 from ampatch import env as envvars
-from ampatch import levels as levels_policy
-from ampatch.cli.common import KEEP_FP32_HELP, CliError, check_output_path, loss_scale, module_names, opt_level
+from ampatch.cli.common import KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, module_names, opt_level
 from ampatch.compare import runner
 
 
@@ -34,9 +33,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ``--opt-level`` the script keeps its own ``opt_level``."""
     cmd = runner.resolve_command(args.command)
     check_output_path(args.report, "--report")
-    if args.half_dtype == "float16" and args.opt_level in levels_policy.BFLOAT16_LEVELS:
-        raise CliError(f"{args.opt_level} always uses bfloat16; --half-dtype float16 "
-                       "contradicts it (use O1-O3 for float16)")
+    check_half_dtype(args.opt_level, args.half_dtype)
     env = runner.child_env(args.opt_level, args.half_dtype,
                            str(Path(args.report).resolve()) if args.report else None, keep_fp32=args.keep_fp32)
     if args.loss_scale is not None:

@@ -35,15 +35,10 @@ def common_steps(runs: Sequence[LevelRun]) -> int | None:
 
 
 @dataclass(frozen=True)
-class Row:
-    """One level's line of the table (and of ``--json``): its run, then its statistics."""
+class Row(LevelRun):
+    """One level's line of the table (and of ``--json``): its run (the `LevelRun` fields), then
+    its statistics."""
 
-    level: str
-    ok: bool
-    error: str | None
-    returncode: int | None
-    wall_s: float
-    report: dict[str, Any] | None
     half_dtype: str | None
     steps: int | None
     median_step_ms: float | None
