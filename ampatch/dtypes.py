@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOW", "CASTABLE", "FLOATS", "is_low", "short_name"]
+__all__ = ["LOW", "CASTABLE", "FLOATS", "is_low", "short_name", "from_short_name"]
 
 LOW: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 CASTABLE: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
@@ -23,3 +23,9 @@ def is_low(dtype: torch.dtype) -> bool:
 def short_name(dtype: torch.dtype | None) -> str | None:
     """"bfloat16" for torch.bfloat16 (the form reports and tables use); None passes."""
     return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def from_short_name(name: str | None) -> torch.dtype | None:
+    """The inverse of `short_name` for `FLOATS` ("bfloat16" -> torch.bfloat16); None for
+    anything else (a report written without a half dtype)."""
+    return next((d for d in FLOATS if short_name(d) == name), None)

@@ -28,7 +28,7 @@ from .optimizer import HandleContext, OptimizerHandle, OptState
 from .patching import Patcher, WrapContext
 from .policy import user as user_policy
 from .scaler import LossScaler, Verdict, load_scalers_state_dict, scalers_state_dict
-from .telemetry import ExitReport, Report, Telemetry, peak_memory_bytes
+from .telemetry import Report, Telemetry, exit_report, peak_memory_bytes
 
 logger = logging.getLogger("ampatch")
 
@@ -127,10 +127,10 @@ class Session:
         if props.patch_torch_functions:
             self._patch_torch()
         if self.telemetry.record:
-            ExitReport.track(self, env.get(env.REPORT))
+            exit_report.track(self, env.get(env.REPORT))
         if env.get(env.DIAGNOSE):  # per-module statistics for `ampatch diagnose` (ampatch/diagnose/)
             from .diagnose.child import attach
-            self.recorder = attach(self, models, env.get(env.DIAGNOSE))
+            self.recorder = attach(self, models, env.get(env.DIAGNOSE), eps_lost=lost)
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
     def _resolve_kept(self, models: list[nn.Module]) -> list[keep.Kept]:
@@ -401,7 +401,7 @@ class Session:
         """Undo everything: masters back out of optimizers, models to their dtypes, torch restored."""
         if self.closed:
             return
-        ExitReport.release(self)
+        exit_report.release(self)
         self.closed = True
         self._last_loss = None
         if self.recorder is not None:  # its hooks leave the models (what it measured is kept)

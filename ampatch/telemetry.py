@@ -19,7 +19,8 @@ import resource
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -192,53 +193,54 @@ class Report:
         return "\n".join(lines)
 
 
-class Reporting(Protocol):
-    """What reports (a `Session`)."""
+class ExitJson:
+    """Writes JSON about the newest tracked source to its path at interpreter exit, or
+    earlier through `write(source)`; at most once per tracking.
 
-    def report(self) -> Report: ...
-
-
-class ExitReport:
-    """Writes the report of the newest recording session at interpreter exit.
-
-    One hook per process: a script that calls `initialize` several times reports its last
-    session (one exit hook per session would run newest-first and leave the oldest report).
-    Under torchrun every rank inherits the same path: only rank 0 writes it.
+    One hook per process and kind: a script that calls `initialize` several times writes
+    about its last session (one exit hook per session would run newest-first and leave the
+    oldest). Under torchrun every rank inherits the same path: only rank 0 writes it.
     """
 
-    source: Reporting | None = None
-    final: Report | None = None  # the report of a tracked session that was closed
-    path = ""
-    registered = False
+    def __init__(self, produce: Callable[[Any], dict[str, Any]], what: str) -> None:
+        self.produce, self.what = produce, what
+        self.source: Any = None
+        self.final: dict[str, Any] | None = None  # what a released source would have written
+        self.path = ""
+        self.written = False
+        self.registered = False
 
-    @classmethod
-    def track(cls, source: Reporting, path: str) -> None:
-        cls.source, cls.final, cls.path = source, None, path
-        if not cls.registered:
-            atexit.register(cls.write)
-            cls.registered = True
+    def track(self, source: Any, path: str) -> None:
+        self.source, self.final, self.path, self.written = source, None, path, False
+        if not self.registered:
+            atexit.register(self.write)
+            self.registered = True
 
-    @classmethod
-    def release(cls, source: Reporting) -> None:
-        """`source` is closing: keep its report (small, bounded), not the session with its
-        models and optimizers."""
-        if cls.source is source:
+    def release(self, source: Any) -> None:
+        """`source` is closing: keep what it would write (small, bounded), not the source with
+        its models and optimizers."""
+        if self.source is source:
             try:
-                cls.final = source.report()
+                self.final = self.produce(source)
             except Exception:
-                logger.exception("ampatch: could not take the report of the closing session")
-            cls.source = None
+                logger.exception("ampatch: could not take the %s of the closing session", self.what)
+            self.source = None
 
-    @classmethod
-    def write(cls) -> None:
-        if process_rank() != 0:  # fsdp hook: under torchrun every rank shares the path
+    def write(self, source: Any = None) -> None:
+        """Write the tracked source's JSON now (given `source`: only if it is the tracked one)."""
+        if self.written or (source is not None and source is not self.source) or process_rank() != 0:
             return
         try:
-            report = cls.source.report() if cls.source is not None else cls.final
-            if report is not None:
-                report.to_json(cls.path)
-        except Exception:  # at interpreter exit: say why, never raise
-            logger.exception("ampatch: could not write the report to %s", cls.path)
+            data = self.produce(self.source) if self.source is not None else self.final
+            if data is not None:
+                with open(self.path, "w") as f:
+                    json.dump(data, f)
+                self.written = True
+        except Exception:  # at exit or inside a step: say why, never fail the run for it
+            logger.exception("ampatch: could not write the %s to %s", self.what, self.path)
+
+
+exit_report = ExitJson(lambda session: session.report().to_dict(), "report")
 
 
 def process_rank() -> int:

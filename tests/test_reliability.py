@@ -688,13 +688,13 @@ def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_pa
     import weakref
 
     import ampatch.telemetry
-    from ampatch.telemetry import ExitReport
+    from ampatch.telemetry import exit_report
     SERIES_POINTS = 64
     monkeypatch.setattr(ampatch.telemetry, "SERIES_POINTS", SERIES_POINTS)
     monkeypatch.setenv("AMPATCH_REPORT", str(tmp_path / "report.json"))
-    monkeypatch.setattr(ExitReport, "source", None)
-    monkeypatch.setattr(ExitReport, "final", None)
-    monkeypatch.setattr(ExitReport, "registered", True)  # no real atexit hook from a test
+    monkeypatch.setattr(exit_report, "source", None)
+    monkeypatch.setattr(exit_report, "final", None)
+    monkeypatch.setattr(exit_report, "registered", True)  # no real atexit hook from a test
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, opt = amp.initialize(model, opt, opt_level="O0", verbosity=0)
@@ -716,7 +716,7 @@ def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_pa
     del model, opt
     gc.collect()
     assert session() is None
-    ExitReport.write()  # what the exit hook does: the closed session's report
+    exit_report.write()  # what the exit hook does: the closed session's report
     import json
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["steps"] == steps and len(saved["losses"]) == len(rep.losses)

@@ -24,18 +24,26 @@ from typing import Any
 
 import torch
 
+from ..dtypes import from_short_name, is_low
+from .stats import headroom
+
 __all__ = ["analyse", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE"]
 
 OUTLIER_FACTOR = 10.0   # a leaf's error this many times the median leaf's stands out
 EPS_MULTIPLE = 32.0     # ... and it must exceed this many machine epsilons of the half dtype
 UNDERFLOW_SHARE = 0.5   # a parameter's grad with this share zero/subnormal has underflowed
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _half(name: str | None) -> torch.dtype | None:
+    """The half dtype a recording names (None when it names none, or FP32)."""
+    dtype = from_short_name(name)
+    return dtype if dtype is not None and is_low(dtype) else None
 
 
 def error_floor(half: str | None) -> float:
     """The local relative error below which a module is never blamed: EPS_MULTIPLE machine
     epsilons of the half dtype (float16: 0.031, bfloat16: 0.25)."""
-    dtype = _DTYPES.get(half or "", torch.bfloat16)
+    dtype = _half(half) or torch.bfloat16
     return EPS_MULTIPLE * torch.finfo(dtype).eps
 
 
@@ -47,11 +55,11 @@ def _rel_error(m: dict[str, Any]) -> float | None:
 def _entry(m: dict[str, Any], half: str | None) -> dict[str, Any]:
     err = _rel_error(m)
     amax = m["out_amax"]
-    dtype = _DTYPES.get(half or "")
+    dtype = _half(half)
     return {
         "name": m["name"], "type": m["type"], "leaf": m["leaf"], "calls": m["calls"],
         "out_amax": amax,
-        "headroom": (torch.finfo(dtype).max / amax) if dtype is not None and amax > 0 else None,
+        "headroom": headroom(amax, dtype) if dtype is not None else None,
         "out_nonfinite": m["out_nonfinite"],
         "grad_nonfinite": m["grad_in_nonfinite"] + m["grad_out_nonfinite"] + m["param_grad_nonfinite"],
         "grad_underflow": m["grad_underflow"],

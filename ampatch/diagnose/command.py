@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .. import env
-from ..compare import UsageError
 from ..compare.rows import Row
 from ..compare.runner import LevelRun, child_env, failure_line, run_child, with_apex_alias
 from .analysis import analyse
@@ -193,9 +192,3 @@ def _tail(stderr: str, lines: int = 12) -> str:
     """The last lines of a run's stderr, indented, for a failure message."""
     kept = [ln for ln in stderr.splitlines() if ln.strip()][-lines:]
     return "\n".join("    " + ln for ln in kept)
-
-
-def check_request(req: Request) -> None:
-    """Refuse what cannot be diagnosed, before any run."""
-    if req.steps < 1:
-        raise UsageError("--steps must be at least 1")
