@@ -76,6 +76,18 @@ class LossScaler:
         self.last_overflow = False  # the outcome of the latest update (Apex's `_has_overflow`)
         self.history: list[tuple[int, float]] = [(0, self.scale)]  # (iteration, scale) change points
 
+    @property
+    def growth_interval(self) -> int:
+        """Clean steps before a dynamic scale grows (Apex: `scale_window`, `_scale_seq_len`)."""
+        return self._growth_interval
+
+    @growth_interval.setter
+    def growth_interval(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"the growth interval (growth_interval; Apex's scale_window, _scale_seq_len) is the "
+                             f"number of clean steps before a dynamic scale grows: a positive int, got {value!r}.")
+        self._growth_interval = value
+
     def clamp(self, scale: float) -> float:
         """`scale` within this dynamic scaler's [floor, max_loss_scale] (the ceiling wins)."""
         return min(max(scale, self.floor), self.max_loss_scale)

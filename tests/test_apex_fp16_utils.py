@@ -276,6 +276,27 @@ def test_the_fused_wrapper_clips_and_skips_as_apex() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_the_fused_wrapper_state_dict_keeps_apex_last_overflow_iter_and_refuses_a_bad_window() -> None:
+    """`last_overflow_iter` is saved as the wrapper holds it (-1 before any overflow, also after the
+    scale grew), and a checkpoint whose `scale_window` is not a positive int is refused."""
+    model = _half_net()
+    opt = optimizers.FP16_Optimizer(optimizers.FusedAdam(model.parameters(), lr=1e-3), dynamic_loss_scale=True)
+    opt.load_state_dict({**opt.state_dict(), "scale_window": 2, "cur_scale": 16.0})  # grow after two clean steps
+    for i in range(3):
+        opt.zero_grad()
+        opt.backward(_loss(model, i))
+        opt.step()
+    assert opt.last_overflow_iter == -1 and opt.cur_scale == 32.0
+    sd = opt.state_dict()
+    assert sd["last_overflow_iter"] == -1 and sd["cur_iter"] == 3
+    opt.load_state_dict(sd)
+    assert opt.last_overflow_iter == -1 and opt.cur_scale == 32.0
+    for window in (0, 2.5, -3, True):
+        with pytest.raises(ValueError, match="positive int"):
+            opt.load_state_dict({**sd, "scale_window": window})
+    assert opt.scale_window == 2 and opt.cur_scale == 32.0  # a refused checkpoint changes nothing
+
+
 def test_a_closure_is_run_again_after_an_overflow() -> None:
     """`step(closure)`: the closure calls `optimizer.backward`; an overflowed one runs again
     at the halved scale before the optimizer uses its gradients."""

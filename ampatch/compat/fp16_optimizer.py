@@ -38,13 +38,10 @@ def _dynamic_scaler(args: dict[str, Any] | None) -> CoreScaler:
         raise TypeError(f"FP16_Optimizer(dynamic_loss_args=...): unknown keys {unknown}; Apex's loss scaler takes "
                         f"{', '.join(DYNAMIC_DEFAULTS)}.")
     a = {**DYNAMIC_DEFAULTS, **args}
-    window = a["scale_window"]
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"dynamic_loss_args['scale_window'] must be a positive int, got {window!r}.")
     low = None if a["min_loss_scale"] is None else check_scale_value(a["min_loss_scale"], "min_loss_scale")
     return CoreScaler("dynamic", min_loss_scale=low,
                       max_loss_scale=check_scale_value(a["max_loss_scale"], "max_loss_scale"),
-                      growth_interval=window, init_scale=check_scale_value(a["init_scale"], "init_scale"),
+                      growth_interval=a["scale_window"], init_scale=check_scale_value(a["init_scale"], "init_scale"),
                       growth_factor=a["scale_factor"])
 
 

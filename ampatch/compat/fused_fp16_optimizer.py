@@ -100,7 +100,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
         sd: dict[str, Any] = {"dynamic_loss_scale": self.dynamic_loss_scale, "cur_scale": self._scaler.scale,
                               "cur_iter": self.cur_iter}
         if self.dynamic_loss_scale:
-            sd.update(last_overflow_iter=self.cur_iter - 1 - self._scaler.unskipped, scale_factor=self.scale_factor,
+            sd.update(last_overflow_iter=self.last_overflow_iter, scale_factor=self.scale_factor,
                       scale_window=self.scale_window)
         sd["optimizer_state_dict"] = self._inner_state_dict()
         sd["fp32_groups_flat"] = [_flatten_dense_tensors([p.detach() for p in g["params"]])
@@ -123,7 +123,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
         scale = check_scale_value(state_dict["cur_scale"], "cur_scale")
         if dynamic:
             scaler = CoreScaler("dynamic", min_loss_scale=1.0, max_loss_scale=USABLE_RANGE[1],
-                                growth_interval=int(state_dict["scale_window"]), init_scale=scale,
+                                growth_interval=state_dict["scale_window"], init_scale=scale,
                                 growth_factor=state_dict["scale_factor"])
             last = int(state_dict["last_overflow_iter"])
             scaler.unskipped = (cur_iter - last - 1) % scaler.growth_interval  # Apex's cur_iter rule, as a count

@@ -82,8 +82,6 @@ class DynamicLossScaler(_ScalerBase):
     updates and `last_overflow_iter` is the last one that overflowed, as in Apex."""
 
     def __init__(self, init_scale: float = 2 ** 32, scale_factor: float = 2.0, scale_window: int = 1000) -> None:
-        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
-            raise ValueError(f"scale_window must be a positive int, got {scale_window!r}.")
         init_scale = check_scale_value(init_scale, "init_scale")
         self._core = CoreScaler("dynamic", min_loss_scale=1.0, max_loss_scale=USABLE_RANGE[1],
                                 growth_interval=scale_window, init_scale=init_scale, growth_factor=scale_factor)
