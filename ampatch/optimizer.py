@@ -68,7 +68,7 @@ class OptState(Enum):
 
 
 class StepGuard(Protocol):
-    """Checked at each step() (`fsdp.ParamGuard`: the model still holds what the optimizer steps)."""
+    """Checked at each step() (`param_guard.ParamGuard`: the model still holds what the optimizer steps)."""
 
     def check(self, handle: "OptimizerHandle") -> None: ...
 

@@ -25,6 +25,7 @@ from .model import ModelHandle, params_to_cast
 from .notices import warn
 from .o1 import O1Patches
 from .optimizer import HandleContext, OptimizerHandle, OptState
+from .param_guard import ParamGuard
 from .patching import Patcher, WrapContext
 from .policy import user as user_policy
 from .scaler import LossScaler, Verdict, load_scalers_state_dict, scalers_state_dict
@@ -71,7 +72,7 @@ class Session:
         self.models: list[ModelHandle] = []
         self.optimizers: list[OptimizerHandle] = []
         self.closed = False
-        self.guard: fsdp.ParamGuard | None = None  # fsdp hook: parameters swapped after initialize
+        self.guard: ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
         self._last_loss: torch.Tensor | None = None
         self.stop_after = env.positive_int(env.MAX_STEPS)  # AMPATCH_MAX_STEPS: end the process after N steps
         self.recorder: Any = None  # ampatch.diagnose's Recorder when AMPATCH_DIAGNOSE asks for one
@@ -114,7 +115,7 @@ class Session:
                 for m in models:
                     if id(m) not in kept:  # a model kept whole: its keep wrapper casts the outputs
                         wrap_outputs(m, props.cast_model_outputs, self.patcher)
-        self.guard = fsdp.ParamGuard(models, self.optimizers)  # fsdp hook
+        self.guard = ParamGuard(models, self.optimizers)
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
         lost = tips.eps_lost_in_float16(optimizers)
