@@ -10,7 +10,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..scaler import USABLE_RANGE, LossScaler as CoreScaler, check_scale_value, unscale_
+from ..scaler import USABLE_RANGE, LossScaler as CoreScaler, check_scale_value
+from .kernels import nonfinite
 
 __all__ = ["LossScaler", "DynamicLossScaler", "has_inf_or_nan"]
 
@@ -21,9 +22,8 @@ def has_inf_or_nan(x: torch.Tensor) -> bool:
 
 
 def _grads_overflow(params: Iterable[torch.Tensor]) -> bool:
-    """Whether any param's grad holds an inf or a NaN (one fused check per device)."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
-    return bool(unscale_(grads, 1.0, None).item()) if grads else False
+    """Whether any param's grad holds an inf or a NaN (a read-only foreach check)."""
+    return bool(nonfinite([p.grad.detach() for p in params if p.grad is not None]))
 
 
 class _ScalerBase:
