@@ -254,6 +254,13 @@ def run_level(cmd: Sequence[str], level: str, half_dtype: str | None, progress: 
     the run failed (see `run_child`)."""
     done = run_child(cmd, child_env(level, half_dtype, keep_fp32=keep_fp32), collect=(envvars.REPORT,),
                      progress=progress, launch=launch)
+    return level_run(done, level)
+
+
+def level_run(done: Finished, level: str | None) -> LevelRun:
+    """What a finished run forced to ``level`` (None: the script's own, read from its report)
+    gave: its report, or why it failed (it crashed, its report is unreadable or missing, it
+    ran at another level)."""
     report = done.outputs.get(envvars.REPORT)
     error = None
     if envvars.REPORT in done.unreadable:
@@ -261,9 +268,10 @@ def run_level(cmd: Sequence[str], level: str, half_dtype: str | None, progress: 
     error = error or failure_line(done.returncode, done.stderr)
     if error is None and report is None:
         error = "script never called amp.initialize"
-    elif error is None and report.get("opt_level") != level:
+    elif error is None and level is not None and report.get("opt_level") != level:
         error = f"ran at {report.get('opt_level')} although {level} was forced"
-    return LevelRun(level, error is None, error, done.returncode, round(done.wall_s, 3), report)
+    ran_at = level or (report or {}).get("opt_level") or "?"
+    return LevelRun(ran_at, error is None, error, done.returncode, round(done.wall_s, 3), report)
 
 
 CommandFor = Callable[[int | None, float | None], list[str]]  # (step cap, deadline) -> a level's command

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from .. import env
 from ..compare.rows import Row
-from ..compare.runner import LevelRun, child_env, failure_line, run_child, with_apex_alias
+from ..compare.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
 from .analysis import analyse
 from .child import DEFAULT_STEPS, FORMAT
 
@@ -53,15 +53,12 @@ class Request:
 
 @dataclass(frozen=True)
 class _Run:
-    """One child run: what it recorded (None without AMPATCH_DIAGNOSE) and its report."""
+    """One child run: what it left, its report or why it failed, and what it recorded (None
+    without AMPATCH_DIAGNOSE)."""
 
-    finished: Any
+    finished: Finished
+    run: LevelRun
     diagnosis: dict[str, Any] | None
-    report: dict[str, Any] | None
-
-    @property
-    def error(self) -> str | None:
-        return failure_line(self.finished.returncode, self.finished.stderr)
 
 
 def _run(req: Request, log: TextIO, what: str, level: str | None, keep: Sequence[str] = (),
@@ -80,15 +77,13 @@ def _run(req: Request, log: TextIO, what: str, level: str | None, keep: Sequence
         variables = with_apex_alias(variables)
     collect = (env.REPORT, env.DIAGNOSE) if record else (env.REPORT,)
     done = run_child(list(req.command), variables, collect=collect)
-    return _Run(done, done.outputs.get(env.DIAGNOSE), done.outputs.get(env.REPORT))
+    return _Run(done, level_run(done, level), done.outputs.get(env.DIAGNOSE))
 
 
 def _figures(run: _Run, baseline: Row | None, keep: Sequence[str], settings: dict[str, Any]) -> dict[str, Any]:
     """{"keep_fp32", "settings", "finite", "final_loss", "max_dev_vs_O0", ...} of one run."""
-    report = run.report or {}
-    level = report.get("opt_level") or "?"
-    row = Row.of(LevelRun(level, run.error is None and run.report is not None, run.error,
-                          run.finished.returncode, run.finished.wall_s, run.report), baseline)
+    row = Row.of(run.run, baseline)
+    level = row.level
     losses = row.losses
     skipped = row.skipped_steps
     steps = row.steps or 0
@@ -131,8 +126,9 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> dict[str, Any]:
                  keep=req.keep_fp32)
     doc = first.diagnosis
     if doc is None:
-        why = first.error or "it ended without calling amp.initialize"
-        if first.finished.returncode == 0 and first.report is not None:
+        crashed = failure_line(first.finished.returncode, first.finished.stderr)
+        why = crashed or "it ended without calling amp.initialize"
+        if first.finished.returncode == 0 and first.run.report is not None:
             why = "it called amp.initialize but never completed an optimizer step after amp.scale_loss"
         raise RunFailed(f"nothing to diagnose: {why}.\n{_tail(first.finished.stderr)}".rstrip())
     if doc.get("format") != FORMAT:
@@ -141,20 +137,18 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> dict[str, Any]:
     steps = doc.get("recorded", {}).get("steps") or []
     if not steps:
         raise RunFailed("nothing to diagnose: the script never completed an optimizer step after amp.scale_loss "
-                        "under amp.initialize." + (f" It failed: {first.error}" if first.error else ""))
+                        "under amp.initialize." + (f" It failed: {first.run.error}" if first.run.error else ""))
     if all(s.get("loss") is None for s in steps):
         raise RunFailed("nothing to diagnose: the script stepped its optimizer but never completed an optimizer "
                         "step after amp.scale_loss: the loss's backward must run inside `with "
                         "amp.scale_loss(loss, optimizer) as scaled: scaled.backward()` for ampatch to see it.")
     result.update(opt_level=doc.get("opt_level"), kept_already=list(req.keep_fp32),
-                  crashed=first.error, verification=None)
+                  crashed=first.run.error, verification=None)
     rec = result["recommendation"]
     if not rec["keep_fp32"] and not rec["settings"]:
         return result
     baseline_run = _run(req, log, "the O0 reference", "O0", record=False)
-    baseline = Row.of(LevelRun("O0", baseline_run.error is None and baseline_run.report is not None,
-                               baseline_run.error, baseline_run.finished.returncode,
-                               baseline_run.finished.wall_s, baseline_run.report))
+    baseline = Row.of(baseline_run.run)
     keep = list(req.keep_fp32) + [k for k in rec["keep_fp32"] if k not in req.keep_fp32]
     settings = dict(rec["settings"])
     tries = []
