@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -29,7 +28,7 @@ from .tips import hint_dtype_error
 from .tree import map_tensors
 
 __all__ = ["CastForward", "KeepForward", "UncastForward", "Replicate", "cast_tree", "wrap_outputs",
-           "keep_in_fp32", "forward_casts_bypassed"]
+           "install_forward", "keep_in_fp32", "forward_casts_bypassed"]
 
 
 class _Bypass(threading.local):
@@ -68,8 +67,16 @@ def wrap_outputs(model: nn.Module, output_dtype: torch.dtype | None, patcher,
     floating outputs are cast to `output_dtype`, inputs pass untouched. With `input_dtype`
     (FSDP2-sharded models at O2/O3/O5, see fsdp.py) inputs are cast to it and half outputs
     to `output_dtype` or FP32, as `ModelHandle` does."""
-    patcher.patch(model, "forward", CastForward(model.forward, input_dtype, output_dtype))
-    patcher.patch(model, "_replicate_for_data_parallel", Replicate(model._replicate_for_data_parallel))
+    install_forward(model, CastForward(model.forward, input_dtype, output_dtype), patcher)
+
+
+def install_forward(module: nn.Module, forward: "CastForward | KeepForward", patcher) -> None:
+    """Put `forward` (a wrapper around `module.forward`) on `module`, undone by `patcher`.
+    nn.DataParallel copies the instance __dict__ into each replica: each replica gets the
+    wrapper bound to itself, or every replica would run the original's weights (Apex's O2 +
+    DataParallel device-mismatch bug)."""
+    patcher.patch(module, "forward", forward)
+    patcher.patch(module, "_replicate_for_data_parallel", Replicate(module._replicate_for_data_parallel))
 
 
 _nesting = threading.local()  # per thread: how many wrapped forwards are running
@@ -105,19 +112,21 @@ class CastForward:
         nesting["depth"] = depth + 1 if self.nests else depth
         try:
             out = self.__wrapped__(*args, **kwargs)
-        except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an FP32 constant meets half
-            hint_dtype_error(exc, model_dtype=self.dtype)
+        except BaseException as exc:
+            if isinstance(exc, (RuntimeError, TypeError, ValueError)):  # e.g. an FP32 constant meets half
+                hint_dtype_error(exc, model_dtype=self.dtype)
+            if not depth and not torch.compiler.is_compiling() and _kept_outputs.by_id:
+                _kept_outputs.by_id = {}  # a forward that raised: drop what kept modules noted
             raise
         finally:
             nesting["depth"] = depth
-            if not depth and not torch.compiler.is_compiling() and _kept_outputs.by_id and sys.exc_info()[0]:
-                _kept_outputs.by_id = {}  # a forward that raised: drop what kept modules noted
         if depth:  # a model passed to initialize called inside another one: part of its half graph
             return out
-        if not torch.compiler.is_compiling():  # (in a compiled graph the half copy stays: see KeepForward)
+        # an output of a module kept in FP32 is the model's own: its FP32 values (never noted
+        # in a compiled graph, where the half copy stays: see KeepForward)
+        if not torch.compiler.is_compiling() and _kept_outputs.by_id:
             originals, _kept_outputs.by_id = _kept_outputs.by_id, {}
-            if originals:  # an output of a module kept in FP32 is the model's own: its FP32 values
-                out = map_tensors(out, lambda t: _fp32_original(t, originals))
+            out = map_tensors(out, lambda t: _fp32_original(t, originals))
         return cast_tree(out, self.output_dtype, self.only_low)
 
     def bound_to(self, replica: nn.Module) -> "CastForward":
@@ -225,20 +234,17 @@ class UncastForward(KeepForward):
     Dynamo picks the casts it traces when it traces, not where a module runs."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _bypass.active:
+        if _bypass.active:  # (casts stay on: a shadow sets them itself)
             return self.__wrapped__(*args, **kwargs)
-        args, kwargs = cast_tree(args, _F32, True), cast_tree(kwargs, _F32, True)
-        with disable_casts():
-            out = self.__wrapped__(*args, **kwargs)
-        return out if self.output_dtype is None else self.leave(out)
+        with disable_casts():  # (the casts at entry and exit are Tensor.to, never patched)
+            return KeepForward.__call__(self, *args, **kwargs)
 
 
 def keep_in_fp32(module: nn.Module, patcher, output_dtype: torch.dtype | None, casts_off: bool) -> None:
     """Wrap the forward of a module kept in FP32 (see `KeepForward`; `casts_off`: the session
     patches torch, `UncastForward`), undone by `patcher`."""
     cls = UncastForward if casts_off else KeepForward
-    patcher.patch(module, "forward", cls(module.forward, output_dtype))
-    patcher.patch(module, "_replicate_for_data_parallel", Replicate(module._replicate_for_data_parallel))
+    install_forward(module, cls(module.forward, output_dtype), patcher)
 
 
 class Replicate:

@@ -13,7 +13,7 @@ import difflib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from torch import nn
 
@@ -21,7 +21,7 @@ from . import env
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Kept", "resolve", "outermost", "forced_names", "parse_names", "kept_module_ids", "with_tied"]
+__all__ = ["Kept", "labelled", "resolve", "outermost", "forced_names", "parse_names", "kept_module_ids", "with_tied"]
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,6 @@ class Kept:
     (the name with the model's index in front when there are several models: "1.head";
     what `report()` lists and what `keep_fp32` accepts back), and the module."""
 
-    model: int
-    name: str
-    label: str
-    module: nn.Module
-
-
-class _Entry(NamedTuple):
     model: int
     name: str
     label: str
@@ -68,13 +61,14 @@ def _items(spec: Any) -> list[Any]:
                     f"list of them; got {type(spec).__name__}.")
 
 
-def _entries(models: Sequence[nn.Module]) -> list[_Entry]:
-    """Every module of every model, in `named_modules()` order."""
+def labelled(models: Sequence[nn.Module]) -> list[Kept]:
+    """Every module of every model, in `named_modules()` order, as it would be kept: labelled
+    as `keep_fp32` names it (the one rule for those names; `ampatch diagnose` uses it too)."""
     out = []
     for i, model in enumerate(models):
         for name, m in model.named_modules():
             label = (f"{i}.{name}" if name else str(i)) if len(models) > 1 else name
-            out.append(_Entry(i, name, label, m))
+            out.append(Kept(i, name, label, m))
     return out
 
 
@@ -88,7 +82,7 @@ def _unknown(name: str, labels: list[str], source: str) -> ValueError:
                       "index in front ('1.head').")
 
 
-def _by_name(item: str, entries: list[_Entry], several: bool, source: str) -> list[_Entry]:
+def _by_name(item: str, entries: list[Kept], several: bool, source: str) -> list[Kept]:
     """The module a name selects: its label ("1.head"), or with several models an
     unprefixed name found in exactly one of them."""
     by_label = [e for e in entries if e.label == item]
@@ -124,9 +118,9 @@ def resolve(models: Sequence[nn.Module], spec: Any, forced: Sequence[str] = ()) 
     sources = [(x, "keep_fp32") for x in _items(spec)] + [(n, env.KEEP_FP32) for n in forced]
     if not sources:
         return []
-    entries = _entries(models)
+    entries = labelled(models)
     several = len(models) > 1
-    chosen: dict[int, _Entry] = {}
+    chosen: dict[int, Kept] = {}
     for item, source in sources:
         if isinstance(item, str):
             hits = _by_name(item, entries, several, source)
@@ -143,7 +137,7 @@ def resolve(models: Sequence[nn.Module], spec: Any, forced: Sequence[str] = ()) 
             logger.warning("ampatch: keep_fp32: %s matches no module.", getattr(item, "__name__", repr(item)))
         for e in hits:
             chosen.setdefault(id(e.module), e)
-    return outermost([Kept(*e) for e in entries if chosen.get(id(e.module)) is e])
+    return outermost([e for e in entries if chosen.get(id(e.module)) is e])
 
 
 def outermost(kept: Sequence[Kept]) -> list[Kept]:
@@ -162,7 +156,7 @@ def with_tied(models: Sequence[nn.Module], kept: Sequence[Kept]) -> tuple[list[K
     own (a tied embedding and output layer), in `named_modules()` order; and those added.
     A parameter is FP32 or half everywhere it is used, so where the model is cast to half
     they must be kept too."""
-    entries = _entries(models)
+    entries = labelled(models)
     inside = kept_module_ids(kept)
     params = {id(p) for k in kept for p in k.module.parameters()}
     by_module = {id(k.module): k for k in kept}
@@ -170,7 +164,7 @@ def with_tied(models: Sequence[nn.Module], kept: Sequence[Kept]) -> tuple[list[K
     for e in entries:
         if id(e.module) not in inside and id(e.module) not in by_module \
                 and any(id(p) in params for p in e.module.parameters(recurse=False)):
-            by_module[id(e.module)] = Kept(*e)
+            by_module[id(e.module)] = e
             added.append(by_module[id(e.module)])
     first = {}
     for i, e in enumerate(entries):

@@ -16,7 +16,7 @@ from torch import nn
 
 from . import huggingface
 from .dtypes import LOW
-from .forwards import CastForward, Replicate
+from .forwards import CastForward, install_forward
 
 logger = logging.getLogger("ampatch")
 
@@ -115,11 +115,7 @@ class ModelHandle:
     def _wrap_forward(self, patcher, output_dtype: torch.dtype | None) -> None:
         model = self.model
         inner = model.forward  # bound method (or an instance attribute someone set)
-        patcher.patch(model, "forward", CastForward(inner, self.dtype, output_dtype))
-        # nn.DataParallel copies the instance __dict__ into each replica: give each replica a
-        # forward bound to itself, or every replica would run the original's weights (Apex's
-        # O2 + DataParallel device-mismatch bug).
-        patcher.patch(model, "_replicate_for_data_parallel", Replicate(model._replicate_for_data_parallel))
+        install_forward(model, CastForward(inner, self.dtype, output_dtype), patcher)
         # Hugging Face entry points that reach submodules without passing forward (generate,
         # get_image_features, ...): inputs cast the same way; their calls of forward cast as usual
         for name in huggingface.entry_points(model):

@@ -42,6 +42,10 @@ class Counters:
         self._lock = threading.Lock()
 
     def counter(self, op: str, dtype: str) -> itertools.count:
+        """The counter of (op, dtype), made once: later calls read it without the lock."""
+        found = self._counts.get((op, dtype))
+        if found is not None:
+            return found
         with self._lock:
             return self._counts.setdefault((op, dtype), itertools.count())
 

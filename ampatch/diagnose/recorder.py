@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..dtypes import short_name
+from ..keep import labelled
 from .shadow import Masters, RandomState, is_quiet, run_shadow, upcast
 from .stats import floating_tensors, magnitude, relative_error, underflow_fraction
 
@@ -78,14 +79,10 @@ def module_names(models: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     """(name, module) for every module of `models`, named as `named_modules()` names them;
     with several models prefixed by the model's index ("1.head", the root "1")."""
     out, seen = [], set()
-    for i, model in enumerate(models):
-        for name, m in model.named_modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            if len(models) > 1:
-                name = f"{i}.{name}" if name else str(i)
-            out.append((name, m))
+    for e in labelled(models):  # keep's labels: what diagnose recommends, keep_fp32 accepts
+        if id(e.module) not in seen:
+            seen.add(id(e.module))
+            out.append((e.label, e.module))
     return out
 
 
