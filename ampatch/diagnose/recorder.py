@@ -155,8 +155,13 @@ class Recorder:
     def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self.active or is_quiet():
             return
-        device = next((t.device for t in module.parameters(recurse=True)), None)
-        self._frames.stack.append((id(module), upcast((args, kwargs)), RandomState.capture(device)))
+        in_bad = magnitude(list(floating_tensors((args, kwargs))))[1]  # before the call: in-place ops
+        # an FP32 copy of the inputs (and the random state) only for a call that will get a shadow
+        if self.shadows and in_bad == 0 and self._shadows.get(name, 0) < SHADOWS_PER_STEP:
+            device = next((t.device for t in module.parameters(recurse=True)), None)
+            self._frames.stack.append((id(module), in_bad, upcast((args, kwargs)), RandomState.capture(device)))
+        else:
+            self._frames.stack.append((id(module), in_bad, None, None))
 
     def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self.active or is_quiet():
@@ -166,12 +171,11 @@ class Recorder:
             stack.pop()
         if not stack:
             return
-        _, inputs, rng = stack.pop()
+        _, in_bad, inputs, rng = stack.pop()
         outs = list(floating_tensors(output))
         amax, bad = magnitude(outs)
-        in_bad = magnitude(list(floating_tensors(inputs)))[1]
         rel, failure = None, None
-        if self.shadows and in_bad == 0 and outs and self._shadows.get(name, 0) < SHADOWS_PER_STEP:
+        if inputs is not None and outs:
             self._shadows[name] = self._shadows.get(name, 0) + 1
             try:
                 shadow = run_shadow(module, inputs[0], inputs[1], rng, self.masters)
