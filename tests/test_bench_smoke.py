@@ -19,7 +19,7 @@ BENCH = SCRIPTS / "bench"  # a package, run as a folder
 
 
 def _run(tmp_path: Path, only: str) -> dict:
-    out = tmp_path / "bench.json"
+    out = tmp_path / "out" / "bench.json"  # a folder that does not exist yet, as out/ in a fresh clone
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--only", only, "--json", str(out)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

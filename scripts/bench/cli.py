@@ -8,6 +8,7 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here (torch {torch.__version__}); the CPU sections "
                 "run without --device")
+    if args.json:  # before minutes of measuring: a folder that does not exist yet is made (out/)
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            p.error(f"--json {args.json}: {exc}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     env = Env(torch.device(args.device), half_dtype_for("O1", device, args.dtype), Clock.choose(args.clock, device))
