@@ -465,12 +465,17 @@ def test_run_apex_alias_keeps_or_forces_the_level(tmp_path: Path, forced, shadow
 
 
 def test_readme_commands_run_as_shown(tmp_path: Path) -> None:
-    """The README's "Coming from Apex" commands, and the CLI's usage line, agree."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Coming from Apex"):]
+    """The "Coming from Apex" commands (docs/apex.md, and the one the README shows), and the
+    CLI's usage line, agree."""
+    apex = (ROOT / "docs" / "apex.md").read_text()
+    section = apex[apex.index("# Coming from Apex"):]
     section = section[:section.index("\n## ", 3)]
+    readme = (ROOT / "README.md").read_text()
+    readme_section = readme[readme.index("## Coming from Apex"):]
+    end = readme_section.find("\n## ", 3)
+    readme_section = readme_section[:end if end > 0 else None]
     command = "ampatch run --apex-alias -- python examples/apex_main_amp.py --steps 3"
-    assert command in section
+    assert command in section and command in readme_section
     assert "ampatch run --apex-alias --opt-level O1 -- python" in section
     from ampatch import cli
     usage = cli.build_parser()._subparsers._group_actions[0].choices["run"].format_usage()
