@@ -1,4 +1,5 @@
-"""`amp.init()`, Apex's older O1-only entry point, and the handle it returns.
+"""`apex.amp.handle`: the handle `amp.init()` returns (Apex's `AmpHandle`), `NoOpHandle`, and
+Apex's `scale_loss` / `disable_casts` (ampatch's own, for `from apex.amp.handle import scale_loss`).
 
 `amp.init()` is `amp.initialize([], opt_level="O1")`: torch is patched, no model or optimizer
 yet. The handle is a view of that session: `handle.scale_loss(loss, optimizer)` brings the
@@ -16,15 +17,12 @@ from typing import Any
 
 import torch
 
-import ampatch
-
-from .. import levels
-from ..patching import disable_casts as casts_off
-from ..session import current as _current
+from ...patching import disable_casts as casts_off
+from ...session import current as _current
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Handle", "OptimWrapper", "init"]
+__all__ = ["Handle", "AmpHandle", "NoOpHandle", "scale_loss", "disable_casts"]
 
 
 class Handle:
@@ -51,7 +49,8 @@ class Handle:
     def _deactivate(self) -> None:
         """Undo the session (`amp.deinitialize()`); a no-op once it has ended."""
         if self._session is not None and self._session is _current():
-            ampatch.deinitialize()
+            from ... import deinitialize  # the public API, above this module
+            deinitialize()
 
     def _disable_casts(self) -> contextlib.AbstractContextManager:
         """No casting inside the block (this thread), as `amp.disable_casts()`."""
@@ -73,12 +72,13 @@ class Handle:
             s.add_optimizer(opt)
         return s.scale_loss(loss, optimizer)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> "OptimWrapper":
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> Any:
         """Apex's `OptimWrapper`: `wrapped.scale_loss(loss)` per backward, `wrapped.step()`."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"wrap_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
             raise ValueError(f"num_loss must be a positive int, got {num_loss!r}.")
+        from .opt import OptimWrapper
         return OptimWrapper(self._live("wrap_optimizer"), optimizer, num_loss)
 
     @property
@@ -90,53 +90,20 @@ class Handle:
         return f"<ampatch amp handle ({state})>"
 
 
-class OptimWrapper:
-    """What `handle.wrap_optimizer` returns: one loss scaler per `scale_loss` call of an
-    iteration (up to `num_loss`), and a `step()` skipped when any of them overflowed."""
-
-    def __init__(self, session: Any, optimizer: torch.optim.Optimizer, num_loss: int) -> None:
-        self._session = session
-        self._optimizer = optimizer
-        self._num_loss = num_loss
-        self._loss_idx = 0
-        if session is not None:
-            session.add_optimizer(optimizer, num_losses=num_loss)
-
-    def scale_loss(self, loss: torch.Tensor) -> contextlib.AbstractContextManager:
-        if self._session is None:
-            return contextlib.nullcontext(loss)
-        if self._loss_idx >= self._num_loss:
-            raise RuntimeError(f"wrap_optimizer(optimizer, num_loss={self._num_loss}): scale_loss was called "
-                               f"{self._loss_idx + 1} times before step(); pass num_loss={self._loss_idx + 1}.")
-        loss_id, self._loss_idx = self._loss_idx, self._loss_idx + 1
-        return self._session.scale_loss(loss, self._optimizer, loss_id=loss_id)
-
-    def step(self, closure: Any = None) -> Any:
-        """The optimizer's step (ampatch's patched step skips it after an overflow)."""
-        self._loss_idx = 0
-        return self._optimizer.step() if closure is None else self._optimizer.step(closure)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
-
-    def __repr__(self) -> str:
-        return repr(self._optimizer)
+AmpHandle = Handle  # Apex's class name
 
 
-def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
-         allow_banned: bool = False, patch_type: Any = None) -> Handle:
-    """Apex's old entry point: patch torch as O1 (O4 with `patch_type=torch.bfloat16`, ROCm
-    Apex's keyword) with no models or optimizers, and return a handle over that session."""
-    for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("verbose", verbose)):
-        if not isinstance(value, bool):
-            raise TypeError(f"amp.init({name}=...) must be True or False, got {value!r}.")
-    if not enabled:
-        return Handle(None)
-    if not enable_caching:
-        logger.info("ampatch: amp.init(enable_caching=False): the cast cache stays on (it never serves a stale "
-                    "or no_grad cast); results are the same as without it.")
-    half = levels.parse_dtype(patch_type, "patch_type")
-    level = "O4" if half == torch.bfloat16 else "O1"
-    ampatch.initialize([], opt_level=level, loss_scale=loss_scale, allow_banned=allow_banned,
-                       half_dtype=half if level == "O1" else None, verbosity=2 if verbose else 1)
-    return Handle(_current())
+class NoOpHandle(Handle):
+    """Apex's handle for `enabled=False`: every method does nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+
+def __getattr__(name: str) -> Any:
+    """`scale_loss` and `disable_casts` are ampatch's own (read from the package lazily: it
+    sits above compat)."""
+    if name in ("scale_loss", "disable_casts"):
+        import ampatch
+        return getattr(ampatch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

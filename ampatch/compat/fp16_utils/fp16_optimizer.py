@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from ..optimizer import OptState
-from ..scaler import LossScaler as CoreScaler
-from ..scaler import StateDictKeyError, check_scale_value
+from ...optimizer import OptState
+from ...scaler import LossScaler, StateDictKeyError, check_scale_value
 from .master_wrapper import MasterWeightOptimizer, WrapperOwner
-from .scaler_view import LossScalerView
+from ..amp.scaler import LossScalerView
+from .loss_scaler import apex_scaler
 
 logger = logging.getLogger("ampatch")
 
@@ -29,7 +29,7 @@ DYNAMIC_DEFAULTS = {"init_scale": 2.0 ** 16, "scale_factor": 2.0, "scale_window"
                     "max_loss_scale": 2.0 ** 24}
 
 
-def _dynamic_scaler(args: dict[str, Any] | None) -> CoreScaler:
+def _dynamic_scaler(args: dict[str, Any] | None) -> LossScaler:
     """Apex's `LossScaler("dynamic", **dynamic_loss_args)` (amp's scaler, as Apex's last
     FP16_Optimizer used); `scale_factor` is honoured (Apex's last version fixed it at 2)."""
     args = dict(args or {})
@@ -39,13 +39,12 @@ def _dynamic_scaler(args: dict[str, Any] | None) -> CoreScaler:
                         f"{', '.join(DYNAMIC_DEFAULTS)}.")
     a = {**DYNAMIC_DEFAULTS, **args}
     low = None if a["min_loss_scale"] is None else check_scale_value(a["min_loss_scale"], "min_loss_scale")
-    return CoreScaler("dynamic", min_loss_scale=low,
-                      max_loss_scale=check_scale_value(a["max_loss_scale"], "max_loss_scale"),
-                      growth_interval=a["scale_window"], init_scale=check_scale_value(a["init_scale"], "init_scale"),
-                      growth_factor=a["scale_factor"])
+    return apex_scaler(check_scale_value(a["init_scale"], "init_scale"), dynamic=True,
+                       scale_factor=a["scale_factor"], scale_window=a["scale_window"], min_loss_scale=low,
+                       max_loss_scale=check_scale_value(a["max_loss_scale"], "max_loss_scale"))
 
 
-def _scaler_state(scaler: CoreScaler) -> dict[str, Any]:
+def _scaler_state(scaler: LossScaler) -> dict[str, Any]:
     """The 'loss_scaler' entry of a state dict: plain numbers (Apex pickled its scaler object,
     which `torch.load`'s default `weights_only=True` refuses)."""
     return {**scaler.state_dict(), "dynamic": scaler.dynamic, "scale_window": scaler.growth_interval,
@@ -53,7 +52,7 @@ def _scaler_state(scaler: CoreScaler) -> dict[str, Any]:
             "max_loss_scale": scaler.max_loss_scale}
 
 
-def _scaler_from(state: Any) -> CoreScaler:
+def _scaler_from(state: Any) -> LossScaler:
     """A scaler from `_scaler_state`'s dict, checked."""
     keys = {"loss_scale", "unskipped", "dynamic", "scale_window", "scale_factor", "min_loss_scale", "max_loss_scale"}
     if not isinstance(state, dict) or set(state) != keys:
@@ -65,8 +64,8 @@ def _scaler_from(state: Any) -> CoreScaler:
                                   "min_loss_scale": state["min_loss_scale"],
                                   "max_loss_scale": state["max_loss_scale"]})
     else:
-        scaler = CoreScaler(check_scale_value(state["loss_scale"], "loss_scale"))
-    scaler.scale, scaler.unskipped = CoreScaler.check_state({"loss_scale": state["loss_scale"],
+        scaler = apex_scaler(check_scale_value(state["loss_scale"], "loss_scale"))
+    scaler.scale, scaler.unskipped = LossScaler.check_state({"loss_scale": state["loss_scale"],
                                                              "unskipped": state["unskipped"]})
     return scaler
 
@@ -93,7 +92,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
         if dynamic_loss_scale:
             scaler = _dynamic_scaler(dynamic_loss_args)
         else:
-            scaler = CoreScaler(check_scale_value(static_loss_scale, "static_loss_scale"))
+            scaler = apex_scaler(check_scale_value(static_loss_scale, "static_loss_scale"))
         super().__init__(init_optimizer, scaler)
         self.verbose = verbose
         self.dynamic_loss_scale = dynamic_loss_scale

@@ -10,10 +10,24 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..scaler import USABLE_RANGE, LossScaler as CoreScaler, check_scale_value
-from .kernels import nonfinite
+from ... import scaler as core
+from ...scaler import USABLE_RANGE, check_scale_value
+from ..extensions.kernels import nonfinite
 
-__all__ = ["LossScaler", "DynamicLossScaler", "has_inf_or_nan"]
+__all__ = ["LossScaler", "DynamicLossScaler", "has_inf_or_nan", "apex_scaler"]
+
+
+def apex_scaler(scale: float, dynamic: bool = False, scale_factor: float = 2.0, scale_window: int = 1000,
+                min_loss_scale: float | None = 1.0, max_loss_scale: float = USABLE_RANGE[1]) -> core.LossScaler:
+    """The core loss scaler with the rule of Apex's stand-alone scalers (and both
+    FP16_Optimizers): static at `scale`, or dynamic from `scale`, divided by `scale_factor`
+    on overflow down to `min_loss_scale` (1), multiplied by it after `scale_window` clean
+    iterations, with no ceiling but the usable range. The one place compat builds a core scaler."""
+    scale = check_scale_value(scale, "loss scale")
+    if not dynamic:
+        return core.LossScaler(scale)
+    return core.LossScaler("dynamic", min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                           growth_interval=scale_window, init_scale=scale, growth_factor=scale_factor)
 
 
 def has_inf_or_nan(x: torch.Tensor) -> bool:
@@ -29,7 +43,7 @@ def _grads_overflow(params: Iterable[torch.Tensor]) -> bool:
 class _ScalerBase:
     """What both scalers share: the scale as Apex's `loss_scale` property, `backward`, `scale_gradient`."""
 
-    _core: CoreScaler
+    _core: core.LossScaler
 
     @property
     def loss_scale(self) -> float:
@@ -58,7 +72,7 @@ class LossScaler(_ScalerBase):
     `update_scale` changes nothing, as in Apex."""
 
     def __init__(self, scale: float = 1) -> None:
-        self._core = CoreScaler(check_scale_value(scale, "scale"))
+        self._core = apex_scaler(check_scale_value(scale, "scale"))
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         return False
@@ -83,8 +97,7 @@ class DynamicLossScaler(_ScalerBase):
 
     def __init__(self, init_scale: float = 2 ** 32, scale_factor: float = 2.0, scale_window: int = 1000) -> None:
         init_scale = check_scale_value(init_scale, "init_scale")
-        self._core = CoreScaler("dynamic", min_loss_scale=1.0, max_loss_scale=USABLE_RANGE[1],
-                                growth_interval=scale_window, init_scale=init_scale, growth_factor=scale_factor)
+        self._core = apex_scaler(init_scale, dynamic=True, scale_factor=scale_factor, scale_window=scale_window)
         self.cur_iter = 0
         self.last_overflow_iter = -1
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import optim_kernels as K
-from .kernels import norms, store, total_norm, upcast
-from .optim_base import HALF_AND_FLOAT, ApexOptimizer
+from ..extensions import optim_kernels as K
+from ..extensions.kernels import norms, store, total_norm, upcast
+from .base import HALF_AND_FLOAT, ApexOptimizer
 
 __all__ = ["FusedAdam"]
 

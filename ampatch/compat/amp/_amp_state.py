@@ -9,7 +9,7 @@ Every attribute here reads or writes the live `Session` (no second copy of its s
 the three flags are Apex's process-wide settings, kept in the core's `ampatch.settings`
 (where `initialize` reads them) and read and written through this view. Before `initialize` the view exists and is empty (`loss_scalers == []`).
 
-Under the alias this module is also `apex.amp._amp_state`.
+Under the alias this module is `apex.amp._amp_state`.
 """
 from __future__ import annotations
 
@@ -18,17 +18,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import ampatch
-
-from ..notices import set_verbosity
-from ..optimizer import OptimizerHandle
-from ..scaler import LossScaler
-from ..settings import SETTINGS, Settings
-from .scaler_view import LossScalerView
+from ...notices import set_verbosity
+from ...optimizer import OptimizerHandle
+from ...scaler import LossScaler
+from ...settings import SETTINGS, Settings
+from .scaler import LossScalerView
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["AmpState", "LossScalerView", "PropertiesView", "SessionOwner"]
+__all__ = ["AmpState", "LossScalerView", "PropertiesView", "SessionOwner", "warn_or_err", "maybe_print"]
 
 _SETTABLE = ("hard_override", "allow_incoming_model_not_fp32", "verbosity")
 
@@ -192,8 +190,27 @@ class AmpState:
                 f"allow_incoming_model_not_fp32={self.allow_incoming_model_not_fp32}>")
 
 
+def warn_or_err(msg: str) -> None:
+    """Apex's helper: raise RuntimeError(msg), or only warn with `_amp_state.hard_override`."""
+    if SETTINGS.hard_override:
+        logger.warning("Warning: %s", msg)
+    else:
+        raise RuntimeError(msg)
+
+
+def maybe_print(msg: str, rank0: bool = False) -> None:
+    """Apex's helper: log `msg` when the live session's verbosity is above 0 (rank 0 only with `rank0`)."""
+    import torch.distributed as dist
+    if rank0 and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if SETTINGS.verbosity > 0:
+        logger.info("%s", msg)
+
+
 def __getattr__(name: str) -> Any:
-    """As `apex.amp._amp_state` (the module): its `_amp_state` object and `master_params`."""
+    """As `apex.amp._amp_state` (the module): its `_amp_state` object and `master_params`,
+    ampatch's own (read from the package lazily: it sits above compat)."""
     if name in ("_amp_state", "master_params"):
+        import ampatch
         return getattr(ampatch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,12 +21,12 @@ from typing import Any, Protocol
 
 import torch
 
-from ..optimizer import OptimizerHandle, OptState
-from ..scaler import LossScaler
+from ...optimizer import OptimizerHandle, OptState
+from ... import scaler as core
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["LossScalerView", "ScalerOwner"]
+__all__ = ["LossScaler", "LossScalerView", "ScalerOwner", "scale_check_overflow_python", "axpby_check_overflow_python"]
 
 _READ_ONLY = ("dynamic", "_max_loss_scale", "_min_loss_scale")
 
@@ -43,7 +43,7 @@ class ScalerOwner(Protocol):
     def iteration(self) -> int:
         """The current iteration (for the scale history)."""
 
-    def set_scale(self, scaler: LossScaler, value: Any) -> None:
+    def set_scale(self, scaler: core.LossScaler, value: Any) -> None:
         """Write `value` as the current scale, validated, with this owner's rule for a static scale."""
 
     def describe(self) -> str:
@@ -71,7 +71,7 @@ class LossScalerView:
 
     __slots__ = ("_owner", "_scaler", "_buf", "_own_buf", "_filled", "_pending", "_extra")
 
-    def __init__(self, owner: ScalerOwner, scaler: LossScaler) -> None:
+    def __init__(self, owner: ScalerOwner, scaler: core.LossScaler) -> None:
         object.__setattr__(self, "_owner", owner)
         object.__setattr__(self, "_scaler", scaler)
         object.__setattr__(self, "_buf", None)
@@ -80,7 +80,7 @@ class LossScalerView:
         object.__setattr__(self, "_pending", False)  # `_has_overflow = True` written by the script
         object.__setattr__(self, "_extra", {})
 
-    def _resolved(self) -> LossScaler:
+    def _resolved(self) -> core.LossScaler:
         self._owner.live()
         return self._scaler
 
@@ -231,3 +231,34 @@ class LossScalerView:
         s = self._scaler
         return (f"LossScalerView(loss_scale={s.scale}, dynamic={s.dynamic}, unskipped={s.unskipped}, "
                 f"has_overflow={s.last_overflow}, scale_seq_len={s.growth_interval})")
+
+
+LossScaler = LossScalerView  # Apex's name: the class of `_amp_state.loss_scalers[i]`
+
+
+def _overflowed(grad: torch.Tensor) -> bool:
+    return not bool(torch.isfinite(grad).all())
+
+
+def scale_check_overflow_python(model_grad: torch.Tensor, master_grad: torch.Tensor, scale: float,
+                                check_overflow: bool = False) -> bool | None:
+    """Apex's Python fallback: `master_grad = model_grad * scale` (in place when they are the
+    same tensor); with `check_overflow`, True (and nothing written) if `model_grad` holds an
+    inf or a NaN."""
+    if check_overflow and _overflowed(model_grad):
+        return True
+    if master_grad is not model_grad:
+        master_grad.copy_(model_grad)
+    if scale != 1.0:
+        master_grad.mul_(scale)
+    return False
+
+
+def axpby_check_overflow_python(model_grad: torch.Tensor, stashed_grad: torch.Tensor, master_grad: torch.Tensor,
+                                a: float, b: float, check_overflow: bool = False) -> bool | None:
+    """Apex's Python fallback: `master_grad = a * model_grad + b * stashed_grad`; with
+    `check_overflow`, True (and nothing written) if `model_grad` holds an inf or a NaN."""
+    if check_overflow and _overflowed(model_grad):
+        return True
+    torch.add(model_grad.to(master_grad.dtype) * a, stashed_grad.to(master_grad.dtype), alpha=b, out=master_grad)
+    return False

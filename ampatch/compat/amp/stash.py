@@ -5,9 +5,9 @@ NVIDIA's BERT pretraining steps `all_fp32_from_fp16_params` after its own all-re
 their grads on overflow, and on resume calls `optimizer._lazy_init_maybe_master_weights()`
 and sets `_amp_stash.lazy_init_called = True`. Here the stash is a view of the handle's
 masters (recomputed on each read, no copy), and the lazy init is a no-op: ampatch makes the
-masters at `initialize`. Importing this module registers the attributes with
-`optimizer.EXTRA_ATTRIBUTES`, so every optimizer a session patches from then on has them
-(and loses them when the session ends).
+masters at `initialize`. The core asks `attributes()` for them each time it patches an
+optimizer (a lazy import from the core: compat sits above it), so every optimizer a
+session patches has them, whatever was imported before, and loses them when the session ends.
 """
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ..dtypes import LOW
-from ..optimizer import EXTRA_ATTRIBUTES, OptimizerHandle, OptState
-from . import amp_c
-from .scaler_view import device_of
+from ...dtypes import LOW
+from ...master import split_master_params
+from ...optimizer import OptimizerHandle, OptState
+from .scaler import device_of
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["AmpStash", "install"]
+__all__ = ["AmpStash", "AmpOptimizerState", "attributes", "ATTRIBUTES"]
 
 
 class AmpStash:
@@ -45,24 +45,14 @@ class AmpStash:
         object.__setattr__(self, "_buf", None)
         self.lazy_init_called = True  # ampatch's masters exist from initialize on
         self.already_patched = False
-        self.multi_tensor_scale = amp_c.multi_tensor_scale
-        self.multi_tensor_l2norm = amp_c.multi_tensor_l2norm
+        from ..extensions import amp_C  # the kernels, only when a stash is made
+        self.multi_tensor_scale = amp_C.multi_tensor_scale
+        self.multi_tensor_l2norm = amp_C.multi_tensor_l2norm
 
     def _groups(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
         """Per param group: (half model params with a master, their masters, the other params)."""
         h = self._handle
-        out = []
-        for group in h.optimizer.param_groups:
-            half, masters, own = [], [], []
-            for p in group["params"]:
-                mp = h.masters.model_of.get(id(p))
-                if mp is not None:
-                    half.append(mp)
-                    masters.append(p)
-                else:
-                    own.append(p)
-            out.append((half, masters, own))
-        return out
+        return [split_master_params(group["params"], h.masters.model_of) for group in h.optimizer.param_groups]
 
     @property
     def fp16_groups(self) -> list[list[torch.Tensor]]:
@@ -137,9 +127,13 @@ def _masters_to_model(handle: OptimizerHandle) -> Any:
     return _master_params_to_model_params
 
 
-def install() -> None:
-    """Register the attributes (idempotent)."""
-    EXTRA_ATTRIBUTES.setdefault("_amp_stash", AmpStash)
-    EXTRA_ATTRIBUTES.setdefault("_lazy_init_maybe_master_weights", _lazy_init)
-    EXTRA_ATTRIBUTES.setdefault("_amp_lazy_init", _amp_lazy_init)
-    EXTRA_ATTRIBUTES.setdefault("_master_params_to_model_params", _masters_to_model)
+AmpOptimizerState = AmpStash  # Apex's name for the class of `optimizer._amp_stash`
+
+# The attributes an optimizer a session patches gets: name -> the value for its handle.
+ATTRIBUTES = {"_amp_stash": AmpStash, "_lazy_init_maybe_master_weights": _lazy_init,
+              "_amp_lazy_init": _amp_lazy_init, "_master_params_to_model_params": _masters_to_model}
+
+
+def attributes(handle: OptimizerHandle) -> dict[str, Any]:
+    """Apex's attributes for `handle`'s optimizer (what the core sets when it patches one)."""
+    return {name: make(handle) for name, make in ATTRIBUTES.items()}

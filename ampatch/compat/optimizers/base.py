@@ -5,13 +5,13 @@ copies, for half parameters; torch's would cast them to the parameter's dtype)."
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["ApexOptimizer", "params_list", "HALF_AND_FLOAT"]
+__all__ = ["ApexOptimizer", "params_list", "closure_loss", "HALF_AND_FLOAT"]
 
 # The parameter dtypes Apex's optimizers took (float16, float32), plus bfloat16 (the CPU half).
 HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,3 +76,11 @@ class ApexOptimizer(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if isinstance(value, Tensor) and value.is_floating_point() and key != "step":
                     self.state[p][key] = value.to(device=p.device, copy=True)
+
+
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """What a step's closure returns, computed with gradients enabled (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()

@@ -1,5 +1,5 @@
-"""`apex.multi_tensor_apply` under the alias: Apex's applier, driving the `amp_C` kernels
-that ampatch computes with torch's foreach ops (`ampatch.compat.amp_c`)."""
+"""`apex.multi_tensor_apply.multi_tensor_apply`: Apex's applier, driving the `amp_C` kernels
+that ampatch computes with torch's foreach ops (`ampatch.compat.extensions.amp_C`)."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,13 +1,14 @@
 """`apex.extensions` under the alias, where some Apex versions import their compiled modules
-from: `amp_C` and `apex_C` (ampatch's foreach-op stand-ins). Its other compiled modules fail
-to import with the PyTorch replacement named (`alias.NOT_PROVIDED`)."""
+from: `amp_C` and `apex_C` (ampatch's foreach-op stand-ins), the one place of Apex's compiled
+modules here (top-level `amp_C` / `apex_C` under the alias are these modules too; the kernels
+themselves are in `kernels` and `optim_kernels`). Its other compiled modules fail
+to import with the PyTorch replacement named (`missing.NOT_PROVIDED`)."""
 from __future__ import annotations
 
 from typing import Any
 
-from . import amp_c as amp_C  # noqa: N812 - Apex's module name
-from . import apex_c as apex_C  # noqa: N812 - Apex's module name
-from .alias import NotProvidedError, not_provided_message
+from . import amp_C, apex_C
+from ..missing import NotProvidedError, not_provided_message
 
 __all__ = ["amp_C", "apex_C"]
 __path__: list[str] = []  # a package, so `import apex.extensions.syncbn` reaches the alias's finder

@@ -19,14 +19,13 @@ from typing import Any
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-from ..dtypes import LOW
-from ..master import MASTERS_KEY
-from ..optimizer import HandleContext, OptimizerHandle, OptState
-from ..patching import Patcher
-from ..scaler import LossScaler as CoreScaler
-from ..scaler import Verdict, check_scale_value
-from ..session import current as current_session
-from .stash import AmpStash
+from ...dtypes import LOW
+from ...master import MASTERS_KEY
+from ...optimizer import HandleContext, OptimizerHandle, OptState
+from ...patching import Patcher
+from ...scaler import LossScaler, Verdict, check_scale_value
+from ...session import current as current_session
+from ..amp.stash import AmpStash
 
 logger = logging.getLogger("ampatch")
 
@@ -76,7 +75,7 @@ class WrapperOwner:
     def describe(self) -> str:
         return f"{self._name}.loss_scaler"
 
-    def set_scale(self, scaler: CoreScaler, value: Any) -> None:
+    def set_scale(self, scaler: LossScaler, value: Any) -> None:
         value = check_scale_value(value, "loss_scale")
         scaler.scale = scaler.clamp(value) if scaler.dynamic else value
 
@@ -88,7 +87,7 @@ class MasterWeightOptimizer:
 
     name = "FP16_Optimizer"
 
-    def __init__(self, init_optimizer: torch.optim.Optimizer, scaler: CoreScaler) -> None:
+    def __init__(self, init_optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"{self.name} wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}.")
         for group in init_optimizer.param_groups:

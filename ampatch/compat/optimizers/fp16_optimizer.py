@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from ..scaler import USABLE_RANGE, StateDictKeyError, check_scale_value
-from ..scaler import LossScaler as CoreScaler
-from .master_wrapper import MasterWeightOptimizer
+from ...scaler import StateDictKeyError, check_scale_value
+from ..fp16_utils.loss_scaler import apex_scaler
+from ..fp16_utils.master_wrapper import MasterWeightOptimizer
 
 logger = logging.getLogger("ampatch")
 
@@ -43,10 +43,9 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
         if dynamic_loss_scale:
             if dynamic_loss_args is not None:
                 raise SystemError("Do not support dynamic loss scale args for now.")  # Apex's words
-            scaler = CoreScaler("dynamic", min_loss_scale=1.0, max_loss_scale=USABLE_RANGE[1],
-                                growth_interval=SCALE_WINDOW, init_scale=INIT_SCALE, growth_factor=SCALE_FACTOR)
+            scaler = apex_scaler(INIT_SCALE, dynamic=True, scale_factor=SCALE_FACTOR, scale_window=SCALE_WINDOW)
         else:
-            scaler = CoreScaler(check_scale_value(static_loss_scale, "static_loss_scale"))
+            scaler = apex_scaler(check_scale_value(static_loss_scale, "static_loss_scale"))
         super().__init__(init_optimizer, scaler)
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         self.verbose = verbose
@@ -122,13 +121,12 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
             raise ValueError(f"FP16_Optimizer.load_state_dict: cur_iter must be a non-negative int, got {cur_iter!r}.")
         scale = check_scale_value(state_dict["cur_scale"], "cur_scale")
         if dynamic:
-            scaler = CoreScaler("dynamic", min_loss_scale=1.0, max_loss_scale=USABLE_RANGE[1],
-                                growth_interval=state_dict["scale_window"], init_scale=scale,
-                                growth_factor=state_dict["scale_factor"])
+            scaler = apex_scaler(scale, dynamic=True, scale_factor=state_dict["scale_factor"],
+                                 scale_window=state_dict["scale_window"])
             last = int(state_dict["last_overflow_iter"])
             scaler.unskipped = (cur_iter - last - 1) % scaler.growth_interval  # Apex's cur_iter rule, as a count
         else:
-            scaler = CoreScaler(scale)
+            scaler = apex_scaler(scale)
         scaler.scale = scale
         load_masters = self._load_masters(state_dict["fp32_groups_flat"], "fp32_groups_flat", flat=True)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])  # torch checks before it loads

@@ -1,12 +1,4 @@
-"""`apex.fp16_utils` under the alias: Apex's manual mixed-precision helpers.
-
-`to_python_float`, `network_to_half`, `BN_convert_float`, `tofp16`, `convert_module`,
-`convert_network`, `FP16Model`, `FP16_Module`, `fp32_to_fp16`, `fp16_to_fp32`,
-`prep_param_lists`, `model_grads_to_master_grads` and `master_params_to_model_params` behave as
-in Apex (the copies use torch's foreach ops). `FP16_Optimizer` (`fp16_optimizer`) and the
-stand-alone `LossScaler`/`DynamicLossScaler` (`loss_scalers`) are thin layers over ampatch's
-master weights and loss scaler. `Fused_Weight_Norm` (a CUDA kernel) is not provided.
-"""
+"""`apex.fp16_utils.fp16util`: Apex's manual mixed-precision helpers (see the package)."""
 from __future__ import annotations
 
 from typing import Any
@@ -15,14 +7,12 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .alias import not_provided_class
-from .fp16_optimizer import FP16_Optimizer
-from .loss_scalers import DynamicLossScaler, LossScaler
+from ...tree import map_tensors
+from ..missing import not_provided_class
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
            "FP16Model", "FP16_Module", "fp32_to_fp16", "fp16_to_fp32", "prep_param_lists",
-           "model_grads_to_master_grads", "master_params_to_model_params", "clip_grad_norm", "FP16_Optimizer",
-           "LossScaler", "DynamicLossScaler", "Fused_Weight_Norm"]
+           "model_grads_to_master_grads", "master_params_to_model_params", "clip_grad_norm", "Fused_Weight_Norm"]
 
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
@@ -82,13 +72,8 @@ class FP16Model(nn.Module):
 
 
 def _convert(value: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
-    """`value` (nested in lists/tuples) with its tensors of a `source` dtype in `target`."""
-    if isinstance(value, (list, tuple)):
-        out = [_convert(v, source, target) for v in value]
-        return tuple(out) if isinstance(value, tuple) else out
-    if isinstance(value, torch.Tensor) and value.dtype in source:
-        return value.to(target)
-    return value
+    """`value` (tensors nested in lists/tuples/dicts) with its tensors of a `source` dtype in `target`."""
+    return map_tensors(value, lambda t: t.to(target) if t.dtype in source else t)
 
 
 def fp32_to_fp16(value: Any) -> Any:
