@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..extensions import optim_kernels as K
-from ..extensions.kernels import multi_tensor_l2norm, multi_tensor_l2norm_mp
+from ..extensions.kernels import multi_tensor_l2norm_mp
 from .base import ApexOptimizer
 
 __all__ = ["FusedMixedPrecisionLamb"]

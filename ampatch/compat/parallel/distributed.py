@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..extensions.apex_C import flatten, unflatten
+from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DistributedDataParallel", "ApexAllreduce", "apex_allreduce_hook", "flatten", "unflatten",
            "apply_flat_dist_call", "split_half_float_double", "split_by_type", "flat_dist_call", "extract_tensors",
