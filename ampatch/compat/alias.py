@@ -126,12 +126,15 @@ def _probe_placeholder(fullname: str) -> types.ModuleType:
     return module
 
 
+def _is_placeholder(module: Any) -> bool:
+    return getattr(module, "__dict__", {}).get(_PROBE_FLAG) is True  # no getattr: modules may answer anything
+
+
 def _drop_placeholders() -> None:
-    for name in [n for n, m in sys.modules.items() if getattr(m, _PROBE_FLAG, False) is True]:
+    for name in [n for n, m in list(sys.modules.items()) if _is_placeholder(m)]:
         del sys.modules[name]
         parent, _, child = name.rpartition(".")
-        if getattr(sys.modules.get(parent), child, None) is not None and \
-                getattr(getattr(sys.modules[parent], child), _PROBE_FLAG, False) is True:
+        if _is_placeholder(getattr(sys.modules.get(parent), "__dict__", {}).get(child)):
             delattr(sys.modules[parent], child)
 
 

@@ -12,7 +12,8 @@ from ..missing import not_provided_class
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
            "FP16Model", "FP16_Module", "fp32_to_fp16", "fp16_to_fp32", "prep_param_lists",
-           "model_grads_to_master_grads", "master_params_to_model_params", "clip_grad_norm", "Fused_Weight_Norm"]
+           "model_grads_to_master_grads", "master_params_to_model_params", "clip_grad_norm", "Fused_Weight_Norm",
+           "backwards_debug_hook"]
 
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
@@ -144,3 +145,9 @@ def master_params_to_model_params(model_params: list[torch.Tensor], master_param
 Fused_Weight_Norm = not_provided_class(  # noqa: N816 - Apex's name
     "Fused_Weight_Norm", __name__, "apex.fp16_utils.Fused_Weight_Norm is a CUDA kernel ampatch does not provide; use "
     "torch.nn.utils.parametrizations.weight_norm.")
+
+
+def backwards_debug_hook(grad: torch.Tensor) -> None:
+    """Apex's debugging hook for FP32 masters: a gradient reaching one is a bug (it raises)."""
+    raise RuntimeError("master_params received a gradient in the backward pass: the FP32 masters should get their "
+                       "gradients copied from the model (model_grads_to_master_grads), not from autograd.")

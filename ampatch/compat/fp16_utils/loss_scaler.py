@@ -13,8 +13,9 @@ from torch import nn
 from ... import scaler as core
 from ...scaler import USABLE_RANGE, check_scale_value
 from ..extensions.kernels import nonfinite
+from .fp16util import to_python_float
 
-__all__ = ["LossScaler", "DynamicLossScaler", "has_inf_or_nan", "apex_scaler"]
+__all__ = ["LossScaler", "DynamicLossScaler", "has_inf_or_nan", "apex_scaler", "to_python_float"]
 
 
 def apex_scaler(scale: float, dynamic: bool = False, scale_factor: float = 2.0, scale_window: int = 1000,

@@ -30,7 +30,9 @@ from .sync_batchnorm import SyncBatchNorm
 __all__ = ["DistributedDataParallel", "Reducer", "SyncBatchNorm", "convert_syncbn_model",
            "create_syncbn_process_group", "LARC", "ApexAllreduce", "apex_allreduce_hook", "flat_dist_call",
            "apply_flat_dist_call", "split_by_type", "split_half_float_double", "extract_tensors", "flatten",
-           "unflatten"]
+           "unflatten", "ReduceOp"]
+
+ReduceOp = dist.ReduceOp  # Apex re-exported torch's
 
 
 def convert_syncbn_model(module: nn.Module, process_group: Any = None, channel_last: bool = False) -> nn.Module:
