@@ -3,7 +3,7 @@
 Real Apex scripts read and write a few of its attributes: the starting loss scale
 (`loss_scalers[0]._loss_scale = 2**20`), the current scale for logging, the growth interval
 (`_scale_seq_len`), `update_scale()` after an all-reduce of their own (see
-`scaler_view.LossScalerView`), `opt_properties`, `handle._deactivate()`, and the flags
+`scaler.LossScalerView`), `opt_properties`, `handle._deactivate()`, and the flags
 `allow_incoming_model_not_fp32` and `hard_override`.
 Every attribute here reads or writes the live `Session` (no second copy of its state);
 the three flags are Apex's process-wide settings, kept in the core's `ampatch.settings`

@@ -1,5 +1,5 @@
 """What Apex's two FP16_Optimizers share (`apex.fp16_utils.FP16_Optimizer` in
-`fp16_optimizer`, `apex.optimizers.FP16_Optimizer` in `fused_fp16_optimizer`), over ampatch's
+`fp16_optimizer`, `apex.optimizers.FP16_Optimizer` in `optimizers.fp16_optimizer`), over ampatch's
 own machinery and with no session: the wrapped optimizer's FP32 masters, the unscale into them
 with the inf/NaN check, the skipped step and the copy back into the half model are an
 `optimizer.OptimizerHandle`; the scale rule is a `scaler.LossScaler` (settled by a
