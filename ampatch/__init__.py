@@ -227,7 +227,7 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     """Apex's older O1-only entry point: patch torch (no models or optimizers yet) and return
     a handle with `scale_loss(loss, optimizer)`, `wrap_optimizer`, `disable_casts`,
     `is_active` and `_deactivate`. `initialize` is the API to use."""
-    from .compat.handle import init as apex_init
+    from .compat import init as apex_init
     return apex_init(enabled, loss_scale, enable_caching, verbose, allow_banned, patch_type)
 
 

@@ -10,7 +10,7 @@ move is `optimizer.OptimizerHandle`'s job.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +86,22 @@ def check_one_master_each(optimizers: Sequence[torch.optim.Optimizer], ids: set[
                         f"a parameter of shape {tuple(p.shape)} is in optimizers[{owner[id(p)]}] and "
                         f"optimizers[{i}]; with FP32 master weights (O2/O5) each half parameter must belong to "
                         "one optimizer (give it to one of them, or use O1).")
+
+
+def split_master_params(params: Iterable[torch.Tensor], model_of: dict[int, torch.Tensor]
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """`params` (what an optimizer steps) split in order into (the half model params that have
+    an FP32 master, those masters, the params that are their own master); `model_of` maps
+    id(master) -> model param (`Masters.model_of`)."""
+    half, masters, own = [], [], []
+    for p in params:
+        mp = model_of.get(id(p))
+        if mp is not None:
+            half.append(mp)
+            masters.append(p)
+        else:
+            own.append(p)
+    return half, masters, own
 
 
 class Masters:

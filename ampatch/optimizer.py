@@ -53,9 +53,6 @@ logger = logging.getLogger("ampatch")
 
 SKIP_WARNING_AFTER = 50  # skipped steps in a row before the first warning (then 100, 200, ...)
 PATCHED = ("step", "zero_grad", "add_param_group", "state_dict", "load_state_dict")
-# Extra attributes `install` sets on the optimizer (removed again with its patches): name ->
-# the value for a handle. ampatch.compat registers Apex's `_amp_stash` view here on import.
-EXTRA_ATTRIBUTES: dict[str, Callable[["OptimizerHandle"], Any]] = {}
 
 
 class OptState(Enum):
@@ -295,9 +292,8 @@ class OptimizerHandle:
                 # the patched step calls that wrapper, so the scheduler must not think it was replaced
                 method._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             patcher.patch(opt, name, types.MethodType(method, opt))
-        for name, make in EXTRA_ATTRIBUTES.items():
+        for name, value in apex_attributes(self).items():
             if not hasattr(opt, name):
-                value = make(self)
                 setattr(opt, name, value)
                 patcher.on_restore(functools.partial(_drop_attribute, opt, name, value))
 
@@ -428,8 +424,16 @@ class OptimizerHandle:
         self.masters.resync_from_model(incoming, params)
 
 
+def apex_attributes(handle: OptimizerHandle) -> dict[str, Any]:
+    """The attributes Apex hung on an optimizer (`_amp_stash`, ...), which `install` sets
+    (removed again with its patches). From ampatch.compat, imported here at call time: compat
+    sits above the core, and the attributes must not depend on whether it was imported."""
+    from .compat.amp.stash import attributes
+    return attributes(handle)
+
+
 def _drop_attribute(owner: Any, name: str, value: Any) -> None:
-    """Remove an `EXTRA_ATTRIBUTES` entry from `owner`, unless someone replaced it since."""
+    """Remove an `apex_attributes` entry from `owner`, unless someone replaced it since."""
     if vars(owner).get(name) is value:
         delattr(owner, name)
 

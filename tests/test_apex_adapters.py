@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.compat import fp16_utils, larc, multi_tensor_apply, normalization, optimizers, parallel
+from ampatch.compat import fp16_utils, multi_tensor_apply, normalization, optimizers, parallel
+from ampatch.compat.parallel import LARC as larc
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HALVES = pytest.mark.parametrize("half", [F16, BF16], ids=["fp16", "bf16"])

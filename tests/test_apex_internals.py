@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.compat import amp_c, apex_c, optimizers
+from ampatch.compat import optimizers
+from ampatch.compat.extensions import amp_C as amp_c, apex_C as apex_c
 
 F32, F16 = torch.float32, torch.float16
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ampatch import compat
-from ampatch.compat import amp_c, apex_c, kernels
+from ampatch.compat.extensions import amp_C as amp_c, apex_C as apex_c, kernels
 from ampatch.compat.multi_tensor_apply import MultiTensorApply, multi_tensor_applier as applier
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -273,7 +273,7 @@ def test_apex_c_flatten_unflatten() -> None:
 
 
 def test_kernels_without_an_equivalent_raise_when_called_and_bad_lists_are_refused() -> None:
-    from ampatch.compat.amp_c import multi_tensor_lans  # importable
+    from ampatch.compat.extensions.amp_C import multi_tensor_lans  # importable
 
     with pytest.raises(NotImplementedError, match="amp_C.multi_tensor_lans"):
         multi_tensor_lans(2048, _flag(), [[torch.ones(1)]])

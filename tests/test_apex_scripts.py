@@ -45,7 +45,7 @@ def _is_package_available(name: str) -> bool:
 def test_the_alias_looks_installed_to_importlib(installed) -> None:
     spec = importlib.util.find_spec("apex")
     assert spec is not None and spec.name == "apex" and spec.submodule_search_locations == []
-    for name in [*alias.PROVIDED, *alias.EXTENSION_MODULES]:
+    for name in [*alias.provided_modules(), *alias.EXTENSION_MODULES]:
         assert sys.modules[name].__spec__ is not None, name
         assert importlib.util.find_spec(name) is not None, name
     assert importlib.metadata.version("apex") == alias.APEX_VERSION

@@ -1,31 +1,30 @@
-"""Apex compatibility, apart from the core.
+"""Apex compatibility, apart from the core, shaped like Apex itself: `apex.X.Y` is
+`ampatch.compat.X.Y` (file `ampatch/compat/X/Y.py`), and `apex.amp` is ampatch.
 
-- `alias`: `install_apex_alias()` makes `from apex import amp` load ampatch (and `apex.parallel`,
-  `apex.optimizers`, ... the adapters below); what ampatch does not provide fails to import
-  with the PyTorch replacement in the message.
-- `state`: `amp._amp_state`, a view of the live session with the attributes real scripts touch;
-  its loss scalers are `scaler_view.LossScalerView`s, and `stash` gives each optimizer an amp
-  session patches Apex's `_amp_stash` (registered when this package is imported).
-- `handle`: `amp.init()`, Apex's older O1-only entry point, and its handle.
-- one module per Apex package it stands in for, each a thin layer over PyTorch with Apex's
-  names and keyword arguments: `parallel` (+ `larc`, `flat_dist`), `optimizers` (+ `adam`,
-  `lamb`, `optim_base`, `fused_fp16_optimizer`), `normalization`, `fp16_utils` (+
-  `fp16_optimizer`, `master_wrapper`, `loss_scalers`), `multi_tensor_apply`, and `testing`
-  (what Apex's own tests import).
-- Apex's compiled modules: `amp_c` (`amp_C`: the multi-tensor kernels of `kernels` and
-  `optim_kernels`, on torch's foreach ops), `apex_c` (`apex_C`), `extensions`
-  (`apex.extensions`).
+- `alias`: `install_apex_alias()` makes `from apex import amp` load ampatch and every other
+  `apex.X.Y` of Apex's `amp`, `optimizers`, `fp16_utils`, `parallel`, `normalization`,
+  `multi_tensor_apply` packages the module here, by that rule; `missing` says what ampatch
+  does not provide (`apex.contrib`, ...) and what replaces it.
+- `amp/`: Apex's amp modules (`_amp_state`, `handle`, `opt`, `amp`, `frontend`, `scaler`,
+  `lists/`, `utils`, `wrap`, ...); `amp.stash` gives each optimizer a session patches
+  Apex's `_amp_stash` (the core asks it for the attributes when it patches an optimizer).
+- `optimizers/`, `fp16_utils/`, `parallel/`, `normalization/`, `multi_tensor_apply/`: thin
+  layers over PyTorch with Apex's names and keyword arguments, one module per Apex module.
+- `extensions/`: the one place of Apex's compiled modules, `amp_C` (the multi-tensor kernels
+  of `kernels` and `optim_kernels`, on torch's foreach ops) and `apex_C`.
+- `testing/`: what Apex's own tests import.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from .alias import NotProvidedError, apex_alias_installed, install_apex_alias, uninstall_apex_alias
-from .handle import Handle, OptimWrapper, init
-from .state import AmpState
-from . import stash
-
-stash.install()
+from .alias import apex_alias_installed, install_apex_alias, uninstall_apex_alias
+from .amp._amp_state import AmpState
+from .amp.amp import init
+from .amp.handle import Handle
+from .amp.opt import OptimWrapper
+from .missing import NotProvidedError
 
 __all__ = ["install_apex_alias", "uninstall_apex_alias", "apex_alias_installed", "legacy_attribute",
            "AmpState", "Handle", "OptimWrapper", "init", "NotProvidedError"]
@@ -44,8 +43,13 @@ _LEGACY = {
 
 
 def legacy_attribute(name: str) -> Any:
-    """For `ampatch.__getattr__`: raise AttributeError, with the ampatch way when `name` is
-    an Apex `amp` name that ampatch does not have."""
+    """For `ampatch.__getattr__`: under the alias, Apex's amp submodule `name` (`from apex.amp
+    import lists` reads an attribute of ampatch, which is `apex.amp`); otherwise raise
+    AttributeError, with the ampatch way when `name` is an Apex `amp` name ampatch does not have."""
+    if apex_alias_installed() and not name.startswith("__"):
+        module = sys.modules.get(f"apex.amp.{name}")
+        if module is not None:
+            return module
     hint = _LEGACY.get(name)
     if hint is None:
         raise AttributeError(f"module 'ampatch' has no attribute {name!r}")

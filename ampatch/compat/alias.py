@@ -1,14 +1,15 @@
 """The `apex` import alias: `from apex import amp` loads ampatch, for scripts that cannot be
 edited (`ampatch run --apex-alias` installs it from a `sitecustomize`).
 
-Under the alias `apex.amp` is ampatch itself, and `apex.parallel`, `apex.optimizers`,
-`apex.normalization`, `apex.fp16_utils`, `apex.multi_tensor_apply` (and `apex.testing`, which
-Apex's own tests import) are ampatch's thin adapters over PyTorch; Apex's compiled `amp_C` and
-`apex_C` are its foreach-op stand-ins (also as `apex.extensions.amp_C`). Everything else of
-Apex (`apex.contrib`, its other CUDA extensions, ...) fails to import with an `ImportError`
-that says ampatch does not provide it and names the PyTorch replacement; the message survives
-`from X import Y`, which swallows a `ModuleNotFoundError` for the name it asked for. Nothing is
-installed when a real `apex` is importable: that one wins.
+The alias is a rule, not a table: `apex.amp` is ampatch itself, and every other `apex.X.Y`
+of the packages in `PACKAGES` is the module `ampatch.compat.X.Y` (file
+`ampatch/compat/X/Y.py`); Apex's compiled top-level `amp_C` and `apex_C` are
+`ampatch.compat.extensions.amp_C` / `apex_C`. `install_apex_alias` registers all of them at
+once (so that `apex.amp`'s submodules never become attributes of ampatch), and a finder
+answers the rest: a name the rule does not reach fails with an `ImportError` that says
+ampatch does not provide it and names the PyTorch replacement (`missing`), and
+`importlib.util.find_spec` of such a name returns None (code that probes reads a raise as
+"broken"). Nothing is installed when a real `apex` is importable: that one wins.
 
 The alias looks installed to libraries that probe for Apex: `apex` has a module spec
 (`importlib.util.find_spec("apex")`), and `importlib.metadata.version("apex")` answers
@@ -22,6 +23,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import logging
+import pkgutil
 import sys
 import types
 import warnings
@@ -29,102 +31,62 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .missing import EXTENSIONS, NotProvidedError, not_provided_message
+
 logger = logging.getLogger("ampatch")
 
+__all__ = ["install_apex_alias", "uninstall_apex_alias", "apex_alias_installed", "target_of", "provided_modules",
+           "PACKAGES", "EXTENSION_MODULES", "APEX_VERSION"]
+
 _ALIAS_FLAG = "__ampatch_alias__"
-_README = "see 'Coming from Apex' in ampatch's README"
+_PROBE_FLAG = "__ampatch_probe__"
 # What importlib.metadata.version("apex") answers under the alias: Apex's own version number
 # (its setup.py said 0.1 to the end), marked as ampatch's stand-in.
 APEX_VERSION = "0.1+ampatch"
-
-# Apex module -> the ampatch module that stands in for it under the alias.
-PROVIDED = {
-    "apex.amp": "ampatch",
-    "apex.amp._amp_state": "ampatch.compat.state",
-    "apex.parallel": "ampatch.compat.parallel",
-    "apex.parallel.LARC": "ampatch.compat.larc",
-    "apex.optimizers": "ampatch.compat.optimizers",
-    "apex.normalization": "ampatch.compat.normalization",
-    "apex.fp16_utils": "ampatch.compat.fp16_utils",
-    "apex.multi_tensor_apply": "ampatch.compat.multi_tensor_apply",
-    "apex.testing": "ampatch.compat.testing",
-    "apex.testing.common_utils": "ampatch.compat.testing",
-    # Apex's own module names inside those packages, which some scripts import from
-    "apex.parallel.distributed": "ampatch.compat.parallel",
-    "apex.parallel.sync_batchnorm": "ampatch.compat.parallel",
-    "apex.parallel.optimized_sync_batchnorm": "ampatch.compat.parallel",
-    "apex.optimizers.fused_adam": "ampatch.compat.optimizers",
-    "apex.optimizers.fused_sgd": "ampatch.compat.optimizers",
-    "apex.optimizers.fused_adagrad": "ampatch.compat.optimizers",
-    "apex.optimizers.fused_lamb": "ampatch.compat.optimizers",
-    "apex.optimizers.fused_novograd": "ampatch.compat.optimizers",
-    "apex.optimizers.fp16_optimizer": "ampatch.compat.optimizers",
-    "apex.normalization.fused_layer_norm": "ampatch.compat.normalization",
-    "apex.fp16_utils.fp16util": "ampatch.compat.fp16_utils",
-    "apex.fp16_utils.fp16_optimizer": "ampatch.compat.fp16_utils",
-    "apex.fp16_utils.loss_scaler": "ampatch.compat.fp16_utils",
-    "apex.multi_tensor_apply.multi_tensor_apply": "ampatch.compat.multi_tensor_apply",
-    # where some Apex versions import their compiled modules from
-    "apex.extensions": "ampatch.compat.extensions",
-    "apex.extensions.amp_C": "ampatch.compat.amp_c",
-    "apex.extensions.apex_C": "ampatch.compat.apex_c",
-}
+# Apex's packages that ampatch.compat mirrors: apex.X.Y is ampatch.compat.X.Y ("testing" is
+# what Apex's own tests import; "extensions" is where some Apex versions put amp_C/apex_C).
+PACKAGES = ("amp", "optimizers", "fp16_utils", "parallel", "normalization", "multi_tensor_apply", "extensions",
+            "testing")
 # Apex's compiled top-level modules that ampatch stands in for (unless a real one is importable).
-EXTENSION_MODULES = {"amp_C": "ampatch.compat.amp_c", "apex_C": "ampatch.compat.apex_c"}
-
-# What ampatch does not provide, and what replaces it in PyTorch (most specific prefix wins).
-NOT_PROVIDED = {
-    "apex.amp": "Apex's amp internals are not provided; `from apex import amp` gives ampatch's public API "
-                f"(initialize, scale_loss, _amp_state, init, ...), {_README}",
-    "apex.contrib": "use PyTorch's own: torch.nn.functional.scaled_dot_product_attention (fmha, multihead_attn), "
-                    "torch.optim with fused=True (contrib optimizers), "
-                    "torch.distributed.optim.ZeroRedundancyOptimizer (DistributedFusedAdam/LAMB), "
-                    "torch.nn.functional.cross_entropy(label_smoothing=...) (xentropy), "
-                    "torch.nn.GroupNorm / torch.nn.SyncBatchNorm (group_norm, groupbn)",
-    "apex.transformer": "use torch.distributed.tensor (tensor parallelism) or Megatron-Core",
-    "apex.mlp": "use torch.nn.Sequential of torch.nn.Linear layers",
-    "apex.fused_dense": "use torch.nn.Linear (torch.compile fuses the bias and activation)",
-    "apex.extensions": "of Apex's compiled extensions only amp_C and apex_C are provided; use torch._foreach_* ops and "
-                       "torch.optim's fused=True / foreach=True",
-    "apex": f"only apex.amp, apex.parallel, apex.optimizers, apex.normalization, apex.fp16_utils, "
-            f"apex.multi_tensor_apply and the amp_C/apex_C kernels are provided, {_README}",
-}
-_KERNELS = "Apex's compiled CUDA kernels are not provided (amp_C and apex_C are); "
-EXTENSIONS = {
-    "syncbn": _KERNELS + "use torch.nn.SyncBatchNorm",
-    "fused_layer_norm_cuda": _KERNELS + "use torch.nn.functional.layer_norm / rms_norm",
-    "fused_adam_cuda": _KERNELS + "use torch.optim.AdamW(fused=True)",
-    "fused_lamb_cuda": _KERNELS + "PyTorch has no LAMB; use torch.optim.AdamW(fused=True)",
-    "mlp_cuda": _KERNELS + "use torch.nn.Linear layers",
-    "fused_dense_cuda": _KERNELS + "use torch.nn.Linear",
-    "xentropy_cuda": _KERNELS + "use torch.nn.functional.cross_entropy(label_smoothing=...)",
-    "scaled_masked_softmax_cuda": _KERNELS + "use torch.nn.functional.scaled_dot_product_attention",
-    "scaled_upper_triang_masked_softmax_cuda": _KERNELS + "use torch.nn.functional.scaled_dot_product_attention",
-}
+EXTENSION_MODULES = ("amp_C", "apex_C")
 
 
-class NotProvidedError(ImportError):
-    """An Apex module ampatch does not provide. An `ImportError`, deliberately not a
-    `ModuleNotFoundError`: `from apex import contrib` would swallow that one and replace
-    the message by a bare "cannot import name"."""
+def target_of(fullname: str) -> str | None:
+    """The ampatch module that stands in for Apex's `fullname` by the rule, or None when
+    the rule does not reach it (whether that module exists is another question)."""
+    if fullname == "apex.amp":
+        return "ampatch"
+    if fullname in EXTENSION_MODULES:
+        return f"ampatch.compat.extensions.{fullname}"
+    head, _, rest = fullname.partition(".")
+    if head == "apex" and rest.split(".")[0] in PACKAGES:
+        return f"ampatch.compat.{rest}"
+    return None
 
 
-def not_provided_class(name: str, module: str, message: str, base: type = object) -> type:
-    """A stand-in for an Apex class ampatch does not provide: it imports fine (scripts import
-    Apex's names unconditionally) and constructing it raises NotImplementedError(message)."""
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(message)
-    return type(name, (base,), {"__init__": __init__, "__module__": module, "__doc__": f"Not provided: {message}"})
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
-def not_provided_message(fullname: str) -> str:
-    """Why `fullname` cannot be imported under the alias, with the PyTorch replacement."""
-    if fullname in EXTENSIONS:
-        return (f"ampatch does not provide {fullname!r} ('apex' here is ampatch's alias, "
-                f"ampatch.compat.install_apex_alias): {EXTENSIONS[fullname]}.")
-    prefix = max((p for p in NOT_PROVIDED if fullname == p or fullname.startswith(p + ".")), key=len)
-    return (f"ampatch does not provide {fullname!r} ('apex' here is ampatch's alias for Apex, "
-            f"ampatch.compat.install_apex_alias): {NOT_PROVIDED[prefix]}.")
+def _public_walk(package: types.ModuleType) -> Iterator[str]:
+    """The names of `package`'s modules, recursively (packages before their children)."""
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        yield info.name
+
+
+def provided_modules() -> dict[str, str]:
+    """Every Apex module the alias provides -> the ampatch module behind it, parents first."""
+    out = {"apex.amp": "ampatch"}
+    for name in PACKAGES:
+        package = importlib.import_module(f"ampatch.compat.{name}")
+        if name != "amp":
+            out[f"apex.{name}"] = package.__name__
+        for module in _public_walk(package):
+            out["apex." + module.removeprefix("ampatch.compat.")] = module
+    return out
 
 
 class _AliasDistribution(importlib.metadata.Distribution):
@@ -140,32 +102,87 @@ class _AliasDistribution(importlib.metadata.Distribution):
         return Path(__file__).resolve().parent / str(path)
 
 
-class _ApexFinder(importlib.abc.MetaPathFinder):
-    """Answers imports of the Apex modules ampatch does not provide with a clear error, and
-    importlib.metadata's question for the `apex` distribution with the alias's."""
+class _AliasLoader(importlib.abc.Loader):
+    """The loader in an alias module's spec: the module is `target` (already built by ampatch),
+    or, with no target, `module` itself (the `apex` package); loading again does nothing."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
-        if fullname.startswith("apex."):
-            raise NotProvidedError(not_provided_message(fullname), name=fullname)
-        if fullname in EXTENSIONS and importlib.machinery.PathFinder.find_spec(fullname) is None:
-            raise NotProvidedError(not_provided_message(fullname), name=fullname)
+    def __init__(self, target: str | None = None, module: types.ModuleType | None = None) -> None:
+        self.target = target
+        self.module = module
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return importlib.import_module(self.target) if self.target else self.module
+
+    def exec_module(self, module: types.ModuleType) -> None:
         return None
+
+
+def _probe_placeholder(fullname: str) -> types.ModuleType:
+    """A package standing in for a not-provided parent while `importlib.util.find_spec` probes
+    one of its children (removed again before find_spec returns)."""
+    module = types.ModuleType(fullname, "ampatch: a placeholder while importlib.util.find_spec probes")
+    module.__path__ = []
+    setattr(module, _PROBE_FLAG, True)
+    return module
+
+
+def _is_placeholder(module: Any) -> bool:
+    return getattr(module, "__dict__", {}).get(_PROBE_FLAG) is True  # no getattr: modules may answer anything
+
+
+def _drop_placeholders() -> None:
+    for name in [n for n, m in list(sys.modules.items()) if _is_placeholder(m)]:
+        del sys.modules[name]
+        parent, _, child = name.rpartition(".")
+        if _is_placeholder(getattr(sys.modules.get(parent), "__dict__", {}).get(child)):
+            delattr(sys.modules[parent], child)
+
+
+_FIND_SPEC_CODE = importlib.util.find_spec.__code__
+
+
+def _probed_name() -> str | None:
+    """The name `importlib.util.find_spec` was asked for, when it is the caller (a probe)."""
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return None
+        if frame.f_code is _FIND_SPEC_CODE:
+            return frame.f_locals.get("fullname") or frame.f_locals.get("name")
+        frame = frame.f_back
+    return None
+
+
+class _ApexFinder(importlib.abc.MetaPathFinder):
+    """Finds the alias's modules by the rule; answers the Apex modules ampatch does not
+    provide with a clear error (None to a `find_spec` probe), and importlib.metadata's
+    question for the `apex` distribution with the alias's."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        apex_name = fullname.startswith("apex.")
+        if not apex_name and not (fullname in EXTENSIONS
+                                  and importlib.machinery.PathFinder.find_spec(fullname) is None):
+            return None
+        stand_in = target_of(fullname) if apex_name else None
+        if stand_in is not None and _exists(stand_in):
+            spec = importlib.util.find_spec(stand_in)
+            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(stand_in), origin=spec.origin,
+                                                  is_package=spec.submodule_search_locations is not None)
+        probed = _probed_name()
+        if probed is None:
+            _drop_placeholders()
+            raise NotProvidedError(not_provided_message(fullname), name=fullname)
+        if probed == fullname:  # the name asked about: "not there", placeholders gone
+            _drop_placeholders()
+            return None
+        # a parent find_spec imports on its way to the name asked about
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(module=_probe_placeholder(fullname)),
+                                              is_package=True)
 
     def find_distributions(self, context: Any = None) -> Iterator[importlib.metadata.Distribution]:
         name = getattr(context, "name", None)
         if apex_alias_installed() and (name is None or name.lower().replace("-", "_") == "apex"):
             yield _AliasDistribution()
-
-
-class _AliasLoader(importlib.abc.Loader):
-    """The loader in the `apex` alias's spec: the module is built by `install_apex_alias`, so
-    loading (or reloading) it again does nothing."""
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        return None
 
 
 _finder = _ApexFinder()
@@ -183,6 +200,27 @@ def apex_alias_installed() -> bool:
     return getattr(sys.modules.get("apex"), _ALIAS_FLAG, False) is True
 
 
+def _real_apex_spec() -> Any:
+    """The spec (or True) of an importable real `apex`, else None."""
+    real = sys.modules.get("apex")  # already imported, so importable
+    try:
+        return importlib.util.find_spec("apex") if real is None else (real.__spec__ or True)
+    except (ImportError, ValueError):  # a broken apex on the path: still not ours to shadow
+        return True
+
+
+def _alias_package() -> types.ModuleType:
+    apex = types.ModuleType("apex", "ampatch's alias for NVIDIA Apex: apex.amp is ampatch, apex.parallel, "
+                                    "apex.optimizers, ... are ampatch.compat's adapters over PyTorch.")
+    apex.__spec__ = importlib.machinery.ModuleSpec("apex", _AliasLoader(module=apex), origin="ampatch.compat.alias",
+                                                   is_package=True)
+    apex.__loader__ = apex.__spec__.loader
+    apex.__path__ = apex.__spec__.submodule_search_locations  # [], a package: `import apex.amp` is a submodule
+    apex.__getattr__ = _alias_getattr
+    setattr(apex, _ALIAS_FLAG, True)
+    return apex
+
+
 def install_apex_alias() -> bool:
     """Make `import apex.amp` / `from apex import amp` load ampatch, and `apex.parallel`,
     `apex.optimizers`, ... ampatch's adapters.
@@ -192,39 +230,24 @@ def install_apex_alias() -> bool:
     """
     if apex_alias_installed():
         return True
-    real = sys.modules.get("apex")  # already imported, so importable
-    try:
-        spec = importlib.util.find_spec("apex") if real is None else (real.__spec__ or True)
-    except (ImportError, ValueError):  # a broken apex on the path: still not ours to shadow
-        spec = True
+    spec = _real_apex_spec()
     if spec is not None:
-        where = getattr(spec, "origin", None) or getattr(real, "__file__", None) or "on sys.path"
+        where = getattr(spec, "origin", None) or getattr(sys.modules.get("apex"), "__file__", None) or "on sys.path"
         message = (f"ampatch: a real 'apex' package is importable ({where}); not aliasing apex.amp to "
                    "ampatch, so `from apex import amp` loads Apex. Uninstall apex, or import ampatch "
                    "directly (`import ampatch as amp`).")
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return False
-
-    apex = types.ModuleType("apex", "ampatch's alias for NVIDIA Apex: apex.amp is ampatch, apex.parallel, "
-                                    "apex.optimizers, ... are ampatch.compat's adapters over PyTorch.")
-    apex.__spec__ = importlib.machinery.ModuleSpec("apex", _AliasLoader(), origin="ampatch.compat.alias",
-                                                   is_package=True)
-    apex.__loader__ = apex.__spec__.loader
-    apex.__path__ = apex.__spec__.submodule_search_locations  # [], a package: `import apex.amp` is a submodule
-    apex.__getattr__ = _alias_getattr
-    setattr(apex, _ALIAS_FLAG, True)
-    modules = {"apex": apex}
-    for name, target in PROVIDED.items():  # parents first: the dict lists them first
+    modules = {"apex": _alias_package()}
+    for name, target in provided_modules().items():  # parents first
         module = modules[name] = importlib.import_module(target)
         parent, _, child = name.rpartition(".")
-        if parent == "apex":
-            setattr(apex, child, module)
-        elif not hasattr(modules[parent], child):  # `apex.testing.common_utils` as an attribute too
+        if parent != "apex.amp" and not hasattr(modules[parent], child):  # never an attribute of ampatch
             setattr(modules[parent], child, module)
-    for name, target in EXTENSION_MODULES.items():
+    for name in EXTENSION_MODULES:
         if name not in sys.modules and importlib.machinery.PathFinder.find_spec(name) is None:
-            modules[name] = importlib.import_module(target)
+            modules[name] = importlib.import_module(target_of(name) or "")
     for name, module in modules.items():
         sys.modules[name] = module
     if _finder not in sys.meta_path:
@@ -239,8 +262,9 @@ def uninstall_apex_alias() -> bool:
         sys.meta_path.remove(_finder)
     if not apex_alias_installed():
         return False
-    del sys.modules["apex"]
-    for name, target in {**PROVIDED, **EXTENSION_MODULES}.items():
-        if name in sys.modules and sys.modules.get(name) is sys.modules.get(target):
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        del sys.modules[name]
+    for name in EXTENSION_MODULES:
+        if getattr(sys.modules.get(name), "__name__", "") == target_of(name):
             del sys.modules[name]
     return True

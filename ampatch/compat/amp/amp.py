@@ -1,0 +1,51 @@
+"""`apex.amp.amp`: `amp.init()`, Apex's older O1-only entry point, and the user cast
+registrations (`half_function`, `register_float_function`, ...), which are ampatch's own.
+
+`amp.init()` is `amp.initialize([], opt_level="O1")`: torch is patched, no model or optimizer
+yet; it returns a `handle.Handle` over that session.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ... import levels
+from ...session import current as _current
+from .handle import Handle
+
+logger = logging.getLogger("ampatch")
+
+__all__ = ["init", "half_function", "float_function", "promote_function", "bfloat16_function",
+           "register_half_function", "register_float_function", "register_promote_function",
+           "register_bfloat16_function"]
+_FROM_AMPATCH = set(__all__) - {"init"}
+
+
+def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
+         allow_banned: bool = False, patch_type: Any = None) -> Handle:
+    """Apex's old entry point: patch torch as O1 (O4 with `patch_type=torch.bfloat16`, ROCm
+    Apex's keyword) with no models or optimizers, and return a handle over that session."""
+    for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("verbose", verbose)):
+        if not isinstance(value, bool):
+            raise TypeError(f"amp.init({name}=...) must be True or False, got {value!r}.")
+    if not enabled:
+        return Handle(None)
+    if not enable_caching:
+        logger.info("ampatch: amp.init(enable_caching=False): the cast cache stays on (it never serves a stale "
+                    "or no_grad cast); results are the same as without it.")
+    half = levels.parse_dtype(patch_type, "patch_type")
+    level = "O4" if half == torch.bfloat16 else "O1"
+    from ... import initialize  # the public API, above this module
+    initialize([], opt_level=level, loss_scale=loss_scale, allow_banned=allow_banned,
+                       half_dtype=half if level == "O1" else None, verbosity=2 if verbose else 1)
+    return Handle(_current())
+
+
+def __getattr__(name: str) -> Any:
+    """The registrations are ampatch's own (read from the package lazily: it sits above compat)."""
+    if name in _FROM_AMPATCH:
+        import ampatch
+        return getattr(ampatch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,14 @@
+"""`apex.amp.lists.functional_overrides`: ampatch's O1 lists for `torch.nn.functional` (see `lists`)."""
+from __future__ import annotations
+
+import torch
+
+from ....policy import functional as policy
+
+__all__ = ["MODULE", "FP16_FUNCS", "BFLOAT16_FUNCS", "FP32_FUNCS", "BANNED_FUNCS"]
+
+MODULE = torch.nn.functional
+FP16_FUNCS = list(policy.HALF)
+BFLOAT16_FUNCS = list(policy.HALF)
+FP32_FUNCS = list(policy.FLOAT)
+BANNED_FUNCS = list(policy.BANNED.items())  # (name, message), as Apex's
