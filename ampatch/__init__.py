@@ -36,7 +36,7 @@ from .telemetry import Report
 __version__ = "0.1.0"
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "loss_scale",
-    "deinitialize", "disable_casts", "register_half_function", "register_float_function",
+    "deinitialize", "last_step_skipped", "disable_casts", "register_half_function", "register_float_function",
     "register_promote_function", "register_bfloat16_function", "half_function", "float_function",
     "promote_function", "bfloat16_function", "report", "init", "_amp_state",
 ]
@@ -212,6 +212,12 @@ def loss_scale(loss_id: int = 0) -> float:
                          f"{len(s.scalers)}) gives loss ids 0..{len(s.scalers) - 1}.")
     s.resolve_pending()
     return s.scalers[loss_id].scale
+
+
+def last_step_skipped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer`'s last `step()` was skipped (its grads overflowed): for a driver
+    that must not advance an LR scheduler past a step that did not happen."""
+    return _session("last_step_skipped").handle(optimizer).consecutive_skips > 0
 
 
 def deinitialize() -> None:
