@@ -25,6 +25,7 @@ is imported only by who uses it (never by `import ampatch`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from enum import Enum
@@ -34,6 +35,8 @@ import torch
 from torch import nn
 
 import ampatch as amp
+
+from . import lr_guard
 
 try:
     from lightning.pytorch.plugins.precision import Precision
@@ -98,7 +101,7 @@ class AmpatchPrecision(Precision):
         self.state = PluginState.IDLE
         self.optimizers: list[torch.optim.Optimizer] = []
         self._pending: dict | None = None  # scaler state loaded before connect
-        self._schedulers: list[tuple[Any, Callable]] = []  # (scheduler, its own step) while guarded
+        self._undo: list[Callable[[], None]] = []  # the schedulers' holds
 
     # ------------------------------------------------------------------ set-up
     def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -120,33 +123,21 @@ class AmpatchPrecision(Precision):
         return (_rewrap(ddp, bare) if ddp is not None else bare), list(opts), lr_schedulers
 
     def _guard_schedulers(self, configs: list[Any]) -> None:
-        """Step-interval schedulers skip their step() after their optimizer skipped its own:
-        the learning rate follows the steps that happened (and torch does not warn that the
-        scheduler stepped before the optimizer)."""
+        """Step-interval schedulers of the plugin's optimizers hold still after a skipped step."""
         self._restore_schedulers()
         for config in configs:
             scheduler = getattr(config, "scheduler", config)
             optimizer = getattr(scheduler, "optimizer", None)
-            if getattr(config, "interval", "step") != "step" or not any(optimizer is o for o in self.optimizers):
-                continue
-            own = scheduler.step
+            if getattr(config, "interval", "step") == "step" and any(optimizer is o for o in self.optimizers):
+                self._undo.append(lr_guard.hold_on_skip(scheduler, functools.partial(self._skipped, optimizer)))
 
-            def step(*args: Any, _own: Callable = own, _opt: Any = optimizer, **kwargs: Any) -> Any:
-                if self.state is PluginState.CONNECTED and amp.last_step_skipped(_opt):
-                    logger.debug("ampatch: the optimizer step was skipped (overflow); the LR scheduler waits.")
-                    return None
-                return _own(*args, **kwargs)
-
-            scheduler.step = step
-            self._schedulers.append((scheduler, own))
+    def _skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.state is PluginState.CONNECTED and amp.last_step_skipped(optimizer)
 
     def _restore_schedulers(self) -> None:
-        for scheduler, own in self._schedulers:
-            if "step" in vars(scheduler):
-                del scheduler.step
-            if getattr(scheduler, "step", None) != own:  # it had its own instance attribute
-                scheduler.step = own
-        self._schedulers = []
+        for undo in self._undo:
+            undo()
+        self._undo = []
 
     # ------------------------------------------------------------------ training
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:

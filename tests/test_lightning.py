@@ -199,7 +199,7 @@ class Snapshot(L.Callback):
         state = opt.state_dict()
         self.taken = {"masters": [p.detach().clone() for p in amp.master_params(opt)],
                       "momentum": [s["momentum_buffer"].clone() for s in state["state"].values()],
-                      "scaler": amp.state_dict(), "dtype": next(trainer.lightning_module.parameters()).dtype}
+                      "scaler": amp.state_dict(), "lr": opt.param_groups[0]["lr"], "dtype": next(trainer.lightning_module.parameters()).dtype}
 
     def on_train_batch_end(self, trainer: L.Trainer, module: object, outputs: object, batch: object,
                            batch_idx: int) -> None:
@@ -217,15 +217,16 @@ def test_resume_restores_masters_optimizer_state_and_loss_scaler(tmp_path: Path)
     torch.manual_seed(0)
     before = Snapshot(at=2, path=ckpt)
     plugin = AmpatchPrecision("O2", half_dtype=torch.float16, verbosity=0)  # a dynamic loss scale
-    lit = MLP(inf_at=0)  # the first step overflows: the scale is not the initial one
+    lit = MLP(inf_at=0, scheduler=True)  # the first step overflows: the scale is not the initial one
     trainer("O2", plugin=plugin, callbacks=[before]).fit(lit, data())
     assert before.taken["scaler"]["loss_scaler0"]["loss_scale"] == 2.0 ** 15
     torch.manual_seed(1)
     after = Snapshot(at=None)
     trainer("O2", plugin=AmpatchPrecision("O2", half_dtype=torch.float16, verbosity=0), callbacks=[after]).fit(
-        MLP(inf_at=0), data(), ckpt_path=ckpt)
+        MLP(inf_at=0, scheduler=True), data(), ckpt_path=ckpt)
     assert after.taken["dtype"] == torch.float16
     assert after.taken["scaler"] == before.taken["scaler"]
+    assert after.taken["lr"] == before.taken["lr"] == 0.05  # two steps, the first skipped
     for key in ("masters", "momentum"):
         assert len(after.taken[key]) == len(before.taken[key]) > 0
         for a, b in zip(after.taken[key], before.taken[key]):
