@@ -6,6 +6,7 @@ manual optimization with two optimizers, checkpoint/resume restores masters, opt
 state and loss scaler bit for bit, teardown undoes, DDP on 2 CPU processes."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -275,3 +276,26 @@ def test_ddp_on_two_cpu_processes_keeps_ranks_identical(tmp_path: Path) -> None:
         for a, b in zip(ranks[0][key], ranks[1][key]):
             assert torch.equal(a, b), key
     assert ranks[0]["masters"][0].dtype == torch.float32 and ranks[0]["params"][0].dtype == torch.bfloat16
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_mlp.py"
+
+
+def test_the_example_runs(capsys: pytest.CaptureFixture) -> None:
+    """In-process (the imports are paid already); compare/diagnose below run it as a script."""
+    spec = importlib.util.spec_from_file_location("ampatch_example_{}".format(EXAMPLE.stem), EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loss = module.main(["--steps", "3", "--opt-level", "O5"])
+    out = capsys.readouterr().out
+    assert "final loss" in out and "(O5, 3 steps)" in out and loss == loss
+
+
+@pytest.mark.slow
+def test_compare_runs_the_unmodified_example_at_each_level() -> None:
+    done = subprocess.run([sys.executable, "-m", "ampatch", "compare", "--levels", "O0,O2", "--", sys.executable,
+                           str(EXAMPLE), "--steps", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line[:2] in ("O0", "O2")}
+    assert rows["O0"][1] == "-" and rows["O2"][1] == "bfloat16"  # the level forced from outside
+    assert rows["O0"][-1] == rows["O2"][-1] == "4"  # steps

@@ -6,7 +6,10 @@ on the masters, resume_from_checkpoint continues loss for loss (loss scaler incl
 model is FP32 after train(), and fp16=True/bf16=True beside ampatch is refused."""
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -204,3 +207,25 @@ def test_trainer_mixed_precision_beside_ampatch_is_refused(flag: str, tmp_path: 
         AmpatchTrainer(model=gpt2(), args=args, opt_level="O2")
     with pytest.raises(TypeError, match="initialize_kwargs may not hold"):
         AmpatchTrainer(model=gpt2(), args=arguments(tmp_path), initialize_kwargs={"optimizers": None})
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py"
+
+
+def test_the_example_runs(capsys: pytest.CaptureFixture) -> None:
+    """In-process (the imports are paid already); compare/diagnose below run it as a script."""
+    spec = importlib.util.spec_from_file_location("ampatch_example_{}".format(EXAMPLE.stem), EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loss = module.main(["--steps", "2", "--opt-level", "O5"])
+    out = capsys.readouterr().out
+    assert "final loss" in out and "(O5, mean over 2 steps)" in out and loss == loss
+
+
+@pytest.mark.slow
+def test_diagnose_runs_the_unmodified_example() -> None:
+    done = subprocess.run([sys.executable, "-m", "ampatch", "diagnose", "--opt-level", "O2", "--steps", "2", "--",
+                           sys.executable, str(EXAMPLE), "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "level O2, half dtype bfloat16, 2 optimizer steps recorded" in done.stdout
+    assert "transformer.h.0.mlp.c_fc" in done.stdout  # the GPT-2's own modules were diagnosed
