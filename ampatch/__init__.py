@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware, levels
+from . import hardware, hf_models, levels
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
 from .policy import user as _user_policy
@@ -107,6 +107,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
         opt_list, single_opt = [], True
     else:
         opt_list, single_opt = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    hf_models.check_not_accelerated(model_list, opt_list)
     if patch_torch_functions_type is not None:
         if half_dtype is not None and levels.parse_dtype(half_dtype, "half_dtype") != levels.parse_dtype(
                 patch_torch_functions_type, "patch_torch_functions_type"):

@@ -229,3 +229,48 @@ def test_diagnose_runs_the_unmodified_example() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "level O2, half dtype bfloat16, 2 optimizer steps recorded" in done.stdout
     assert "transformer.h.0.mlp.c_fc" in done.stdout  # the GPT-2's own modules were diagnosed
+
+
+def accelerator(mixed_precision: str) -> object:
+    accelerate = pytest.importorskip("accelerate")
+    accelerate.state.AcceleratorState._reset_state(True)  # one process, one state: tests set their own
+    return accelerate.Accelerator(mixed_precision=mixed_precision, cpu=True)
+
+
+def test_accelerate_recipe_initialize_then_prepare() -> None:
+    """docs/integrations.md: Accelerator(mixed_precision="no"), amp.initialize on the bare
+    model and optimizer, then prepare; the same losses as the loop without Accelerate."""
+    data = dataset("gpt2", STEPS * BATCH)
+    batches = [{k: torch.stack([r[k] for r in data[i:i + BATCH]]) for k in data[0]} for i in range(0, len(data), BATCH)]
+    runs = []
+    for use_accelerate in (True, False):
+        model = gpt2()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=BF16, verbosity=0)
+        stepper, loader = optimizer, batches
+        if use_accelerate:
+            acc = accelerator("no")
+            model, stepper, loader = acc.prepare(model, optimizer, torch.utils.data.DataLoader(
+                data, batch_size=BATCH))
+        losses = []
+        for batch in loader:
+            loss = model(**batch).loss
+            with amp.scale_loss(loss, optimizer) as scaled:  # the initialized optimizer, not the wrapper
+                (acc.backward if use_accelerate else torch.Tensor.backward)(scaled)
+            stepper.step()
+            stepper.zero_grad()
+            losses.append(loss.item())
+        amp.deinitialize()
+        runs.append(losses)
+    assert runs[0] == runs[1] and len(runs[0]) == STEPS
+
+
+def test_accelerate_mixed_precision_or_a_prepared_optimizer_is_refused() -> None:
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, prepared = accelerator("bf16").prepare(model, optimizer)
+    with pytest.raises(ValueError, match="two mixed-precision schemes at once"):
+        amp.initialize(model, optimizer, opt_level="O2")
+    with pytest.raises(ValueError, match="call amp.initialize on the bare model and optimizer first"):
+        amp.initialize(gpt2(), prepared, opt_level="O2")
+    accelerator("no")
