@@ -7,6 +7,7 @@ model is FP32 after train(), and fp16=True/bf16=True beside ampatch is refused."
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -178,6 +179,7 @@ def test_resume_from_checkpoint_continues_loss_for_loss(level: str, tmp_path: Pa
     assert (checkpoint / SCALER_FILE).is_file()
     saved = torch.load(checkpoint / SCALER_FILE, weights_only=True)
     assert saved["loss_scaler0"]["loss_scale"] == (65536.0 if level == "O2" else 1.0)
+    assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "float32"  # saved mid-run, cast
     model = gpt2()
     resumed = Recording(model=model, args=arguments(tmp_path / "resumed", 6, **kwargs), opt_level=level,
                         train_dataset=dataset("gpt2", 6 * BATCH),
