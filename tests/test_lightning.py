@@ -126,15 +126,17 @@ def test_losses_match_the_hand_written_loop(level: str) -> None:
             assert torch.equal(a, b)
 
 
-def test_an_overflow_skips_the_step_and_holds_the_scheduler_without_a_warning() -> None:
+@pytest.mark.parametrize("inf_at,lrs", [(0, [0.1, 0.1, 0.05, 0.025]), (1, [0.1, 0.05, 0.05, 0.025])])
+def test_an_overflow_skips_the_step_and_holds_the_scheduler_without_a_warning(inf_at: int, lrs: list) -> None:
+    """A skipped first step is where torch warns that the scheduler stepped before the optimizer."""
     torch.manual_seed(0)
-    lit = MLP(inf_at=1, scheduler=True)
+    lit = MLP(inf_at=inf_at, scheduler=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
         trainer("O2").fit(lit, data())
     torch.manual_seed(0)
-    hand = hand_loop(MLP(inf_at=1, scheduler=True), "O2")
-    assert lit.lrs == hand.lrs == [0.1, 0.05, 0.05, 0.025]  # step 1 skipped: no halving after it
+    hand = hand_loop(MLP(inf_at=inf_at, scheduler=True), "O2")
+    assert lit.lrs == hand.lrs == lrs  # no halving after the skipped step
     assert_same_losses("O2", lit.losses, hand.losses)
 
 
@@ -299,3 +301,18 @@ def test_compare_runs_the_unmodified_example_at_each_level() -> None:
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line[:2] in ("O0", "O2")}
     assert rows["O0"][1] == "-" and rows["O2"][1] == "bfloat16"  # the level forced from outside
     assert rows["O0"][-1] == rows["O2"][-1] == "4"  # steps
+
+
+def test_policy_reaches_initialize(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`policy=` (ampatch tune's file) goes to amp.initialize, only when given."""
+    seen = []
+    real = amp.initialize
+
+    def initialize(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs.pop("policy", None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(amp, "initialize", initialize)
+    trainer("O2", steps=1, plugin=AmpatchPrecision("O2", policy="tuned.json", verbosity=0)).fit(MLP(), data())
+    trainer("O2", steps=1, plugin=AmpatchPrecision("O2", verbosity=0)).fit(MLP(), data())
+    assert seen == ["tuned.json", None]

@@ -276,3 +276,19 @@ def test_accelerate_mixed_precision_or_a_prepared_optimizer_is_refused() -> None
     with pytest.raises(ValueError, match="call amp.initialize on the bare model and optimizer first"):
         amp.initialize(gpt2(), prepared, opt_level="O2")
     accelerator("no")
+
+
+def test_policy_reaches_initialize(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`policy=` (ampatch tune's file) goes to amp.initialize, only when given."""
+    seen = []
+    real = amp.initialize
+
+    def initialize(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs.pop("policy", None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(amp, "initialize", initialize)
+    for policy in ("tuned.json", None):
+        AmpatchTrainer(model=gpt2(), args=arguments(tmp_path, 1), train_dataset=dataset("gpt2", BATCH),
+                       opt_level="O2", policy=policy).train()
+    assert seen == ["tuned.json", None]
