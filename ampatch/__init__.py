@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware, levels
+from . import hardware, hf_models, levels
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
 from .policy import user as _user_policy
@@ -36,7 +36,7 @@ from .telemetry import Report
 __version__ = "0.1.0"
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "loss_scale",
-    "deinitialize", "disable_casts", "register_half_function", "register_float_function",
+    "deinitialize", "last_step_skipped", "disable_casts", "register_half_function", "register_float_function",
     "register_promote_function", "register_bfloat16_function", "half_function", "float_function",
     "promote_function", "bfloat16_function", "report", "init", "_amp_state",
 ]
@@ -107,6 +107,7 @@ def _initialize(models: Any, optimizers: Any, enabled: bool, opt_level: str, cas
         opt_list, single_opt = [], True
     else:
         opt_list, single_opt = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    hf_models.check_not_accelerated(model_list, opt_list)
     if patch_torch_functions_type is not None:
         if half_dtype is not None and levels.parse_dtype(half_dtype, "half_dtype") != levels.parse_dtype(
                 patch_torch_functions_type, "patch_torch_functions_type"):
@@ -212,6 +213,12 @@ def loss_scale(loss_id: int = 0) -> float:
                          f"{len(s.scalers)}) gives loss ids 0..{len(s.scalers) - 1}.")
     s.resolve_pending()
     return s.scalers[loss_id].scale
+
+
+def last_step_skipped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer`'s last `step()` was skipped (its grads overflowed): for a driver
+    that must not advance an LR scheduler past a step that did not happen."""
+    return _session("last_step_skipped").handle(optimizer).consecutive_skips > 0
 
 
 def deinitialize() -> None:

@@ -1,82 +1,166 @@
-"""Hugging Face `transformers` conventions that a model cast to half (O2/O3/O5) must keep.
+"""Transformers 5.x: ampatch's opt levels for the Hugging Face `Trainer`.
 
-transformers is never imported: a model is recognized by the methods and attributes it
-has, so other models pay nothing and a user's own model with the same shape (a
-`generate` method, a `config` with a `dtype`) gets the same treatment.
+    trainer = AmpatchTrainer(model=model, args=args, train_dataset=ds, opt_level="O2")
 
-- Entry points besides `forward` (`ENTRY_POINTS`): `generate` and the `get_*_features`
-  methods of multimodal models call submodules directly (Whisper's `generate` runs
-  `self.get_encoder()(input_features)`, CLIP's `get_image_features` its vision tower), so
-  their floating inputs never pass the cast `forward` and meet half weights in FP32.
-  `model.ModelHandle` casts the inputs of these methods like `forward`'s.
-- `save_pretrained` (`SavePretrained`): transformers writes the model's dtype, taken from
-  its first floating parameter (half after the cast), into `config.json`, while
-  `state_dict()` gives the FP32 values. `from_pretrained` loads a checkpoint in the dtype
-  its config names, so it would turn the FP32 checkpoint into a half model (which O1 would
-  then train in pure half, and O2 would give masters rounded to half). The config records
-  the dtype the model had before the cast instead, like the checkpoint of an FP32 run.
+Transformers dropped Apex (`half_precision_backend="apex"`); its `fp16`/`bf16` switches are
+autocast, with no FP32 masters. `AmpatchTrainer` is a drop-in `transformers.Trainer` that
+runs `amp.initialize`/`amp.scale_loss` inside the Trainer's own loop:
+
+- the optimizer the Trainer creates (or the one passed in) and the model are initialized
+  in `create_optimizer`, before Accelerate prepares (and, distributed, wraps) them;
+- the loss is scaled around the Trainer's backward (`accelerator.backward`);
+- clipping (`max_grad_norm`) and the logged grad norm use the FP32 masters; gradient
+  accumulation goes through `scale_loss` micro-batch by micro-batch, as in a hand loop;
+- a skipped step (overflow) does not advance the LR scheduler (`lr_guard`);
+- checkpoints hold the FP32 model, the optimizer with its masters, and the loss scaler
+  (`ampatch.pt`), so `train(resume_from_checkpoint=...)` continues where it stopped;
+- when `train()` returns, the session is undone: the model is FP32 (the masters' values).
+
+`TrainingArguments(fp16=True)` or `bf16=True` is refused: two mixed-precision schemes at
+once. Imported only by who uses it (never by `import ampatch`).
 """
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+import ampatch as amp
+
+from . import lr_guard
+
+try:
+    import transformers
+except ImportError as exc:
+    raise ImportError("ampatch.huggingface needs transformers 5.x: pip install 'ampatch[integrations]' "
+                      "(or pip install transformers accelerate).") from exc
+
 logger = logging.getLogger("ampatch")
 
-# Methods that run a model without (only) going through its forward; cast like forward
-# where the model's class defines them. generate's own calls of forward cast as usual.
-ENTRY_POINTS: tuple[str, ...] = (
-    "generate",
-    "get_text_features",
-    "get_image_features",
-    "get_audio_features",
-    "get_video_features",
-)
+SCALER_FILE = "ampatch.pt"  # the loss scaler's state, beside the Trainer's optimizer.pt
 
 
-def entry_points(model: torch.nn.Module) -> list[str]:
-    """The `ENTRY_POINTS` that `model`'s class defines (class attributes only: never a
-    submodule or buffer that happens to have one of these names)."""
-    return [name for name in ENTRY_POINTS if callable(getattr(type(model), name, None))]
+def check_args(args: Any) -> None:
+    """Refuse TrainingArguments that turn on the Trainer's own mixed precision or a backend
+    whose optimizer step ampatch cannot see."""
+    if args is None:
+        return
+    on = [name for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(args, name, False)]
+    if on:
+        raise ValueError(f"AmpatchTrainer got TrainingArguments({'=True, '.join(on)}=True): that is the Trainer's "
+                         "own mixed precision (autocast) on top of ampatch's, two AMPs at once. Leave them False "
+                         "and choose the precision with opt_level (O4/O5 for bfloat16).")
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        raise ValueError("AmpatchTrainer does not run with DeepSpeed or FSDP (they own the optimizer step and "
+                         "its precision); use the plain Trainer with their mixed-precision settings.")
 
 
-def saves_config_dtype(model: torch.nn.Module) -> bool:
-    """Whether `model` looks like a transformers `PreTrainedModel`: a `save_pretrained`
-    method and a `config` that has a `dtype` and its own `save_pretrained`."""
-    config = getattr(model, "config", None)
-    return (callable(getattr(type(model), "save_pretrained", None)) and config is not None
-            and hasattr(config, "dtype") and callable(getattr(config, "save_pretrained", None)))
+def _bare(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Accelerate's AcceleratedOptimizer."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-class SavePretrained:
-    """`model.save_pretrained` of a cast model: after transformers saved the (FP32) weights
-    and a config naming the half dtype, the config names the model's dtype before the cast
-    and `config.json` is written again (only that file; by the main process only, as
-    transformers does). The live config names it too, so it stays right after
-    `deinitialize`.
+class AmpatchTrainer(transformers.Trainer):
+    """`transformers.Trainer` at an ampatch `opt_level` (O0-O5).
 
-    A plain object like `forwards.CastForward`, so the model stays copyable: `copy.deepcopy`
-    rebinds `__wrapped__`, a bound method, to the copy.
+    `policy` (the file `ampatch tune` writes) and `initialize_kwargs` (any other
+    `amp.initialize` keyword: `half_dtype`, `loss_scale`, `keep_fp32`, ...) go to
+    `amp.initialize`; every other argument is the Trainer's.
     """
 
-    def __init__(self, inner: Callable[..., Any], dtype: torch.dtype) -> None:
-        self.__wrapped__ = inner
-        self.dtype_name = str(dtype).removeprefix("torch.")
+    def __init__(self, *args: Any, opt_level: str = "O2", policy: Any = None,
+                 initialize_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not isinstance(opt_level, str):
+            raise TypeError(f"AmpatchTrainer(opt_level) takes a level name such as 'O2', got {opt_level!r}.")
+        check_args(kwargs.get("args", args[1] if len(args) > 1 else None))
+        self.opt_level = opt_level
+        self.initialize_kwargs = dict(initialize_kwargs or {})
+        for name in ("models", "optimizers", "opt_level"):
+            if name in self.initialize_kwargs:
+                raise TypeError(f"AmpatchTrainer: initialize_kwargs may not hold {name!r} (the Trainer gives the "
+                                "model and optimizer; opt_level is its own argument).")
+        if policy is not None:
+            self.initialize_kwargs["policy"] = policy
+        self._amp_optimizer: torch.optim.Optimizer | None = None
+        self._undo: list[Callable[[], None]] = []
+        super().__init__(*args, **kwargs)
+        check_args(self.args)
 
-    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-        out = self.__wrapped__(save_directory, *args, **kwargs)
-        model = getattr(self.__wrapped__, "__self__", None)
-        config = getattr(model, "config", None)
-        if config is None or not hasattr(config, "dtype"):
-            return out
-        config.dtype = self.dtype_name
-        if kwargs.get("is_main_process", args[0] if args else True):
-            config.save_pretrained(save_directory)
-        if kwargs.get("push_to_hub"):
-            logger.warning("ampatch: save_pretrained(push_to_hub=True) of a model cast to half uploaded a "
-                           "config.json that names the half dtype; the local copy names %s. Push that folder "
-                           "again, or push after amp.deinitialize().", self.dtype_name)
-        return out
+    # ------------------------------------------------------------------ set-up
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, then `amp.initialize` on it and the bare model."""
+        optimizer = super().create_optimizer(model)
+        if self._amp_optimizer is not None:
+            return optimizer
+        bare = _bare(optimizer)
+        initialized, bare = amp.initialize(self.model, bare, opt_level=self.opt_level, **self.initialize_kwargs)
+        if initialized is not self.model:
+            raise RuntimeError("amp.initialize returned another model object; AmpatchTrainer needs it in place.")
+        self._amp_optimizer = bare
+        accelerator = self.accelerator
+        own_backward = accelerator.backward
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            with amp.scale_loss(loss, bare) as scaled:
+                own_backward(scaled, **kwargs)
+
+        accelerator.backward = backward
+        self._undo.append(lambda: vars(accelerator).pop("backward", None))
+        return optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The Trainer's scheduler, held still after a skipped step."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if self._amp_optimizer is not None and "step" not in vars(scheduler):
+            opt = self._amp_optimizer
+            self._undo.append(lr_guard.hold_on_skip(scheduler, lambda: amp.last_step_skipped(opt)))
+        return scheduler
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's train(); afterwards the session is undone (the model is FP32 again)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.end_ampatch()
+
+    def end_ampatch(self) -> None:
+        """Undo the session and the Trainer's patches (train() does this when it returns)."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+        if self._amp_optimizer is not None:
+            amp.deinitialize()
+            self._amp_optimizer = None
+
+    # ------------------------------------------------------------------ clipping on the masters
+    def _clip_grad_norm(self, model: Any) -> Any:
+        if self._amp_optimizer is None:
+            return super()._clip_grad_norm(model)
+        return torch.nn.utils.clip_grad_norm_(list(amp.master_params(self._amp_optimizer)),
+                                              self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        if grad_norm is None and self._amp_optimizer is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(list(amp.master_params(self._amp_optimizer)), float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._amp_optimizer is not None and self.args.should_save:
+            torch.save(amp.state_dict(), os.path.join(output_dir, SCALER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self._amp_optimizer is None:
+            return
+        path = os.path.join(checkpoint, SCALER_FILE)
+        if os.path.isfile(path):
+            amp.load_state_dict(torch.load(path, weights_only=True))
+        else:
+            logger.warning("ampatch: %s has no %s (not written by AmpatchTrainer): the loss scale starts afresh.",
+                           checkpoint, SCALER_FILE)

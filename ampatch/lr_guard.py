@@ -1,0 +1,42 @@
+"""An LR scheduler that does not step after a skipped optimizer step.
+
+A framework's training loop (Lightning, the Hugging Face Trainer) steps its scheduler after
+every `optimizer.step()`; when ampatch skipped that step (its grads overflowed), the
+learning rate must stay where it was, as it does for a hand-written loop that checks
+`amp.last_step_skipped(optimizer)` (and torch must not warn that the scheduler stepped
+before its optimizer). `hold_on_skip` puts that check in the scheduler's own `step`, as
+an instance attribute that its `state_dict` leaves out, so checkpoints stay plain data.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("ampatch")
+
+PATCHED = ("step", "state_dict")
+
+
+def hold_on_skip(scheduler: Any, skipped: Callable[[], bool]) -> Callable[[], None]:
+    """Make `scheduler.step()` do nothing while `skipped()` is true; returns the undo."""
+    if any(name in vars(scheduler) for name in PATCHED):
+        raise RuntimeError(f"{type(scheduler).__name__}.step or .state_dict is already replaced on this "
+                           "scheduler (held twice?); undo the first hold before holding it again.")
+    own_step, own_state_dict = scheduler.step, scheduler.state_dict
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if skipped():
+            logger.debug("ampatch: the optimizer step was skipped (overflow); the LR scheduler does not step.")
+            return None
+        return own_step(*args, **kwargs)
+
+    def state_dict() -> dict:
+        return {k: v for k, v in own_state_dict().items() if k not in PATCHED}
+
+    scheduler.step, scheduler.state_dict = step, state_dict
+
+    def undo() -> None:
+        for name in PATCHED:
+            vars(scheduler).pop(name, None)
+    return undo
