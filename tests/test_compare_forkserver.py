@@ -1,4 +1,4 @@
-"""`ampatch.compare.forkserver`: runs forked from a warm process behave like fresh ones."""
+"""`ampatch.runs.forkserver`: runs forked from a warm process behave like fresh ones."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ampatch import env as envvars
-from ampatch.compare import runner
-from ampatch.compare.forkserver import ForkServer, WarmLauncher
-from ampatch.compare.progress import Progress
+from ampatch.runs import runner
+from ampatch.runs.forkserver import ForkServer, WarmLauncher
+from ampatch.runs.progress import Progress
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the fork server is for Linux")
 

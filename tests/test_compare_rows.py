@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ampatch.compare.rows import Row, common_steps, summarize
-from ampatch.compare.runner import LevelRun
+from ampatch.runs.runner import LevelRun
 
 
 def run(level: str, report: dict | None, ok: bool = True, error: str | None = None) -> LevelRun:

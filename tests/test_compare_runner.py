@@ -1,4 +1,4 @@
-"""`ampatch.compare.runner` and `progress`: child processes, what they leave, the live line.
+"""`ampatch.runs.runner` and `progress`: child processes, what they leave, the live line.
 
 The children here are tiny Python scripts that import neither torch nor ampatch.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from ampatch import env as envvars
-from ampatch.compare import UsageError, runner
-from ampatch.compare.progress import Progress
+from ampatch.runs import UsageError, runner
+from ampatch.runs.progress import Progress
 
 
 def write(path: Path, text: str) -> Path:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ampatch.compare.rows import summarize
-from ampatch.compare.runner import LevelRun
+from ampatch.runs.runner import LevelRun
 from ampatch.compare.table import format_table, machine_of, write_json
 
 DEVICE = {"type": "cpu", "name": "Old CPU", "cores": 2, "features": ["avx2"], "lacks": ["avx512_bf16"],

@@ -1,6 +1,6 @@
 """The ``ampatch`` command: the parser, and one module per subcommand, each with its ``add_*``
 parser entry (in ``SUBCOMMANDS``) and its ``cmd_*`` function. The command line is the only part
-of ampatch that prints; the packages it drives (``ampatch.compare``, ``ampatch.diagnose``)
+of ampatch that prints; the packages it drives (``ampatch.runs``, ``ampatch.compare``, ``ampatch.diagnose``)
 return results and write progress to the stream they are given.
 
 - ``compare`` trains a built-in workload, or the script after ``--``, once per opt level and
@@ -23,7 +23,7 @@ from ampatch.cli.common import HALF_OPTION, CliError
 from ampatch.cli.compare import add_compare
 from ampatch.cli.diagnose import add_diagnose
 from ampatch.cli.run import add_run
-from ampatch.compare import UsageError
+from ampatch.runs import UsageError
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "CliError"]
 

@@ -10,11 +10,11 @@ from typing import Any, NamedTuple
 
 from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, module_names,
                                 opt_levels, positive, threads)
-from ampatch.compare import builtin, runner
-from ampatch.compare.budget import DEFAULT_BUDGET_S, TARGET_STEPS
+from ampatch.runs import builtin, runner
+from ampatch.runs.budget import DEFAULT_BUDGET_S, TARGET_STEPS
 from ampatch.compare.plot import write_plot
 from ampatch.compare.rows import common_steps, summarize
-from ampatch.compare.sizing import sizes_in_words
+from ampatch.runs.sizing import sizes_in_words
 from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ampatch import env as envvars
 from ampatch.cli.common import KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, module_names, opt_level
-from ampatch.compare import runner
+from ampatch.runs import runner
 
 
 def add_run(sub: argparse._SubParsersAction, half: dict) -> None:

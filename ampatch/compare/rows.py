@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampatch.compare.runner import LevelRun
+from ampatch.runs.runner import LevelRun
 
 WARMUP_FRACTION = 0.2    # share of step times skipped before the median
 FINAL_LOSS_WINDOW = 5    # "final loss" is the mean of this many last losses

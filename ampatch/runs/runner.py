@@ -26,9 +26,9 @@ from typing import Any, TextIO
 
 from ampatch import env as envvars
 from ampatch import levels
-from ampatch.compare import UsageError
-from ampatch.compare.budget import Budget
-from ampatch.compare.progress import Progress
+from ampatch.runs import UsageError
+from ampatch.runs.budget import Budget
+from ampatch.runs.progress import Progress
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory that holds ampatch/
 APEX_SITE = str(Path(__file__).resolve().parent / "apex_site")  # its sitecustomize aliases apex to ampatch

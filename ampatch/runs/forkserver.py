@@ -2,7 +2,7 @@
 
 A fresh Python pays for importing torch, ampatch and torch._dynamo (which the first optimizer
 imports) before its first step: about 6 s of CPU, a third of a 120 s comparison over six
-levels on a small machine. The server (``python -m ampatch.compare.forkserver MODULE...``)
+levels on a small machine. The server (``python -m ampatch.runs.forkserver MODULE...``)
 imports them once, then for each request forks: the run is a process of its own, with its
 environment, stderr file and exit code, that runs ``python -m MODULE ARGS`` as if started
 afresh (its ``atexit`` report included), only without the imports, and without tearing them
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from ampatch.compare.runner import popen
+from ampatch.runs.runner import popen
 
 READY_TIMEOUT_S = 600.0   # the server's imports; a busy machine is slow, a hung one is not waited on forever
 CLOSE_WAIT_S = 5.0
