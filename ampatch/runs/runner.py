@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from ampatch import env as envvars
 from ampatch import levels
+from ampatch.telemetry import Report
 from ampatch.runs import UsageError
 from ampatch.runs.budget import Budget
 from ampatch.runs.progress import Progress
@@ -238,14 +239,15 @@ def last_error_line(stderr: str) -> str | None:
 
 @dataclass(frozen=True)
 class LevelRun:
-    """One level's run of a comparison: whether it worked (else why not) and its report."""
+    """One level's run: whether it worked (else why not) and its report (None: the run
+    wrote none, or an unreadable one)."""
 
     level: str
     ok: bool
     error: str | None
     returncode: int | None
     wall_s: float
-    report: dict[str, Any] | None
+    report: Report | None
 
 
 def run_level(cmd: Sequence[str], level: str, half_dtype: str | None, progress: Progress | None = None,
@@ -261,16 +263,18 @@ def level_run(done: Finished, level: str | None) -> LevelRun:
     """What a finished run forced to ``level`` (None: the script's own, read from its report)
     gave: its report, or why it failed (it crashed, its report is unreadable or missing, it
     ran at another level)."""
-    report = done.outputs.get(envvars.REPORT)
-    error = None
-    if envvars.REPORT in done.unreadable:
-        error = f"unreadable report: {done.unreadable[envvars.REPORT]}"
-    error = error or failure_line(done.returncode, done.stderr)
+    report, error = None, done.unreadable.get(envvars.REPORT)
+    if error is None and envvars.REPORT in done.outputs:
+        try:
+            report = Report.from_dict(done.outputs[envvars.REPORT])
+        except ValueError as exc:
+            error = str(exc)
+    error = f"unreadable report: {error}" if error is not None else failure_line(done.returncode, done.stderr)
     if error is None and report is None:
         error = "script never called amp.initialize"
-    elif error is None and level is not None and report.get("opt_level") != level:
-        error = f"ran at {report.get('opt_level')} although {level} was forced"
-    ran_at = level or (report or {}).get("opt_level") or "?"
+    elif error is None and level is not None and report.opt_level != level:
+        error = f"ran at {report.opt_level} although {level} was forced"
+    ran_at = level or (report.opt_level if report is not None else "?")
     return LevelRun(ran_at, error is None, error, done.returncode, round(done.wall_s, 3), report)
 
 
@@ -295,7 +299,7 @@ def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: Text
 
     try:
         for i, (level, make) in enumerate(cmd_for.items(), 1):
-            steps_done = [r.report.get("steps") for r in runs if r.ok and r.report]
+            steps_done = [r.report.steps for r in runs if r.ok and r.report is not None]
             cap, deadline = steps, None
             if budget is not None:
                 cap, deadline = budget.next_run(list(cmd_for)[i - 1:], [s for s in steps_done if s])
@@ -309,7 +313,7 @@ def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: Text
             if budget is not None:
                 budget.ran(progress.start_s(), progress.exit_s(), level, progress.seconds_per_step())
             runs.append(run)
-            steps_run = (run.report or {}).get("steps")
+            steps_run = run.report.steps if run.report is not None else None
             say(f"{'ok' if run.ok else 'FAILED'} in {run.wall_s:.1f}s"
                 + (f", {steps_run} steps" if run.ok and steps_run is not None else ""),
                 after="" if run.ok else f": {run.error}")
