@@ -189,3 +189,43 @@ def test_exit_status_and_an_ignored_signal_stays_ignored() -> None:
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_ctrl_z_stops_the_script_with_the_command_and_fg_resumes_both(tmp_path: Path) -> None:
+    """The script has a session of its own, so the terminal's Ctrl-Z reaches the command only:
+    the command stops the script too, and a SIGCONT (fg, bg) resumes both."""
+    script = tmp_path / "ticks.py"
+    script.write_text(textwrap.dedent("""\
+        import os, sys, time
+        out = sys.argv[1]
+        with open(os.path.join(out, "pids"), "w") as f:
+            f.write(str(os.getpid()))
+        for i in range(6000):
+            with open(os.path.join(out, "ticks"), "w") as f:
+                f.write(str(i))
+            time.sleep(0.01)
+    """))
+    proc = start_ampatch("run", "--", "python", str(script), str(tmp_path), cwd=tmp_path, output=subprocess.DEVNULL)
+    try:
+        (script_pid,) = wait_for(tmp_path / "pids", proc)
+        proc.send_signal(signal.SIGTSTP)
+        assert wait_state(proc.pid, "T") and wait_state(script_pid, "T")
+        proc.send_signal(signal.SIGCONT)
+        assert wait_state(proc.pid, "S", "R") and wait_state(script_pid, "S", "R")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert all_gone([script_pid])
+
+
+def wait_state(pid: int, *states: str, within_s: float = 30.0) -> bool:
+    """Whether ``pid`` reaches one of ``states`` (``/proc/PID/stat``: T stopped, S sleeping, R running)."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in states:
+                return True
+        time.sleep(0.02)
+    return False

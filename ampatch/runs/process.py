@@ -34,10 +34,11 @@ from typing import Any
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what `attached` passes on to the run
 STOPPING = (signal.SIGTERM, signal.SIGHUP)                 # what `stopping` turns into `Stopped`
+JOB_CONTROL = (signal.SIGTSTP, signal.SIGCONT)              # Ctrl-Z and fg/bg: what `following` passes on
 PR_SET_PDEATHSIG = 1                                        # <linux/prctl.h>
 
-__all__ = ["Child", "Stopped", "start", "attached", "stopping", "signal_of", "exit_status", "die_with_parent",
-           "kill_group", "FORWARDED", "STOPPING"]
+__all__ = ["Child", "Stopped", "start", "attached", "stopping", "following", "signal_of", "exit_status",
+           "die_with_parent", "kill_group", "FORWARDED", "STOPPING"]
 
 
 class Stopped(KeyboardInterrupt):
@@ -146,6 +147,20 @@ def stopping() -> contextlib.AbstractContextManager[list[int]]:
     return handling(STOPPING, stop_with)
 
 
+def following(proc: Any) -> contextlib.AbstractContextManager[list[int]]:
+    """While inside: Ctrl-Z (SIGTSTP) stops ``proc``'s process group, then this process, as
+    it did when they shared the terminal's group; ``fg``/``bg`` (SIGCONT) resumes both."""
+
+    def pass_on(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTSTP:  # the kernel drops a SIGTSTP to a group of another session: SIGSTOP
+            proc.send_signal(signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            proc.send_signal(signum)
+
+    return handling(JOB_CONTROL, pass_on)
+
+
 def attached(cmd: Sequence[str], env: Mapping[str, str]) -> int:
     """Run ``cmd`` with this process's standard streams to its end, passing on each SIGINT,
     SIGTERM and SIGHUP the command gets; then end what it left running. Returns its exit
@@ -164,7 +179,8 @@ def attached(cmd: Sequence[str], env: Mapping[str, str]) -> int:
             holder.append(start(cmd, env))
             for signum in pending:
                 holder[0].send_signal(signum)
-            returncode = holder[0].wait()
+            with following(holder[0]):
+                returncode = holder[0].wait()
         finally:
             if holder:
                 child = holder[0]

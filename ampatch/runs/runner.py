@@ -163,7 +163,8 @@ def run_child(cmd: Sequence[str], env: dict[str, str], collect: Sequence[str] = 
             start = time.perf_counter()
             proc = launch(cmd, env, err_path)
             try:
-                wait(proc, progress, progress_path)
+                with process.following(proc):
+                    wait(proc, progress, progress_path)
             except BaseException as exc:  # Ctrl-C, SIGTERM: the run goes too, then the caller decides
                 stop(proc, process.signal_of(exc))
                 raise
