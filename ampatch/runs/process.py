@@ -121,14 +121,14 @@ Handler = Callable[[int, FrameType | None], Any]
 
 @contextlib.contextmanager
 def handling(signums: Sequence[int], handler: Handler) -> Iterator[list[int]]:
-    """While inside: ``handler`` for each of ``signums`` this process does not ignore; yields
-    those it handles. The previous handlers come back on the way out. Nothing outside the
-    main thread."""
+    """While inside: ``handler`` for each of ``signums`` this process neither ignores nor left
+    to C code; yields those it handles. The previous handlers come back on the way out.
+    Nothing outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield []
         return
     previous = {s: signal.getsignal(s) for s in signums}
-    handled = [s for s, h in previous.items() if h is not signal.SIG_IGN]
+    handled = [s for s, h in previous.items() if h not in (signal.SIG_IGN, None)]
     try:
         for s in handled:
             signal.signal(s, handler)
