@@ -1,7 +1,7 @@
 """The ``ampatch`` command: the parser, and one module per subcommand, each with its ``add_*``
 parser entry (in ``SUBCOMMANDS``) and its ``cmd_*`` function. The command line is the only part
-of ampatch that prints; the packages it drives (``ampatch.runs``, ``ampatch.compare``, ``ampatch.diagnose``)
-return results and write progress to the stream they are given.
+of ampatch that prints; the packages it drives (``ampatch.runs``, ``ampatch.compare``,
+``ampatch.diagnose``) return results and write progress to the stream they are given.
 
 - ``compare`` trains a built-in workload, or the script after ``--``, once per opt level and
   prints one table;

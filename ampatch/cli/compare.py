@@ -1,5 +1,5 @@
-"""``ampatch compare``: its options, and the command that runs the levels (``ampatch.compare``
-does the work) and prints the table."""
+"""``ampatch compare``: its options, and the command that runs the levels (``ampatch.runs``
+and ``ampatch.compare`` do the work) and prints the table."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any, NamedTuple
 
 from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, module_names,
                                 opt_levels, positive, threads)
-from ampatch.runs import builtin, runner
-from ampatch.runs.budget import DEFAULT_BUDGET_S, TARGET_STEPS
 from ampatch.compare.plot import write_plot
 from ampatch.compare.rows import common_steps, summarize
-from ampatch.runs.sizing import sizes_in_words
 from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
+from ampatch.runs import builtin, runner
+from ampatch.runs.budget import DEFAULT_BUDGET_S, TARGET_STEPS
+from ampatch.runs.sizing import sizes_in_words
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
 WORKLOAD_OPTIONS = ("steps", "workload", "device", "threads", "size")  # and --budget: see compare_script
