@@ -5,7 +5,9 @@ A run starts in a new session (so a new process group, the run and whatever it s
 that a signal reaches all of it and the terminal's Ctrl-C reaches only the command, which
 decides what the run gets. On Linux a run is also SIGKILLed when the thread that started it
 ends (``PR_SET_PDEATHSIG``): a command killed outright (``kill -9``, the OOM killer) leaves no
-training behind. Two ways to wait for a run:
+run behind (what a run started must guard itself, as DataLoader workers do: Linux does not
+pass the guard on to a fork's child; after any other end of the command, the run's group is
+killed). Two ways to wait for a run:
 
 - `attached` (``ampatch run``): the command passes each SIGINT/SIGTERM/SIGHUP on to the run
   and keeps waiting, so the script can save a checkpoint; its exit status is the command's;
@@ -38,7 +40,7 @@ JOB_CONTROL = (signal.SIGTSTP, signal.SIGCONT)              # Ctrl-Z and fg/bg: 
 PR_SET_PDEATHSIG = 1                                        # <linux/prctl.h>
 
 __all__ = ["Child", "Stopped", "start", "attached", "stopping", "following", "signal_of", "exit_status",
-           "die_with_parent", "kill_group", "FORWARDED", "STOPPING"]
+           "die_with_parent", "kill_group", "FORWARDED", "STOPPING", "JOB_CONTROL"]
 
 
 class Stopped(KeyboardInterrupt):
