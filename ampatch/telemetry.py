@@ -171,6 +171,47 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    @classmethod
+    def from_dict(cls, data: Any) -> Report:
+        """The report `to_dict` gave, read back (a child run's ``AMPATCH_REPORT`` JSON): the one
+        reading of it. A field with a default may be missing (a report of an older ampatch);
+        a missing required field, an unknown field or a value of the wrong type raises
+        ValueError naming it, instead of a wrong figure later."""
+        import dataclasses
+        import types
+        import typing
+
+        def fits(value: Any, hint: Any) -> bool:
+            origin = typing.get_origin(hint)
+            if origin in (typing.Union, types.UnionType):
+                return any(fits(value, arg) for arg in typing.get_args(hint))
+            if hint is Any:
+                return True
+            if hint is type(None):
+                return value is None
+            if hint is float:
+                return isinstance(value, (int, float)) and not isinstance(value, bool)
+            if hint is int:
+                return isinstance(value, int) and not isinstance(value, bool)
+            return isinstance(value, origin or hint)
+
+        if not isinstance(data, dict):
+            raise ValueError(f"a report is a JSON object, not {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown report field(s) {', '.join(map(repr, unknown))}: written by another ampatch?")
+        missing = [name for name, f in fields.items() if name not in data
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"the report lacks {', '.join(map(repr, missing))}")
+        hints = typing.get_type_hints(cls)
+        for name, value in data.items():
+            if not fits(value, hints[name]):
+                expected = hints[name].__name__ if isinstance(hints[name], type) else hints[name]
+                raise ValueError(f"report field {name!r} is a {type(value).__name__}, not {expected}")
+        return cls(**data)
+
     def to_json(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f)

@@ -1,7 +1,7 @@
 """The ``ampatch`` command: compare, run, failed rows, argument errors, Ctrl-C.
 
 Most tests run ``python -m ampatch`` in a subprocess, as a user would. The pieces of
-``ampatch.compare`` have their own tests (tests/test_compare_*.py).
+``ampatch.runs`` and ``ampatch.compare`` have their own tests (tests/test_compare_*.py).
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def test_budget_values() -> None:
 def test_compare_within_a_budget(tmp_path: Path) -> None:
     """The default size is calibrated first, within the budget; the title says what it chose."""
     from ampatch import hardware
-    from ampatch.compare.builtin import FEW_STEPS
+    from ampatch.runs.builtin import FEW_STEPS
     out = tmp_path / "out.json"
     proc = ampatch("compare", "--levels", "O0,O5", "--budget", "25s", "--device", "cpu",
                    "--json", str(out), cwd=tmp_path)
@@ -337,7 +337,9 @@ SLOW_SCRIPT = textwrap.dedent("""\
     if level != "O0":
         time.sleep(600)  # a long run, interrupted
     with open(os.environ["AMPATCH_REPORT"], "w") as f:
-        json.dump({"opt_level": level, "steps": 3, "losses": [1.0, 0.5, 0.25]}, f)
+        json.dump({"opt_level": level, "half_dtype": None, "enabled": True, "casts": {}, "cache": {},
+                   "steps": 3, "skipped_steps": [], "loss_scale": {}, "loss_scale_history": {},
+                   "time_s": {}, "losses": [1.0, 0.5, 0.25]}, f)
 """)
 
 

@@ -1,4 +1,4 @@
-"""`ampatch.compare.budget`: each level's share of the time, and its step cap."""
+"""`ampatch.runs.budget`: each level's share of the time, and its step cap."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from ampatch import hardware
-from ampatch.compare import budget as budget_module
-from ampatch.compare.budget import MARGIN, SLOW_HALF_WEIGHT, TARGET_STEPS, Budget, step_weights
+from ampatch.runs import budget as budget_module
+from ampatch.runs.budget import MARGIN, SLOW_HALF_WEIGHT, TARGET_STEPS, Budget, step_weights
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 
@@ -64,7 +64,7 @@ def test_a_level_may_use_what_the_later_ones_do_not_need_for_the_target() -> Non
 def test_progress_keeps_the_time_of_the_first_step() -> None:
     """A run's start-up is launch to first step, also after the speed window slid past it."""
     import io
-    from ampatch.compare.progress import SPEED_WINDOW, Progress
+    from ampatch.runs.progress import SPEED_WINDOW, Progress
     p = Progress("O1", stream=io.StringIO())
     p.update(1, 1.0)
     first = p.start_s()

@@ -1,4 +1,4 @@
-"""`ampatch.compare.forkserver`: runs forked from a warm process behave like fresh ones."""
+"""`ampatch.runs.forkserver`: runs forked from a warm process behave like fresh ones."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ampatch import env as envvars
-from ampatch.compare import runner
-from ampatch.compare.forkserver import ForkServer, WarmLauncher
-from ampatch.compare.progress import Progress
+from ampatch.runs import runner
+from ampatch.runs.forkserver import ForkServer, WarmLauncher
+from ampatch.runs.progress import Progress
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the fork server is for Linux")
 
@@ -79,17 +79,20 @@ def test_a_forked_run_can_be_stopped(server: ForkServer, tmp_path: Path) -> None
     assert launch(server, tmp_path, "ok").wait(timeout=60) == 0       # the server still serves
 
 
-def test_run_level_through_the_launcher(tmp_path: Path) -> None:
+def test_run_level_through_the_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "steps.py"
     script.write_text(textwrap.dedent("""\
         import json, os
         with open(os.environ["AMPATCH_PROGRESS"], "a") as f:
             f.write("1 0.5\\n")
-        json.dump({"opt_level": os.environ["AMPATCH_OPT_LEVEL"], "steps": 1, "pid": os.getpid()},
-                  open(os.environ["AMPATCH_REPORT"], "w"))
+        json.dump({"opt_level": os.environ["AMPATCH_OPT_LEVEL"], "half_dtype": None, "enabled": True,
+                   "casts": {}, "cache": {}, "steps": 1, "skipped_steps": [], "loss_scale": {},
+                   "loss_scale_history": {}, "time_s": {}}, open(os.environ["AMPATCH_REPORT"], "w"))
+        open(os.environ["PID_FILE"], "w").write(str(os.getpid()))
     """))
     env = runner.child_env(None, None, base=envvars.without_ampatch())
     runner.prepend_path(env, str(tmp_path))
+    monkeypatch.setenv("PID_FILE", str(tmp_path / "pid.txt"))  # the run's environment is this one's, forced
     log = io.StringIO()
     with WarmLauncher(["json"], env, log) as warm:
         assert warm.server is not None and "warm process ready in" in log.getvalue()
@@ -97,7 +100,7 @@ def test_run_level_through_the_launcher(tmp_path: Path) -> None:
         run = runner.run_level([sys.executable, "-m", "steps"], "O2", None, progress, launch=warm)
         server_pid = warm.server.proc.pid
     assert run.ok, run.error
-    assert run.report["opt_level"] == "O2" and run.report["pid"] not in (os.getpid(), server_pid)
+    assert run.report.opt_level == "O2" and int((tmp_path / "pid.txt").read_text()) not in (os.getpid(), server_pid)
     assert progress.step == 1
 
 

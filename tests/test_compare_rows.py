@@ -8,11 +8,22 @@ import math
 import pytest
 
 from ampatch.compare.rows import Row, common_steps, summarize
-from ampatch.compare.runner import LevelRun
+from ampatch.runs.runner import LevelRun
+from ampatch.telemetry import Report
+
+# the fields every report has; a test gives the ones it is about
+REQUIRED = {"opt_level": "O0", "half_dtype": None, "enabled": True, "casts": {}, "cache": {"hits": 0, "misses": 0},
+            "steps": 0, "skipped_steps": [], "loss_scale": {}, "loss_scale_history": {},
+            "time_s": {"wrappers": None, "scale_loss": None}}
 
 
-def run(level: str, report: dict | None, ok: bool = True, error: str | None = None) -> LevelRun:
-    return LevelRun(level, ok, error, 0 if ok else 1, 1.0, report)
+def report(fields: dict) -> Report:
+    """A hand-made report, read as a child's is (`Report.from_dict`)."""
+    return Report.from_dict({**REQUIRED, **fields})
+
+
+def run(level: str, fields: dict | None, ok: bool = True, error: str | None = None) -> LevelRun:
+    return LevelRun(level, ok, error, 0 if ok else 1, 1.0, None if fields is None else report(fields))
 
 
 BASE = {"opt_level": "O0", "losses": [3.0, 2.0, 1.0], "step_times_s": [0.5, 0.2, 0.2, 0.2, 0.2],
@@ -82,4 +93,21 @@ def test_common_steps_ignores_failed_runs() -> None:
 
 def test_a_row_from_a_run_alone() -> None:
     row = Row.of(run("O0", BASE))
-    assert row.speedup_vs_O0 is None and row.steps is None and row.losses_every == 1
+    assert row.speedup_vs_O0 is None and row.steps == 0 and row.losses_every == 1
+    assert Row.of(run("O1", None, ok=False, error="x")).steps is None    # no report, no figures
+
+
+def test_a_report_reads_back_from_its_dict_and_refuses_what_it_cannot_read() -> None:
+    """`Report.from_dict` is the one reading of a child's report: fields with a default may be
+    missing (an older report), anything else it cannot vouch for is refused with its name."""
+    full = report({"losses": [1.0], "device": {"type": "cpu"}})
+    assert Report.from_dict(full.to_dict()) == full
+    assert report({}).losses == [] and report({}).losses_every == 1
+    for bad, match in [({**REQUIRED, "steps": "3"}, "'steps' is a str, not int"),
+                       ({**REQUIRED, "losses": {}}, "'losses' is a dict"),
+                       ({**REQUIRED, "surprise": 1}, "unknown report field.*'surprise'"),
+                       ({k: v for k, v in REQUIRED.items() if k != "time_s"}, "lacks 'time_s'")]:
+        with pytest.raises(ValueError, match=match):
+            Report.from_dict(bad)
+    with pytest.raises(ValueError, match="JSON object, not list"):
+        Report.from_dict([])  # type: ignore[arg-type]

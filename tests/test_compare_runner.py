@@ -1,4 +1,4 @@
-"""`ampatch.compare.runner` and `progress`: child processes, what they leave, the live line.
+"""`ampatch.runs.runner` and `progress`: child processes, what they leave, the live line.
 
 The children here are tiny Python scripts that import neither torch nor ampatch.
 """
@@ -15,12 +15,18 @@ from pathlib import Path
 import pytest
 
 from ampatch import env as envvars
-from ampatch.compare import UsageError, runner
-from ampatch.compare.progress import Progress
+from ampatch.runs import UsageError, runner
+from ampatch.runs.progress import Progress
+
+
+# what every report has (a child here writes it without ampatch); a script adds its figures
+REQUIRED = {"opt_level": "O0", "half_dtype": None, "enabled": True, "casts": {}, "cache": {"hits": 0, "misses": 0},
+            "steps": 0, "skipped_steps": [], "loss_scale": {}, "loss_scale_history": {},
+            "time_s": {"wrappers": None, "scale_loss": None}}
 
 
 def write(path: Path, text: str) -> Path:
-    path.write_text(textwrap.dedent(text))
+    path.write_text(textwrap.dedent(text).replace("REQUIRED", repr(REQUIRED)))
     return path
 
 
@@ -53,7 +59,7 @@ PROGRESS_SCRIPT = """\
             f.write(f"{i} {2.0 / i}\\n")
         time.sleep(0.15)
     with open(os.environ["AMPATCH_REPORT"], "w") as f:
-        json.dump({"opt_level": os.environ["AMPATCH_OPT_LEVEL"], "steps": 5, "losses": [1.0] * 5}, f)
+        json.dump({**REQUIRED, "opt_level": os.environ["AMPATCH_OPT_LEVEL"], "steps": 5, "losses": [1.0] * 5}, f)
 """
 
 
@@ -63,7 +69,7 @@ def test_run_level_shows_the_steps_of_the_run(tmp_path: Path) -> None:
     progress = Progress("O1", total=5, stream=stream, log_every_s=0)
     run = runner.run_level([sys.executable, str(script)], "O1", None, progress)
     assert run.ok, run.error
-    assert run.report == {"opt_level": "O1", "steps": 5, "losses": [1.0] * 5}
+    assert (run.report.opt_level, run.report.steps, run.report.losses) == ("O1", 5, [1.0] * 5)
     shown = stream.getvalue()
     assert "/5" in shown and "loss" in shown and progress.step == 5 and progress.loss == 0.4
     assert progress.start_s() is not None and progress.exit_s() is not None
@@ -101,10 +107,16 @@ def test_a_run_that_writes_no_report_or_another_level(tmp_path: Path) -> None:
     assert runner.run_level([sys.executable, "-c", "pass"], "O2", None).error == "script never called amp.initialize"
     other = write(tmp_path / "other.py", """\
         import json, os
-        json.dump({"opt_level": "O1"}, open(os.environ["AMPATCH_REPORT"], "w"))
+        json.dump({**REQUIRED, "opt_level": "O1"}, open(os.environ["AMPATCH_REPORT"], "w"))
     """)
     run = runner.run_level([sys.executable, str(other)], "O2", None)
     assert run.error == "ran at O1 although O2 was forced"
+    torn = write(tmp_path / "torn.py", """\
+        import json, os
+        json.dump({"opt_level": "O2", "steps": 3}, open(os.environ["AMPATCH_REPORT"], "w"))
+    """)
+    run = runner.run_level([sys.executable, str(torn)], "O2", None)
+    assert not run.ok and run.report is None and run.error.startswith("unreadable report: the report lacks 'half_dtype'")
     assert runner.failure_line(-signal.SIGTERM, "") == "killed by SIGTERM"
     assert runner.last_error_line("Traceback\n  x\nKeyError: 'a'\nlater noise\n") == "KeyError: 'a'"
 

@@ -1,4 +1,4 @@
-"""`ampatch.compare.sizing` and `builtin`: the built-in workload's size, from a calibration."""
+"""`ampatch.runs.sizing` and `builtin`: the built-in workload's size, from a calibration."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ampatch.compare import builtin, sizing
-from ampatch.compare.budget import EXIT_S
-from ampatch.compare.runner import Finished
+from ampatch.runs import builtin, sizing
+from ampatch.runs.budget import EXIT_S
+from ampatch.runs.runner import Finished
 
 LEVELS = ["O0", "O1", "O2"]
 

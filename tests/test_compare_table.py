@@ -6,19 +6,31 @@ import json
 from pathlib import Path
 
 from ampatch.compare.rows import summarize
-from ampatch.compare.runner import LevelRun
 from ampatch.compare.table import format_table, machine_of, write_json
+from ampatch.runs.runner import LevelRun
+from ampatch.telemetry import Report
 
 DEVICE = {"type": "cpu", "name": "Old CPU", "cores": 2, "features": ["avx2"], "lacks": ["avx512_bf16"],
           "native": {"bfloat16": False, "float16": False}, "basis": {"bfloat16": "no AVX512-BF16 or AMX"},
           "torch": "2.13.0+cpu"}
 
 
+# the fields every report has; a test gives the ones it is about
+REQUIRED = {"opt_level": "O0", "half_dtype": None, "enabled": True, "casts": {}, "cache": {"hits": 0, "misses": 0},
+            "steps": 0, "skipped_steps": [], "loss_scale": {}, "loss_scale_history": {},
+            "time_s": {"wrappers": None, "scale_loss": None}}
+
+
+def report(fields: dict) -> Report:
+    """A hand-made report, read as a child's is (`Report.from_dict`)."""
+    return Report.from_dict({**REQUIRED, **fields})
+
+
 def rows_of(device: dict) -> list:
     rep = {"opt_level": "O4", "half_dtype": "bfloat16", "losses": [1.0, 0.5], "device": device,
            "step_times_s": [0.01], "skipped_steps": [3, 4], "loss_scale": {"loss_scaler0": 32768.0}, "steps": 2}
-    return summarize([LevelRun("O0", True, None, 0, 1.0, dict(rep, opt_level="O0")),
-                      LevelRun("O4", True, None, 0, 1.0, rep),
+    return summarize([LevelRun("O0", True, None, 0, 1.0, report(dict(rep, opt_level="O0"))),
+                      LevelRun("O4", True, None, 0, 1.0, report(rep)),
                       LevelRun("O2", False, "RuntimeError: boom", 1, 1.0, None)])
 
 

@@ -1,7 +1,7 @@
 """The ``ampatch`` command: the parser, and one module per subcommand, each with its ``add_*``
 parser entry (in ``SUBCOMMANDS``) and its ``cmd_*`` function. The command line is the only part
-of ampatch that prints; the packages it drives (``ampatch.compare``, ``ampatch.diagnose``)
-return results and write progress to the stream they are given.
+of ampatch that prints; the packages it drives (``ampatch.runs``, ``ampatch.compare``,
+``ampatch.diagnose``) return results and write progress to the stream they are given.
 
 - ``compare`` trains a built-in workload, or the script after ``--``, once per opt level and
   prints one table;
@@ -10,7 +10,8 @@ return results and write progress to the stream they are given.
 - ``diagnose`` finds where half precision hurts a script and verifies a fix.
 
 Exit codes: the runs' (1 when a level failed or nothing could be diagnosed), 2 for a usage
-error, 130 after Ctrl-C.
+error, 130 after Ctrl-C, 128+N after signal N (SIGTERM, SIGHUP: handled as Ctrl-C is, see
+``ampatch.runs.process``); ``run`` exits with its script's status.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ampatch.cli.common import HALF_OPTION, CliError
 from ampatch.cli.compare import add_compare
 from ampatch.cli.diagnose import add_diagnose
 from ampatch.cli.run import add_run
-from ampatch.compare import UsageError
+from ampatch.runs import UsageError, process
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "CliError"]
 
@@ -59,11 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.subcommand is None:
             raise CliError(f"choose a command: {' or '.join(SUBCOMMANDS)} (see ampatch --help)")
         args.command = command
-        return args.func(args)
+        with process.stopping():  # SIGTERM, SIGHUP: stop as Ctrl-C does (`run` passes them on instead)
+            return args.func(args)
     except UsageError as exc:
         print(f"ampatch: error: {exc}", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or process.Stopped
+        return 128 + process.signal_of(exc)

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ampatch import levels as levels_policy
-from ampatch.compare import UsageError
-from ampatch.compare.budget import parse_seconds
+from ampatch.runs import UsageError
+from ampatch.runs.budget import parse_seconds
 
 __all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "positive", "threads", "budget", "loss_scale", "module_names", "KEEP_FP32_HELP"]
 

@@ -1,5 +1,5 @@
-"""``ampatch compare``: its options, and the command that runs the levels (``ampatch.compare``
-does the work) and prints the table."""
+"""``ampatch compare``: its options, and the command that runs the levels (``ampatch.runs``
+and ``ampatch.compare`` do the work) and prints the table."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any, NamedTuple
 
 from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, module_names,
                                 opt_levels, positive, threads)
-from ampatch.compare import builtin, runner
-from ampatch.compare.budget import DEFAULT_BUDGET_S, TARGET_STEPS
 from ampatch.compare.plot import write_plot
 from ampatch.compare.rows import common_steps, summarize
-from ampatch.compare.sizing import sizes_in_words
 from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
+from ampatch.runs import builtin, runner
+from ampatch.runs.budget import DEFAULT_BUDGET_S, TARGET_STEPS
+from ampatch.runs.sizing import sizes_in_words
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
 WORKLOAD_OPTIONS = ("steps", "workload", "device", "threads", "size")  # and --budget: see compare_script
@@ -58,7 +58,7 @@ class Compared(NamedTuple):
     table and ``--json`` say about them; ``device`` for the machine line if no run reports one."""
 
     runs: list[runner.LevelRun]
-    interrupted: bool
+    interrupted: int | None    # the signal that stopped the comparison (SIGINT: Ctrl-C)
     upto: int | None
     title: str
     header: dict[str, Any]
@@ -96,20 +96,21 @@ def compare_builtin(args: argparse.Namespace) -> Compared:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """``ampatch compare``: one run per level, one table; 1 if any run failed, 130 on Ctrl-C."""
+    """``ampatch compare``: one run per level, one table; 1 if any run failed, 130 on Ctrl-C
+    (128+N when signal N stopped it)."""
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
     done = compare_script(args) if args.command is not None else compare_builtin(args)
     rows = summarize(done.runs, done.upto)
     machine, note = machine_of(rows, done.device)
-    notes = [note or "", *done.notes, interrupted_note(rows, args.levels) if done.interrupted else "",
+    notes = [note or "", *done.notes, interrupted_note(rows, args.levels) if done.interrupted is not None else "",
              f"note: kept in FP32 at every level (--keep-fp32): {args.keep_fp32}" if args.keep_fp32 else ""]
     print(format_table(rows, done.title, machine, notes), flush=True)
     if args.json:
         write_json(args.json, {**done.header, "levels": args.levels, "machine": machine, "keep_fp32": args.keep_fp32,
-                               "compared_steps": done.upto, "interrupted": done.interrupted}, rows)
+                               "compared_steps": done.upto, "interrupted": done.interrupted is not None}, rows)
     ok = rows and all(r.ok for r in rows) and len(rows) == len(args.levels)
-    code = 130 if done.interrupted else 0 if ok else 1
+    code = 128 + done.interrupted if done.interrupted is not None else 0 if ok else 1
     if args.plot and rows:
         try:
             write_plot(args.plot, rows, done.title)

@@ -4,12 +4,11 @@ kept in FP32 or Apex's imports aliased to ampatch."""
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 
 from ampatch import env as envvars
 from ampatch.cli.common import KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, module_names, opt_level
-from ampatch.compare import runner
+from ampatch.runs import process, runner
 
 
 def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
@@ -30,7 +29,9 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``ampatch run``: the command's own exit code (128+N when killed by signal N). Without
-    ``--opt-level`` the script keeps its own ``opt_level``."""
+    ``--opt-level`` the script keeps its own ``opt_level``. SIGINT, SIGTERM and SIGHUP to
+    ``ampatch run`` go on to the script, which ends when it chooses (a checkpoint saved);
+    nothing it started outlives ``ampatch run`` (`process.attached`)."""
     cmd = runner.resolve_command(args.command)
     check_output_path(args.report, "--report")
     check_half_dtype(args.opt_level, args.half_dtype)
@@ -40,5 +41,4 @@ def cmd_run(args: argparse.Namespace) -> int:
         env[envvars.LOSS_SCALE] = args.loss_scale
     if args.apex_alias:
         env = runner.with_apex_alias(env)
-    returncode = subprocess.run(cmd, env=env).returncode
-    return 128 - returncode if returncode < 0 else returncode
+    return process.attached(cmd, env)

@@ -14,11 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampatch.compare.runner import LevelRun
+from ampatch.runs.runner import LevelRun
+from ampatch.telemetry import Report
 
 WARMUP_FRACTION = 0.2    # share of step times skipped before the median
 FINAL_LOSS_WINDOW = 5    # "final loss" is the mean of this many last losses
 BASELINE = "O0"          # the level every other is compared with
+# what a run without a report (it failed before amp.initialize) gives: no figures
+NO_REPORT = Report(opt_level="", half_dtype=None, enabled=False, casts={}, cache={}, steps=0, skipped_steps=[],
+                   loss_scale={}, loss_scale_history={}, time_s={})
 
 
 def losses_by_step(losses: Sequence[float], every: int, upto: int | None) -> dict[int, float]:
@@ -29,8 +33,7 @@ def losses_by_step(losses: Sequence[float], every: int, upto: int | None) -> dic
 def common_steps(runs: Sequence[LevelRun]) -> int | None:
     """The number of steps whose loss every finished run recorded (None without any): the
     steps before the last recorded loss of the shortest run, that one included."""
-    counts = [(len(rep.get("losses") or []) - 1) * (rep.get("losses_every") or 1) + 1
-              for rep in (r.report or {} for r in runs if r.ok)]
+    counts = [(len(r.report.losses) - 1) * r.report.losses_every + 1 for r in runs if r.ok and r.report]
     return min(counts) if counts else None
 
 
@@ -47,7 +50,7 @@ class Row(LevelRun):
     final_loss: float | None
     losses: list[float]
     losses_every: int                      # a long run's curve is thinned: losses[i] is step i * every
-    loss_scale_history: dict[str, Any]
+    loss_scale_history: dict[str, list[list[float]]]
     step_times_s: list[float]
     skipped_steps: list[int]
     final_loss_scale: float | None
@@ -60,10 +63,10 @@ class Row(LevelRun):
         loss and deviation from the losses before that step only (a budget let the levels run
         different numbers of steps: they compare at the step all of them reached). Losses
         compare at the same step, also where one curve was thinned more than the other."""
-        rep = run.report or {}
-        times = rep.get("step_times_s") or []
-        losses = [float(x) if x is not None else math.nan for x in rep.get("losses") or []]
-        every = rep.get("losses_every") or 1
+        rep = run.report if run.report is not None else NO_REPORT
+        times = list(rep.step_times_s)
+        losses = [float(x) if x is not None else math.nan for x in rep.losses]
+        every = rep.losses_every
         at = losses_by_step(losses, every, upto)
         steady = times[int(len(times) * WARMUP_FRACTION):] or times
         median_ms = 1000 * statistics.median(steady) if steady else None
@@ -75,17 +78,17 @@ class Row(LevelRun):
         return cls(
             level=run.level, ok=run.ok, error=run.error, returncode=run.returncode, wall_s=run.wall_s,
             report=run.report,
-            half_dtype=None if run.level == BASELINE else rep.get("half_dtype"),
-            steps=rep.get("steps"),
+            half_dtype=None if run.level == BASELINE else rep.half_dtype,
+            steps=run.report.steps if run.report is not None else None,
             median_step_ms=median_ms,
-            peak_memory_mib=rep["peak_memory_bytes"] / 2**20 if rep.get("peak_memory_bytes") else None,
+            peak_memory_mib=rep.peak_memory_bytes / 2**20 if rep.peak_memory_bytes else None,
             first_loss=next(iter(at.values()), None),
             final_loss=sum(tail) / len(tail) if tail else None,
             losses=losses, losses_every=every,
-            loss_scale_history=rep.get("loss_scale_history") or {},
+            loss_scale_history=dict(rep.loss_scale_history),
             step_times_s=times,
-            skipped_steps=rep.get("skipped_steps") or [],
-            final_loss_scale=(rep.get("loss_scale") or {}).get("loss_scaler0"),
+            skipped_steps=list(rep.skipped_steps),
+            final_loss_scale=rep.loss_scale.get("loss_scaler0"),
             speedup_vs_O0=base.median_step_ms / median_ms if base and base.median_step_ms and median_ms else None,
             max_loss_dev_vs_O0=max(deviations, default=None))
 

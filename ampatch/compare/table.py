@@ -66,7 +66,7 @@ def interrupted_note(rows: Sequence[Row], levels: Sequence[str]) -> str:
 def machine_of(rows: Sequence[Row], fallback: str = "cpu") -> tuple[str, str | None]:
     """The machine line and the slow-half note for the table, from the runs' reports (the
     device each script trained on); from ``fallback`` here when no report says."""
-    device = next((r.report["device"] for r in rows if r.ok and (r.report or {}).get("device")), None)
+    device = next((r.report.device for r in rows if r.ok and r.report is not None and r.report.device), None)
     if device is None:
         device = hardware.describe(fallback).to_dict()
     dtypes = list(dict.fromkeys(r.half_dtype for r in rows if r.ok and r.half_dtype))

@@ -1,7 +1,7 @@
 """`ampatch diagnose`: run a training script (or a built-in workload) for a few steps with the
 recorder on, analyse it, and verify the recommendation by running again with it.
 
-The runs are child processes like `ampatch compare`'s (`compare.runner.run_child`), each
+The runs are child processes like `ampatch compare`'s (`runs.runner.run_child`), each
 stopped after the same number of optimizer steps (``AMPATCH_MAX_STEPS``), with the same seed
 (a script's own, a workload's ``--seed``):
 
@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from .. import env
 from ..compare.rows import Row
-from ..compare.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
+from ..runs.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
 from .analysis import analyse
 from .child import DEFAULT_STEPS, FORMAT
 

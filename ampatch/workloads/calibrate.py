@@ -1,5 +1,5 @@
 """Time a few steps of a built-in workload per size and step kind: what ``ampatch compare``
-reads to choose the size (``ampatch.compare.sizing``).
+reads to choose the size (``ampatch.runs.sizing``).
 
 ``python -m ampatch.workloads.calibrate lm --levels O0,O1,O4 --out PATH`` times, from the
 smallest size up, one step kind per distinct dtype of the levels (FP32 for O0, then each half

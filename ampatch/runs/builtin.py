@@ -14,11 +14,11 @@ import torch
 
 from ampatch import env as envvars
 from ampatch import hardware
-from ampatch.compare import UsageError, sizing
-from ampatch.compare.budget import DEFAULT_BUDGET_S, FIRST_STEP_S, Budget, half_dtypes, step_weights
-from ampatch.compare.forkserver import WarmLauncher
-from ampatch.compare.runner import CommandFor, Launch, child_env, popen
-from ampatch.compare.sizing import SizeChoice
+from ampatch.runs import UsageError, sizing
+from ampatch.runs.budget import DEFAULT_BUDGET_S, FIRST_STEP_S, Budget, half_dtypes, step_weights
+from ampatch.runs.forkserver import WarmLauncher
+from ampatch.runs.runner import CommandFor, Launch, child_env, popen
+from ampatch.runs.sizing import SizeChoice
 
 AUTO = "auto"            # --size and --device: chosen here
 # what a run imports before its first step (the first optimizer imports torch._dynamo)

@@ -2,7 +2,7 @@
 
 A fresh Python pays for importing torch, ampatch and torch._dynamo (which the first optimizer
 imports) before its first step: about 6 s of CPU, a third of a 120 s comparison over six
-levels on a small machine. The server (``python -m ampatch.compare.forkserver MODULE...``)
+levels on a small machine. The server (``python -m ampatch.runs.forkserver MODULE...``)
 imports them once, then for each request forks: the run is a process of its own, with its
 environment, stderr file and exit code, that runs ``python -m MODULE ARGS`` as if started
 afresh (its ``atexit`` report included), only without the imports, and without tearing them
@@ -13,7 +13,9 @@ done; the parent sends ``{"module", "argv", "env", "stderr"}``; the server answe
 ``{"pid"}`` once forked and ``{"pid", "returncode"}`` when the run ends (negative: killed by
 that signal, as ``subprocess`` says). The parent signals runs by pid; end of input ends the
 server. Linux only, and only where nothing initialized CUDA in the server (a forked child
-cannot use it): the caller decides (``builtin.launcher``).
+cannot use it): the caller decides (``builtin.launcher``). As a fresh run would be, the server
+and each run are in a session of their own and die with their parent (`process`): a signal
+to a run reaches its process group, and nothing outlives the command.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from ampatch.compare.runner import popen
+from ampatch.runs import process
+from ampatch.runs.runner import popen
 
 READY_TIMEOUT_S = 600.0   # the server's imports; a busy machine is slow, a hung one is not waited on forever
 CLOSE_WAIT_S = 5.0
@@ -71,6 +74,8 @@ def run_forked(request: dict[str, Any]) -> None:
     traceback on stderr if it raised, its ``atexit`` handlers run. Then the process ends
     without tearing down the modules it inherited (seconds of work, for nothing)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.setsid()                              # its own process group, as `process.start` gives a fresh run
+    process.die_with_parent(os.getppid())    # the server; it dies with the command
     code = [0]
 
     def leave() -> None:  # registered first, so it runs after the run's own exit handlers
@@ -112,8 +117,8 @@ class ForkServer:
 
     def __init__(self, preload: Sequence[str], env: dict[str, str]) -> None:
         self.errors = tempfile.NamedTemporaryFile(prefix="ampatch-forkserver-", suffix=".txt")
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, *preload], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
+        self.proc = process.start([sys.executable, "-m", __name__, *preload], env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
         self.buffer = b""
         self.ready = False
         self.running: Forked | None = None
@@ -244,11 +249,15 @@ class Forked:
             return None
 
     def send_signal(self, sig: int) -> None:
+        """``sig`` to the run's process group (the run and what it started)."""
         if self.returncode is None:
             try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:  # it ended; its return code is on the way
-                pass
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:  # it ended (its return code is on the way), or left its group
+                try:
+                    os.kill(self.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -1,6 +1,6 @@
 """The time budget of a comparison on a built-in workload: each level's deadline and step cap.
 
-A level's weight is the cost of one of its steps. With a calibration (``ampatch.compare.sizing``)
+A level's weight is the cost of one of its steps. With a calibration (``ampatch.runs.sizing``)
 the weights are the measured step times in seconds; without one (``--size`` given) they are
 guessed from the hardware: 1 for FP32 and native half, ``SLOW_HALF_WEIGHT`` where the half
 dtype is emulated, and the first run teaches their scale in seconds.

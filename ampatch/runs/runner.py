@@ -3,8 +3,9 @@
 `run_child` is the general piece: run a command with extra environment variables, each
 naming a file where the child writes a JSON at exit (``AMPATCH_REPORT``, ``AMPATCH_DIAGNOSE``),
 feed its live "step loss" lines (``AMPATCH_PROGRESS``) to a `Progress`, and collect the JSONs.
-`run_level` is one level of a comparison on top of it: forced to the level, its report, and
-why it failed in one line.
+`run_level` is one level of a comparison on top of it: forced to the level, its `Report`, and
+why it failed in one line. Each child runs in a session of its own and goes with the command
+(`process`): a SIGTERM or SIGHUP to the command stops it as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from typing import Any, TextIO
 
 from ampatch import env as envvars
 from ampatch import levels
-from ampatch.compare import UsageError
-from ampatch.compare.budget import Budget
-from ampatch.compare.progress import Progress
+from ampatch.runs import UsageError, process
+from ampatch.runs.budget import Budget
+from ampatch.runs.progress import Progress
+from ampatch.telemetry import Report
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory that holds ampatch/
 APEX_SITE = str(Path(__file__).resolve().parent / "apex_site")  # its sitecustomize aliases apex to ampatch
 POLL_S = 0.25            # how often a waiting run's progress file is read
-STOP_WAIT_S = 3.0        # each of SIGINT, SIGTERM, SIGKILL gets this long to end a run
+STOP_WAIT_S = 3.0        # each signal that stops a run (SIGINT, SIGTERM, SIGKILL) gets this long to end it
 ERROR_LINE_CHARS = 300   # a failure's line is cut to this length
 ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b")
 
@@ -132,9 +134,10 @@ Launch = Callable[[Sequence[str], dict[str, str], Path], Any]  # (cmd, env, stde
 
 
 def popen(cmd: Sequence[str], env: dict[str, str], stderr: Path) -> subprocess.Popen:
-    """Start ``cmd`` as a fresh process, stdin and stdout closed, stderr to the file ``stderr``."""
+    """Start ``cmd`` as a fresh process in a session of its own (`process.start`), stdin and
+    stdout closed, stderr to the file ``stderr``."""
     with open(stderr, "wb") as err:
-        return subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        return process.start(cmd, env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def run_child(cmd: Sequence[str], env: dict[str, str], collect: Sequence[str] = (),
@@ -142,8 +145,10 @@ def run_child(cmd: Sequence[str], env: dict[str, str], collect: Sequence[str] = 
     """Run ``cmd`` with ``env`` until it ends (started by ``launch``: a fresh process by
     default, see `forkserver`). For each variable in ``collect`` the child finds a path in it
     where it may write a JSON, which comes back in `Finished.outputs`. With a ``progress``,
-    the child's ``AMPATCH_PROGRESS`` lines feed it while it runs. Ctrl-C (KeyboardInterrupt)
-    stops the child, then re-raises."""
+    the child's ``AMPATCH_PROGRESS`` lines feed it while it runs. Ctrl-C (KeyboardInterrupt),
+    or a SIGTERM or SIGHUP to this process (`process.Stopped`), stops the child with that
+    signal first (`stop`), then re-raises; whatever the child started and left running ends
+    with it."""
     with tempfile.TemporaryDirectory(prefix="ampatch-") as tmp:
         env = dict(env)
         paths = {name: Path(tmp, f"{name.lower()}.json") for name in collect}
@@ -154,16 +159,19 @@ def run_child(cmd: Sequence[str], env: dict[str, str], collect: Sequence[str] = 
         else:
             env.pop(envvars.PROGRESS, None)
         err_path = Path(tmp, "stderr.txt")
-        start = time.perf_counter()
-        proc = launch(cmd, env, err_path)
-        try:
-            wait(proc, progress, progress_path)
-        except BaseException:  # Ctrl-C: the run goes too, then the caller decides
-            stop(proc)
-            raise
-        finally:
-            if progress is not None:
-                progress.close()
+        with process.stopping():
+            start = time.perf_counter()
+            proc = launch(cmd, env, err_path)
+            try:
+                with process.following(proc):
+                    wait(proc, progress, progress_path)
+            except BaseException as exc:  # Ctrl-C, SIGTERM: the run goes too, then the caller decides
+                stop(proc, process.signal_of(exc))
+                raise
+            finally:
+                process.kill_group(proc.pid)
+                if progress is not None:
+                    progress.close()
         wall_s = time.perf_counter() - start
         outputs, unreadable = {}, {}
         for name, path in paths.items():
@@ -203,13 +211,14 @@ def wait(proc: Any, progress: Progress | None, path: Path) -> None:
             return
 
 
-def stop(proc: Any) -> None:
-    """End a run that is still going: SIGINT (what Ctrl-C sends), then SIGTERM, then SIGKILL."""
-    for send in (lambda: proc.send_signal(signal.SIGINT), proc.terminate, proc.kill):
+def stop(proc: Any, first: int = signal.SIGINT) -> None:
+    """End a run that is still going: ``first`` (the signal the command got; SIGINT is what
+    Ctrl-C sends), then SIGTERM, then SIGKILL, each to its process group."""
+    for sig in dict.fromkeys((first, signal.SIGTERM, signal.SIGKILL)):
         if proc.poll() is not None:
             return
         try:
-            send()
+            proc.send_signal(sig)
             proc.wait(timeout=STOP_WAIT_S)
         except (subprocess.TimeoutExpired, OSError, KeyboardInterrupt):  # a second Ctrl-C escalates
             continue
@@ -238,14 +247,15 @@ def last_error_line(stderr: str) -> str | None:
 
 @dataclass(frozen=True)
 class LevelRun:
-    """One level's run of a comparison: whether it worked (else why not) and its report."""
+    """One level's run: whether it worked (else why not) and its report (None: the run
+    wrote none, or an unreadable one)."""
 
     level: str
     ok: bool
     error: str | None
     returncode: int | None
     wall_s: float
-    report: dict[str, Any] | None
+    report: Report | None
 
 
 def run_level(cmd: Sequence[str], level: str, half_dtype: str | None, progress: Progress | None = None,
@@ -261,16 +271,18 @@ def level_run(done: Finished, level: str | None) -> LevelRun:
     """What a finished run forced to ``level`` (None: the script's own, read from its report)
     gave: its report, or why it failed (it crashed, its report is unreadable or missing, it
     ran at another level)."""
-    report = done.outputs.get(envvars.REPORT)
-    error = None
-    if envvars.REPORT in done.unreadable:
-        error = f"unreadable report: {done.unreadable[envvars.REPORT]}"
-    error = error or failure_line(done.returncode, done.stderr)
+    report, error = None, done.unreadable.get(envvars.REPORT)
+    if error is None and envvars.REPORT in done.outputs:
+        try:
+            report = Report.from_dict(done.outputs[envvars.REPORT])
+        except ValueError as exc:
+            error = str(exc)
+    error = f"unreadable report: {error}" if error is not None else failure_line(done.returncode, done.stderr)
     if error is None and report is None:
         error = "script never called amp.initialize"
-    elif error is None and level is not None and report.get("opt_level") != level:
-        error = f"ran at {report.get('opt_level')} although {level} was forced"
-    ran_at = level or (report or {}).get("opt_level") or "?"
+    elif error is None and level is not None and report.opt_level != level:
+        error = f"ran at {report.opt_level} although {level} was forced"
+    ran_at = level or (report.opt_level if report is not None else "?")
     return LevelRun(ran_at, error is None, error, done.returncode, round(done.wall_s, 3), report)
 
 
@@ -279,12 +291,12 @@ CommandFor = Callable[[int | None, float | None], list[str]]  # (step cap, deadl
 
 def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: TextIO,
             budget: Budget | None = None, steps: int | None = None,
-            launch: Launch = popen, keep_fp32: str | None = None) -> tuple[list[LevelRun], bool]:
+            launch: Launch = popen, keep_fp32: str | None = None) -> tuple[list[LevelRun], int | None]:
     """Run every level in turn: a line on ``log`` when each starts and ends, live progress in
     between. ``cmd_for`` maps a level to the function of (step cap, deadline) that gives its
     command (a user script's ignores both); ``budget`` sets them for the built-in workloads;
-    ``keep_fp32`` goes to every run (see `child_env`). Returns the finished runs and whether
-    Ctrl-C stopped the comparison."""
+    ``keep_fp32`` goes to every run (see `child_env`). Returns the finished runs and the signal
+    that stopped the comparison (SIGINT: Ctrl-C; SIGTERM, SIGHUP), None when all ran."""
     runs: list[LevelRun] = []
     start, n = time.perf_counter(), len(cmd_for)
     i, level = 0, ""
@@ -294,26 +306,29 @@ def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: Text
         log.flush()
 
     try:
-        for i, (level, make) in enumerate(cmd_for.items(), 1):
-            steps_done = [r.report.get("steps") for r in runs if r.ok and r.report]
-            cap, deadline = steps, None
-            if budget is not None:
-                cap, deadline = budget.next_run(list(cmd_for)[i - 1:], [s for s in steps_done if s])
-            total, expected = cap, False
-            if total is None:  # a user script: expect as many steps as the last finished level
-                total = next((s for s in reversed(steps_done) if s is not None), None)
-                expected = total is not None
-            say("running", f", up to {cap} steps in {deadline - time.time():.0f}s" if deadline else "")
-            progress = Progress(level, total, deadline, stream=log, expected=expected)
-            run = run_level(make(cap, deadline), level, half_dtype, progress, launch, keep_fp32)
-            if budget is not None:
-                budget.ran(progress.start_s(), progress.exit_s(), level, progress.seconds_per_step())
-            runs.append(run)
-            steps_run = (run.report or {}).get("steps")
-            say(f"{'ok' if run.ok else 'FAILED'} in {run.wall_s:.1f}s"
-                + (f", {steps_run} steps" if run.ok and steps_run is not None else ""),
-                after="" if run.ok else f": {run.error}")
-    except KeyboardInterrupt:
-        say("interrupted; stopping")
-        return runs, True
-    return runs, False
+        with process.stopping():  # a SIGTERM between two runs stops the comparison too
+            for i, (level, make) in enumerate(cmd_for.items(), 1):
+                steps_done = [r.report.steps for r in runs if r.ok and r.report is not None]
+                cap, deadline = steps, None
+                if budget is not None:
+                    cap, deadline = budget.next_run(list(cmd_for)[i - 1:], [s for s in steps_done if s])
+                total, expected = cap, False
+                if total is None:  # a user script: expect as many steps as the last finished level
+                    total = next((s for s in reversed(steps_done) if s is not None), None)
+                    expected = total is not None
+                say("running", f", up to {cap} steps in {deadline - time.time():.0f}s" if deadline else "")
+                progress = Progress(level, total, deadline, stream=log, expected=expected)
+                run = run_level(make(cap, deadline), level, half_dtype, progress, launch, keep_fp32)
+                if budget is not None:
+                    budget.ran(progress.start_s(), progress.exit_s(), level, progress.seconds_per_step())
+                runs.append(run)
+                steps_run = run.report.steps if run.report is not None else None
+                say(f"{'ok' if run.ok else 'FAILED'} in {run.wall_s:.1f}s"
+                    + (f", {steps_run} steps" if run.ok and steps_run is not None else ""),
+                    after="" if run.ok else f": {run.error}")
+    except KeyboardInterrupt as exc:  # Ctrl-C, or process.Stopped
+        signum = process.signal_of(exc)
+        say("interrupted; stopping" if signum == signal.SIGINT else
+            f"interrupted by {signal.Signals(signum).name}; stopping")
+        return runs, signum
+    return runs, None

@@ -21,8 +21,8 @@ from typing import Any, TextIO
 
 from ampatch import env as envvars
 from ampatch import workloads
-from ampatch.compare.budget import EXIT_S, MARGIN, TARGET_STEPS
-from ampatch.compare.runner import Launch, child_env, failure_line, popen, read_json, run_child
+from ampatch.runs.budget import EXIT_S, MARGIN, TARGET_STEPS
+from ampatch.runs.runner import Launch, child_env, failure_line, popen, read_json, run_child
 from ampatch.workloads.calibrate import step_kinds
 
 CALIBRATION_LIMIT_S = 6.0  # of measuring, beyond the calibration's own start-up

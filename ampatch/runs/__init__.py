@@ -1,0 +1,24 @@
+"""Runs of a training script or built-in workload in child processes: the layer under
+``ampatch run``, ``compare``, ``diagnose`` and ``tune``.
+
+One job per module:
+
+- ``process``: starting a child (its own session, killed with the command), passing the
+  command's SIGINT/SIGTERM/SIGHUP on to it, and ending it and what it started;
+- ``runner``: a run's environment, launch, wait, stop, the JSON it writes at exit, why it
+  failed; `runner.run_level` runs one forced level and reads its `Report`; ``run_all`` the
+  levels one after another;
+- ``forkserver``: the built-in workloads' runs forked from one process that did the imports;
+- ``progress``: the live line of the running level;
+- ``budget``: the time budget that sets each level's deadline and step cap;
+- ``sizing``: the built-in workload's size, from a quick calibration (or ``--size``);
+- ``builtin``: runs of a built-in workload (device, launcher, each level's command);
+- ``apex_site/sitecustomize.py``: what ``--apex-alias`` puts on a run's path.
+
+Nothing here prints: the command line (``ampatch.cli``) gives the stream to write progress to.
+"""
+
+
+class UsageError(ValueError):
+    """Bad input from the user (a missing script, a device this machine lacks): the command
+    line reports it in one line, as a usage error."""
