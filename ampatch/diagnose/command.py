@@ -108,7 +108,10 @@ def _parent(name: str) -> str | None:
 def _grow(keep: list[str], run: _Run) -> str | None:
     """The module to add after a verification run that is still not finite: its first
     non-finite module if new, else the parent of the last module added."""
-    found = analyse(run.diagnosis)["first_nonfinite"] if run.diagnosis else None
+    found = analyse(run.diagnosis) if run.diagnosis else None
+    if found is not None and found["step_fault"] is not None:
+        return None  # the optimizer step's fault: no module to keep helps
+    found = found["first_nonfinite"] if found is not None else None
     if found is not None and found["module"] not in keep:
         return found["module"]
     for name in reversed(keep):
