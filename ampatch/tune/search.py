@@ -190,8 +190,10 @@ class Search:
                      f"between repeats (best: {best.label}, {ms[best.label]:.1f} ms against {o0:.1f}).")
             return
         r.chosen = best
-        speed = f"{o0 / ms[best.label]:.2f}x O0's speed" if o0 else "speed unknown"
+        dev = r.measured_of(best).deviation
+        o0_text = "speed unknown" if not o0 else (
+            f"{o0 / ms[best.label]:.2f}x O0's speed" + ("" if timing.faster(ms[best.label], o0, r.spread) else
+                                                        f", within the {r.spread:.1%} spread of O0's"))
         tie = "" if best.label == fastest else (f"; as fast as {fastest} within the {r.spread:.1%} spread between "
                                                 "repeats, and simpler")
-        r.why = f"the fastest policy that trains like FP32 ({speed}, deviation " \
-                f"{r.measured_of(best).deviation:.2%}){tie}."
+        r.why = f"the fastest policy that trains like FP32 ({o0_text}; deviation {dev:.2%}){tie}."
