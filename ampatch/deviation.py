@@ -18,8 +18,8 @@ reference ``R`` (losses by 0-based optimizer step, as the session's report recor
 - ``window`` (`WINDOW` losses, fewer at the start) smooths the per-batch noise: once curves
   are shifted, they compare losses of different batches at the same number of updates.
 - The deviation is relative (a fraction: 0.02 is 2%), so a tolerance means the same on any
-  loss. A non-finite loss makes it infinite. Steps only one curve has (a thinned or shorter
-  curve) are skipped; None when no step compares.
+  loss. A non-finite loss makes it infinite. Only the steps both curves have are compared
+  and averaged (a long run's curve is thinned, a budget cuts one short); None when none is.
 """
 from __future__ import annotations
 
@@ -61,12 +61,12 @@ def deviation(losses: Mapping[int, float], reference: Mapping[int, float], skipp
     mine = {s: v for s, v in losses.items() if s >= k}
     if any(not math.isfinite(v) for v in mine.values()):
         return math.inf
-    ours, theirs = _smoothed(mine, window), _smoothed(reference, window)
+    common = [s for s in mine if s - k in reference]   # a thinned curve has only some steps
+    ours = _smoothed({s: mine[s] for s in common}, window)
+    theirs = _smoothed({s - k: reference[s - k] for s in common}, window)
     worst = None
     for step, value in ours.items():
-        ref = theirs.get(step - k)
-        if ref is None:
-            continue
+        ref = theirs[step - k]
         if not math.isfinite(ref):
             return math.inf
         dev = abs(value - ref) / max(abs(ref), TINY)

@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "ampatch"
 MAX_LINES = 470  # "~450 lines": split a file by job before it grows further
 # Layers above the core: they may import the core; the core may not import them at module level.
-UPPER = ("ampatch.compat", "ampatch.cli", "ampatch.compare", "ampatch.diagnose", "ampatch.workloads",
+UPPER = ("ampatch.compat", "ampatch.cli", "ampatch.compare", "ampatch.diagnose", "ampatch.tune", "ampatch.workloads",
          "ampatch.__main__")
 
 

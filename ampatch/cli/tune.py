@@ -47,6 +47,9 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
     t.add_argument("--size", choices=SIZES, help="size of the built-in workload (default: large for lm)")
     t.add_argument("--device", help="device of the built-in workloads (default: CUDA when available)")
     t.add_argument("--no-repair", action="store_true", help="do not repair failed candidates")
+    t.add_argument("--rounds", type=int, default=2, metavar="N",
+                   help="interleaved re-timing rounds of the fastest qualifying candidates against O0 (default 2; "
+                        "0: none)")
     t.add_argument("--apex-alias", action="store_true", help="the script's Apex imports load ampatch")
     t.set_defaults(func=cmd_tune)
 
@@ -90,10 +93,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if context is not None:
             with context as started:
                 result = Search(Job(job_cmd, args.steps, started, args.apex_alias, False), cands, args.tolerance,
-                                args.budget, sys.stderr, repair=not args.no_repair).run()
+                                args.budget, sys.stderr, repair=not args.no_repair, rounds=args.rounds).run()
         else:
             result = Search(Job(job_cmd, args.steps, runner.popen, args.apex_alias, True), cands, args.tolerance,
-                            args.budget, sys.stderr, repair=not args.no_repair).run()
+                            args.budget, sys.stderr, repair=not args.no_repair, rounds=args.rounds).run()
     except NoReference as exc:
         print(f"ampatch tune: {exc}", file=sys.stderr)
         return 1

@@ -52,8 +52,8 @@ class Search:
     """One search (see the module docstring); progress lines go to `log`."""
 
     def __init__(self, job: Job, candidates: Sequence[Candidate], tolerance: float, budget_s: float | None,
-                 log: TextIO, repair: bool = True) -> None:
-        self.job, self.todo, self.log, self.repair = job, list(candidates), log, repair
+                 log: TextIO, repair: bool = True, rounds: int = timing.ROUNDS) -> None:
+        self.job, self.todo, self.log, self.repair, self.rounds = job, list(candidates), log, repair, rounds
         self.result = Result(tolerance)
         self.deadline = None if budget_s is None else time.time() + budget_s
         self.last_wall = 0.0
@@ -147,11 +147,11 @@ class Search:
     def retime(self) -> None:
         r = self.result
         qual = sorted((m for m in r.candidates if m.qualifies and m.step_ms), key=lambda m: m.step_ms)[:timing.RETIME]
-        if not qual:
+        if not qual or self.rounds < 1:
             return
         by_label = {REFERENCE.label: REFERENCE, **{m.candidate.label: m.candidate for m in qual}}
-        plan = timing.order(REFERENCE.label, [m.candidate.label for m in qual])
-        self.say(f"re-timing {', '.join(by_label)} interleaved ({timing.ROUNDS} rounds)")
+        plan = timing.order(REFERENCE.label, [m.candidate.label for m in qual], self.rounds)
+        self.say(f"re-timing {', '.join(by_label)} interleaved ({self.rounds} round(s))")
         for label in plan:
             if not self.fits():
                 r.notes.append("budget reached during re-timing: fewer repeats than planned.")
