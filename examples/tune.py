@@ -53,7 +53,7 @@ class Net(nn.Module):
         return self.head(self.body(self.norm(self.embed(x))))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--opt-level", default="O1")
@@ -77,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         if step % 50 == 0:
             log.info("step %d loss %.4f", step, loss.item())
-    return 0
+    r = amp.report()
+    print(f"final loss {loss.item():.4f}  ({r.opt_level}, half dtype {r.half_dtype}, "
+          f"kept in FP32: {r.keep_fp32 or 'none'})")
+    return loss.item()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
