@@ -107,11 +107,11 @@ class Search:
         r.reference = ref
         self.say(f"trying {len(self.todo)} candidate(s): {', '.join(c.label for c in self.todo)}")
         failed = []
-        for c in self.todo:
+        for i, c in enumerate(self.todo, 1):
             if not self.fits():
                 r.notes.append(f"budget reached before {c.label} ran.")
                 return
-            m = self.measure(c, "each level with each half dtype worth trying here")
+            m = self.measure(c, f"candidate {i}/{len(self.todo)}")
             r.candidates.append(m)
             if not m.qualifies and m.row.ok:
                 failed.append(c)
