@@ -113,3 +113,15 @@ def test_a_bad_tolerance_is_refused(text):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError):
         tolerance(text)
+
+
+def test_only_the_interleaved_repeats_set_the_spread_and_the_finalists_times():
+    """The first timing of O0 ran alone, in a busy minute: it does not count once the
+    finalists have been re-timed side by side with O0."""
+    o1 = Candidate("O1", "bfloat16")
+    s = _search({REFERENCE: [900.0, 470.0, 456.0], o1: [267.0, 290.0, 280.0]}, {o1: 0.0})
+    s.result.repeats = {REFERENCE.label: [470.0, 456.0], o1.label: [290.0, 280.0]}
+    s.choose()
+    assert s.result.spread == pytest.approx(14 / 463)
+    assert s.result.step_ms(REFERENCE) == pytest.approx(463) and s.result.chosen == o1
+    assert "O0: 470/456" in render(s.result, "title", None, "")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO

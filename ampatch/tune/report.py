@@ -49,7 +49,7 @@ def to_json(result: Result) -> dict[str, Any]:
             "reference": {"step_ms": o0, "final_loss": ref.row.final_loss if ref else None,
                           "peak_memory_mib": ref.row.peak_memory_mib if ref else None},
             "candidates": cands, "chosen": chosen, "spread": result.spread,
-            "timings_ms": result.timings, "interrupted": result.interrupted, "notes": result.notes}
+            "timings_ms": result.timings, "repeats_ms": result.repeats, "interrupted": result.interrupted, "notes": result.notes}
 
 
 def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
@@ -85,9 +85,10 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
 
     out = [title, line(header), *(line(x) for x in rows), ""]
     if result.spread is not None:
-        reps = ", ".join(f"{k}: {'/'.join(f'{v:.0f}' for v in vs)}" for k, vs in result.timings.items() if len(vs) > 1)
-        out.append(f"step ms: median per step after warm-up, median over repeats ({reps or 'no repeats'}); "
-                   f"spread between repeats {result.spread:.1%}: a policy is faster only beyond it.")
+        reps = ", ".join(f"{k}: {'/'.join(f'{v:.0f}' for v in vs)}" for k, vs in result.repeats.items())
+        out.append(f"step ms: median per step after warm-up; for the finalists, the median of their runs "
+                   f"interleaved with O0's ({reps or 'none'}); spread between repeats {result.spread:.1%}: a "
+                   "policy is faster only beyond it.")
     out.append(f"deviation: of the loss curve from O0's, relative, 5-step means, after the loss scaler's initial "
                f"back-offs (tolerance {result.tolerance:.2%}).")
     out += [f"note: {n}" for n in result.notes]

@@ -32,15 +32,20 @@ class Result:
     reference: Measured | None = None
     candidates: list[Measured] = field(default_factory=list)
     timings: dict[str, list[float]] = field(default_factory=dict)   # label -> each run's median step ms
+    repeats: dict[str, list[float]] = field(default_factory=dict)   # ... of the interleaved re-timing runs only
     spread: float | None = None
     chosen: Candidate | None = None
     why: str = ""
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
 
+    def compared(self) -> dict[str, list[float]]:
+        """The timings that compare: a re-timed policy's interleaved repeats (run side by side
+        with O0's), else its one timing."""
+        return {k: self.repeats.get(k) or v for k, v in self.timings.items()}
+
     def step_ms(self, c: Candidate) -> float | None:
-        ms = timing.step_ms(self.timings)
-        return ms.get(c.label)
+        return timing.step_ms(self.compared()).get(c.label)
 
     def measured_of(self, c: Candidate) -> Measured | None:
         if c == REFERENCE:
@@ -163,6 +168,7 @@ class Search:
             ms = measured(c, done, None, r.tolerance).step_ms
             if ms is not None:
                 r.timings.setdefault(label, []).append(ms)
+                r.repeats.setdefault(label, []).append(ms)
                 self.say(f"    {ms:.1f} ms/step")
         self.retimed = [m.candidate for m in qual]
 
@@ -170,8 +176,8 @@ class Search:
         """The fastest qualifying policy (ties, within the spread, to the simpler one); O0
         when none qualifies or O0 is faster beyond the spread."""
         r = self.result
-        r.spread = timing.spread(r.timings)
-        ms = timing.step_ms(r.timings)
+        r.spread = timing.spread(r.repeats if any(len(v) > 1 for v in r.repeats.values()) else r.timings)
+        ms = timing.step_ms(r.compared())
         qual = [m.candidate for m in r.candidates if m.qualifies and m.candidate.label in ms]
         if self.retimed:  # the finalists: the others were slower at their first timing
             qual = [c for c in qual if c in self.retimed]
