@@ -86,14 +86,20 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
     out = [title, line(header), *(line(x) for x in rows), ""]
     if result.spread is not None:
         reps = ", ".join(f"{k}: {'/'.join(f'{v:.0f}' for v in vs)}" for k, vs in result.repeats.items())
-        out.append(f"step ms: median per step after warm-up; for the finalists, the median of their runs "
-                   f"interleaved with O0's ({reps or 'none'}); spread between repeats {result.spread:.1%}: a "
-                   "policy is faster only beyond it.")
+        if reps:
+            out.append(f"step ms: median per step after warm-up; for the finalists, the median of their runs "
+                       f"interleaved with O0's ({reps}); spread between repeats {result.spread:.1%}: a policy is "
+                       "faster only beyond it.")
+        else:
+            out.append(f"step ms: median per step after warm-up, one run each (not re-timed): a policy is faster "
+                       f"only beyond {result.spread:.1%}.")
     out.append(f"deviation: of the loss curve from O0's, relative, 5-step means, after the loss scaler's initial "
                f"back-offs (tolerance {result.tolerance:.2%}).")
     out += [f"note: {n}" for n in result.notes]
     chosen = result.chosen or REFERENCE
     out += ["", f"chosen: {chosen.label}: {result.why}"]
+    if result.interrupted:
+        out.append("the policy file was not written (interrupted): run `ampatch tune` again to finish the search.")
     if out_path:
         out += [f"written to {out_path}; apply it with", f"  amp.initialize(model, optimizer, policy={out_path!r})",
                 f"  or, without editing the script: {rerun.format(policy=out_path)}",
