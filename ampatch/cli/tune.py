@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from contextlib import nullcontext
 
 from ampatch.cli.common import CliError, budget, check_output_path, opt_levels, positive
 from ampatch.compare import builtin, runner
@@ -70,7 +71,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise CliError("--workload/--size/--device apply to the built-in workloads; give your script its "
                            "own options after --")
         cmd = runner.resolve_command(args.command)
-        device, what, launch = "cpu", " ".join(args.command), None
+        device, what = "cpu", " ".join(args.command)
         job_cmd = lambda steps: list(cmd)  # noqa: E731 - AMPATCH_MAX_STEPS stops it
         rerun = f"ampatch run --policy {{policy}} -- {what}"
     else:
@@ -82,21 +83,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 "--size", size, "--seed", "0"]
         job_cmd = lambda steps: base + ["--steps", str(steps)]  # noqa: E731
         rerun = f"ampatch run --policy {{policy}} -- python -m ampatch.workloads.{workload} --size {size} --threads 1"
-        launch = None
     cands = candidates.initial([lv for lv in args.levels if lv != "O0"], device, half)
     print(builtin.machine_notice(device, ["O0", *args.levels], half), file=sys.stderr, flush=True)
     budget_text = "no budget" if args.budget is None else f"a {args.budget:g}s budget"
     print(f"ampatch tune: {what}: O0, then {len(cands)} candidate(s), {args.steps} steps each, repairs and "
           f"re-timing, within {budget_text}; tolerance {args.tolerance:.2%}", file=sys.stderr, flush=True)
-    context = builtin.launcher(device, sys.stderr) if launch is None and args.command is None else None
+    script = args.command is not None
+    started = nullcontext(runner.popen) if script else builtin.launcher(device, sys.stderr)
     try:
-        if context is not None:
-            with context as started:
-                result = Search(Job(job_cmd, args.steps, started, args.apex_alias, False), cands, args.tolerance,
-                                args.budget, sys.stderr, repair=not args.no_repair, rounds=args.rounds).run()
-        else:
-            result = Search(Job(job_cmd, args.steps, runner.popen, args.apex_alias, True), cands, args.tolerance,
-                            args.budget, sys.stderr, repair=not args.no_repair, rounds=args.rounds).run()
+        with started as launch:
+            job = Job(job_cmd, args.steps, launch, args.apex_alias, script)
+            result = Search(job, cands, args.tolerance, args.budget, sys.stderr, repair=not args.no_repair,
+                            rounds=args.rounds).run()
     except NoReference as exc:
         print(f"ampatch tune: {exc}", file=sys.stderr)
         return 1

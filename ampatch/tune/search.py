@@ -110,7 +110,10 @@ class Search:
                               "the loss's backward must run inside `with amp.scale_loss(loss, optimizer) as "
                               "scaled: scaled.backward()`.")
         r.reference = ref
-        self.say(f"trying {len(self.todo)} candidate(s): {', '.join(c.label for c in self.todo)}")
+        runs = len(self.todo) + timing.RETIME * self.rounds + self.rounds
+        self.say(f"trying {len(self.todo)} candidate(s): {', '.join(c.label for c in self.todo)}; about "
+                 f"{self.last_wall:.1f}s a run: {runs} runs, about {runs * self.last_wall / 60:.1f} min, plus 2 "
+                 "per repair" + ("" if self.deadline is None else ", within the budget"))
         failed = []
         for i, c in enumerate(self.todo, 1):
             if not self.fits():
