@@ -118,3 +118,22 @@ def test_run_policy_applies_the_file_to_an_unmodified_script(tmp_path):
                       "m, o = amp.initialize(m, o, opt_level='O0', verbosity=0)\n"
                       "assert amp.report().opt_level == 'O4', amp.report().opt_level\n")
     assert main(["run", "--policy", str(tmp_path / "p.json"), "--", "python", str(script)]) == 0
+
+
+def test_compare_adds_a_row_for_the_policy(tmp_path, capsys):
+    save(Policy("O4", "bfloat16"), tmp_path / "p.json")
+    script = tmp_path / "train.py"
+    script.write_text("import torch, ampatch as amp\n"
+                      "torch.manual_seed(0)\n"
+                      "m = torch.nn.Linear(8, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                      "m, o = amp.initialize(m, o, opt_level='O1', verbosity=0)\n"
+                      "for _ in range(4):\n"
+                      "    loss = m(torch.ones(4, 8)).float().pow(2).mean()\n"
+                      "    with amp.scale_loss(loss, o) as s: s.backward()\n"
+                      "    o.step(); o.zero_grad()\n")
+    code = main(["compare", "--levels", "O0", "--policy", str(tmp_path / "p.json"), "--json", str(tmp_path / "c.json"),
+                 "--", "python", str(script)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["level"] for r in rows] == ["O0", "policy:O4"] and rows[1]["half_dtype"] == "bfloat16"
+    assert rows[1]["max_loss_dev_vs_O0"] is not None
