@@ -18,6 +18,7 @@ import ampatch as amp
 from ampatch import env
 from ampatch.diagnose.analysis import analyse, error_floor
 from ampatch.diagnose.recorder import Recorder
+from ampatch.diagnose.render import render
 from ampatch.diagnose.stats import relative_error, underflow_fraction
 
 
@@ -296,3 +297,6 @@ def test_an_optimizer_step_that_makes_weights_nan_is_a_step_fault_not_a_module(t
     assert result["recommendation"]["keep_fp32"] == []
     assert result["first_nonfinite"]["phase"] == "step"
     assert any(n.startswith("step fault") for n in result["recommendation"]["notes"])
+    text = render({**result, "opt_level": "O3"}, "test")
+    assert "first non-finite: step nonfinite weights in inp at step 0" in text
+    assert "recommendation: no module to keep in FP32: the optimizer step itself" in text
