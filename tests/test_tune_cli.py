@@ -50,7 +50,7 @@ def test_a_script_that_crashes_or_never_scales_its_loss_is_one_message(tmp_path,
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--tolerance", "-2%"], "--tolerance"),
+    (["--tolerance", "-2%"], "--tolerance: must be above 0"),
     (["--tolerance", "lots"], "--tolerance"),
     (["--budget", "soon"], "--budget"),
     (["--workload", "lm", "--", "python", "x.py"], "apply to the built-in workloads"),

@@ -20,18 +20,22 @@ DEFAULT_SIZE = {"lm": "large", "cnn": "medium", "lstm": "medium"}
 
 def tolerance(text: str) -> float:
     """"2%", "0.02" -> 0.02; refuses a negative, zero or unparsable tolerance."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must be above 0 (a relative deviation such as 2% or 0.02), got {text!r}")
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%?)\s*", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"--tolerance: expected a relative deviation such as 2% or 0.02, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a relative deviation such as 2% or 0.02, got {text!r}")
     value = float(m.group(1)) / (100 if m.group(2) else 1)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"--tolerance must be above 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be above 0 (a relative deviation such as 2% or 0.02), got {text!r}")
     return value
 
 
 def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
     t = sub.add_parser("tune", help="find the fastest precision policy that still trains like FP32",
                        usage="ampatch tune [options] [-- python train.py ARGS...]")
+    # "-2%" reaches `tolerance` (which refuses it by name) instead of looking like an option to argparse
+    t._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)%?$")
     t.add_argument("--tolerance", type=tolerance, default=0.02,
                    help="largest deviation of the loss curve from O0's, relative (default 2%%)")
     t.add_argument("--steps", type=positive, default=DEFAULT_STEPS,
