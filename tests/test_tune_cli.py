@@ -59,3 +59,37 @@ def test_a_script_that_crashes_or_never_scales_its_loss_is_one_message(tmp_path,
 def test_bad_input_is_a_usage_error(args, words, capsys):
     assert main(["tune", *args]) == 2
     assert words in capsys.readouterr().err
+
+
+ADAM_EPS_SCRIPT = """
+import torch, ampatch as amp
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+o = torch.optim.Adam(m.parameters(), lr=1e-3, eps=1e-8)
+m, o = amp.initialize(m, o, opt_level="O1", verbosity=0)
+gen = torch.Generator().manual_seed(1)
+for _ in range(20):
+    x = torch.randn(16, 8, generator=gen)
+    x[:, :3] = 0                      # these inputs are always 0: their weights' gradients are 0
+    loss = torch.nn.functional.cross_entropy(m(x).float(), torch.randint(0, 2, (16,), generator=gen))
+    o.zero_grad()
+    with amp.scale_loss(loss, o) as s:
+        s.backward()
+    o.step()
+"""
+
+
+def test_a_step_fault_drops_the_candidate_with_its_reason(tmp_path, capsys):
+    """O3 float16 with Adam's eps=1e-8 (0 in float16): the weights go NaN at the optimizer
+    step. No module to keep helps, so the candidate is dropped, not repaired, and O0 chosen."""
+    script = tmp_path / "adam.py"
+    script.write_text(ADAM_EPS_SCRIPT)
+    js = tmp_path / "t.json"
+    code = main(["tune", "--levels", "O3", "--half-dtype", "float16", "--steps", "6", "--out", str(tmp_path / "p.json"),
+                 "--json", str(js), "--", "python", str(script)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    data = json.loads(js.read_text())
+    (o3,) = data["candidates"]
+    assert o3["opt_level"] == "O3" and not o3["qualifies"] and o3["step_fault"]
+    assert "step fault" in o3["reason"] and "not a module's precision" in o3["reason"]
+    assert data["chosen"]["opt_level"] == "O0" and load(tmp_path / "p.json").opt_level == "O0"

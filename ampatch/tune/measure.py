@@ -62,7 +62,7 @@ class Measured:
                 "deviation": self.deviation if self.deviation is None or math.isfinite(self.deviation) else None,
                 "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
                 "peak_memory_mib": self.row.peak_memory_mib, "final_loss": self.row.final_loss,
-                "repairs": c.repairs}
+                "repairs": c.repairs, "step_fault": self.step_fault}
 
 
 def environment(candidate: Candidate, job: Job, policy_path: str) -> dict[str, str]:
