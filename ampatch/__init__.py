@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import hardware, hf_models, levels
+from .policyfile import takes_policy
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
 from .policy import user as _user_policy
@@ -72,12 +73,14 @@ def _as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:
     return items, single
 
 
+@takes_policy  # policy= and AMPATCH_POLICY: see policyfile.apply_policy
 def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type: Any = None, patch_torch_functions: Any = None, keep_batchnorm_fp32: Any = None,
                master_weights: Any = None, loss_scale: Any = None, cast_model_outputs: Any = None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
                max_loss_scale: float = 2.0 ** 24, half_dtype: Any = None, allow_banned: bool = False,
-               patch_torch_functions_type: Any = None, process_group: Any = None, keep_fp32: Any = None) -> Any:
+               patch_torch_functions_type: Any = None, process_group: Any = None, keep_fp32: Any = None,
+               policy: Any = None) -> Any:
     """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
 
     Returns the models and optimizers in the shape they came in (only the models when no
@@ -85,6 +88,8 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     raises leaves the "ampatch" logger's level as it was. `keep_fp32` names modules (names
     as `named_modules()` gives them, "1.head" with several models; classes; callables
     `(name, module) -> bool`) that run in FP32 with everything inside them, at any level.
+    `policy`: a policy file `ampatch tune` wrote (a path, or a dict): its fields set the
+    keywords this call does not give (see `ampatch.policyfile`).
     """
     level_before = logger.level
     try:

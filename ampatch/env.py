@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MAX_STEPS", "REPORT", "PROGRESS",
-           "TIME_WRAPPERS", "DIAGNOSE", "ALL", "get", "flag", "positive_int", "without_ampatch"]
+           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "ALL", "get", "flag", "positive_int", "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)
@@ -20,8 +20,9 @@ REPORT = "AMPATCH_REPORT"                # write the session's report() as JSON 
 PROGRESS = "AMPATCH_PROGRESS"            # append "step loss" lines here while recording
 TIME_WRAPPERS = "AMPATCH_TIME_WRAPPERS"  # "1": time every O1 wrapper's own work
 DIAGNOSE = "AMPATCH_DIAGNOSE"            # write per-module precision statistics here at exit
+POLICY = "AMPATCH_POLICY"                # apply this policy file (ampatch tune's) to every initialize
 
-ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE)
+ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE, POLICY)
 PREFIX = "AMPATCH_"
 
 

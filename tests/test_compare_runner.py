@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _reports import REQUIRED
 
 from ampatch import env as envvars
 from ampatch.runs import UsageError, runner
@@ -20,9 +21,6 @@ from ampatch.runs.progress import Progress
 
 
 # what every report has (a child here writes it without ampatch); a script adds its figures
-REQUIRED = {"opt_level": "O0", "half_dtype": None, "enabled": True, "casts": {}, "cache": {"hits": 0, "misses": 0},
-            "steps": 0, "skipped_steps": [], "loss_scale": {}, "loss_scale_history": {},
-            "time_s": {"wrappers": None, "scale_loss": None}}
 
 
 def write(path: Path, text: str) -> Path:

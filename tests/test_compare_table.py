@@ -5,25 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from _reports import report
+
 from ampatch.compare.rows import summarize
 from ampatch.compare.table import format_table, machine_of, write_json
 from ampatch.runs.runner import LevelRun
-from ampatch.telemetry import Report
 
 DEVICE = {"type": "cpu", "name": "Old CPU", "cores": 2, "features": ["avx2"], "lacks": ["avx512_bf16"],
           "native": {"bfloat16": False, "float16": False}, "basis": {"bfloat16": "no AVX512-BF16 or AMX"},
           "torch": "2.13.0+cpu"}
 
 
-# the fields every report has; a test gives the ones it is about
-REQUIRED = {"opt_level": "O0", "half_dtype": None, "enabled": True, "casts": {}, "cache": {"hits": 0, "misses": 0},
-            "steps": 0, "skipped_steps": [], "loss_scale": {}, "loss_scale_history": {},
-            "time_s": {"wrappers": None, "scale_loss": None}}
 
-
-def report(fields: dict) -> Report:
-    """A hand-made report, read as a child's is (`Report.from_dict`)."""
-    return Report.from_dict({**REQUIRED, **fields})
 
 
 def rows_of(device: dict) -> list:

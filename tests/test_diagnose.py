@@ -18,6 +18,7 @@ import ampatch as amp
 from ampatch import env
 from ampatch.diagnose.analysis import analyse, error_floor
 from ampatch.diagnose.recorder import Recorder
+from ampatch.diagnose.render import render
 from ampatch.diagnose.stats import relative_error, underflow_fraction
 
 
@@ -247,3 +248,55 @@ def test_the_plot_draws_each_leaf_and_marks_the_recommended_one(tmp_path, monkey
     bars = {name: bar for name, bar in zip(leaves, headroom.patches)}
     assert bars["big"].get_facecolor()[:3] == (0.8392156862745098, 0.15294117647058825, 0.1568627450980392)  # tab:red
     assert bars["big"].get_width() < 1.5 and bars["out"].get_width() > 1.5
+
+
+class Whisper(nn.Module):
+    """A residual branch scaled by 1e-9: its weights' gradients are below float16's smallest
+    subnormal, so without a loss scale that layer never learns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + 1e-9 * self.lin(x)
+
+
+def test_one_layer_whose_gradient_underflows_whole_is_a_finding(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(mid=Whisper()), "O3", torch.float16)
+    rec = result["recommendation"]
+    under = {m["name"]: m["grad_underflow"] for m in result["modules"] if m["grad_underflow"] is not None}
+    assert under["mid.lin"] >= 0.99 and sum(u >= 0.5 for u in under.values()) * 2 < len(under)  # one of many
+    assert rec["settings"] == {"loss_scale": "dynamic"}
+    assert any("mid.lin" in n and "never learns" in n for n in rec["notes"])
+
+
+def test_an_optimizer_step_that_makes_weights_nan_is_a_step_fault_not_a_module(tmp_path, monkeypatch):
+    """O3 float16 with Adam's eps=1e-8 (0 in float16): a weight whose gradient is 0 becomes
+    0/0 = NaN at the step. No module's precision causes it, so none is recommended."""
+    torch.manual_seed(0)
+    path = tmp_path / "diag.json"
+    monkeypatch.setenv(env.DIAGNOSE, str(path))
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    model, opt = amp.initialize(model, opt, opt_level="O3", half_dtype=torch.float16, verbosity=0)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(8, 16, generator=gen)
+        x[:, :4] = 0  # the first inputs are always 0: their weights' gradients are 0
+        loss = nn.functional.cross_entropy(model(x.half()).float(), torch.randint(0, 4, (8,), generator=gen))
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    amp.deinitialize()
+    result = analyse(json.loads(path.read_text()))
+    fault = result["step_fault"]
+    assert fault is not None and fault["step"] == 0 and "inp" in fault["modules"]
+    assert result["recommendation"]["keep_fp32"] == []
+    assert result["first_nonfinite"]["phase"] == "step"
+    assert any(n.startswith("step fault") for n in result["recommendation"]["notes"])
+    text = render({**result, "opt_level": "O3"}, "test")
+    assert "first non-finite: step nonfinite weights in inp at step 0" in text
+    assert "recommendation: no module to keep in FP32: the optimizer step itself" in text

@@ -7,7 +7,9 @@ of ampatch that prints; the packages it drives (``ampatch.runs``, ``ampatch.comp
   prints one table;
 - ``run`` runs a script once, forced to a level, with ``--apex-alias`` making its Apex
   imports load ampatch;
-- ``diagnose`` finds where half precision hurts a script and verifies a fix.
+- ``diagnose`` finds where half precision hurts a script and verifies a fix;
+- ``tune`` finds the fastest precision policy that still trains like FP32 and writes it to
+  a policy file (``amp.initialize(..., policy=PATH)``, ``ampatch run --policy PATH``).
 
 Exit codes: the runs' (1 when a level failed or nothing could be diagnosed), 2 for a usage
 error, 130 after Ctrl-C, 128+N after signal N (SIGTERM, SIGHUP: handled as Ctrl-C is, see
@@ -24,6 +26,7 @@ from ampatch.cli.common import HALF_OPTION, CliError
 from ampatch.cli.compare import add_compare
 from ampatch.cli.diagnose import add_diagnose
 from ampatch.cli.run import add_run
+from ampatch.cli.tune import add_tune
 from ampatch.runs import UsageError, process
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "CliError"]
@@ -35,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction, dict], None]] = {
-    "compare": add_compare, "run": add_run, "diagnose": add_diagnose}
+    "compare": add_compare, "run": add_run, "diagnose": add_diagnose, "tune": add_tune}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ from ampatch import levels as levels_policy
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "positive", "threads", "budget", "loss_scale", "module_names", "KEEP_FP32_HELP"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "positive", "threads", "budget", "loss_scale", "module_names", "KEEP_FP32_HELP", "policy_path"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -91,3 +91,14 @@ def check_half_dtype(level: str | None, half_dtype: str | None) -> None:
     """Refuse ``--half-dtype float16`` with a level that is always bfloat16 (O4/O5)."""
     if half_dtype == "float16" and level in levels_policy.BFLOAT16_LEVELS:
         raise CliError(f"{level} always uses bfloat16; --half-dtype float16 contradicts it (use O1-O3 for float16)")
+
+
+def policy_path(text: str) -> str:
+    """A policy file (``--policy``): read and checked now, so a broken one stops the command
+    before any run; its absolute path, for the runs' ``AMPATCH_POLICY``."""
+    from ampatch.policyfile import PolicyError, load  # imports torch: only when the option is given
+    try:
+        load(text)
+    except PolicyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return str(Path(text).resolve())

@@ -4,12 +4,14 @@ and ``ampatch.compare`` do the work) and prints the table."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from typing import Any, NamedTuple
 
 from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, module_names,
-                                opt_levels, positive, threads)
+                                opt_levels, policy_path, positive, threads)
+from ampatch import env as envvars
 from ampatch.compare.plot import write_plot
 from ampatch.compare.rows import common_steps, summarize
 from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
@@ -50,6 +52,8 @@ def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
     cmp.add_argument("--plot", metavar="PATH", help="write a PNG of loss curves and loss scale")
     cmp.add_argument("--half-dtype", **half)
     cmp.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
+    cmp.add_argument("--policy", type=policy_path, metavar="PATH",
+                     help="add a row for a policy file (ampatch tune --out), run as `ampatch run --policy` runs it")
     cmp.set_defaults(func=cmd_compare)
 
 
@@ -74,6 +78,8 @@ def compare_script(args: argparse.Namespace) -> Compared:
     cmd = runner.resolve_command(args.command)
     runs, interrupted = runner.run_all({lv: lambda cap, deadline: cmd for lv in args.levels},
                                        args.half_dtype, sys.stderr, keep_fp32=args.keep_fp32)
+    if args.policy and not interrupted:
+        runs.append(policy_run(cmd, args.policy, args.keep_fp32))
     return Compared(runs, interrupted, None, f"ampatch compare: {' '.join(args.command)}",
                     {"command": list(args.command)}, [], "cpu")
 
@@ -91,8 +97,26 @@ def compare_builtin(args: argparse.Namespace) -> Compared:
                             size=args.size or builtin.AUTO, log=sys.stderr, launch=launch, began=began)
         runs, interrupted = runner.run_all(plan.commands(args.levels), args.half_dtype, sys.stderr,
                                            plan.budget, plan.steps, launch, keep_fp32=args.keep_fp32)
+        if args.policy and not interrupted:
+            steps = common_steps(runs) or plan.steps
+            runs.append(policy_run(plan.commands(["O0"])["O0"](steps, None), args.policy, args.keep_fp32, launch))
     upto = common_steps(runs) if plan.budget is not None else None
     return Compared(runs, interrupted, upto, plan.title(upto), plan.header(), plan.notes(upto), device)
+
+
+def policy_run(cmd: list[str], policy: str, keep_fp32: str | None,
+               launch: runner.Launch = runner.popen) -> runner.LevelRun:
+    """The ``--policy`` row: ``cmd`` run with ``AMPATCH_POLICY`` (the policy's level, not a forced
+    one), labelled ``policy:LEVEL``."""
+    print(f"[policy] running with {policy}", file=sys.stderr, flush=True)
+    env = runner.child_env(None, None, keep_fp32=keep_fp32)
+    env.pop(envvars.OPT_LEVEL, None)
+    env[envvars.POLICY] = policy
+    done = runner.run_child(cmd, env, collect=(envvars.REPORT,), launch=launch)
+    run = runner.level_run(done, None)
+    print(f"[policy] {'ok' if run.ok else 'FAILED: ' + str(run.error)} in {run.wall_s:.1f}s", file=sys.stderr,
+          flush=True)
+    return dataclasses.replace(run, level=f"policy:{run.level}")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -109,7 +133,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, {**done.header, "levels": args.levels, "machine": machine, "keep_fp32": args.keep_fp32,
                                "compared_steps": done.upto, "interrupted": done.interrupted is not None}, rows)
-    ok = rows and all(r.ok for r in rows) and len(rows) == len(args.levels)
+    ok = rows and all(r.ok for r in rows) and len(rows) == len(args.levels) + bool(args.policy)
     code = 128 + done.interrupted if done.interrupted is not None else 0 if ok else 1
     if args.plot and rows:
         try:

@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 
 from ampatch import env as envvars
-from ampatch.cli.common import KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, module_names, opt_level
+from ampatch.cli.common import (KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, module_names,
+                                opt_level, policy_path)
 from ampatch.runs import process, runner
 
 
@@ -20,6 +21,9 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
     run.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
     run.add_argument("--loss-scale", type=loss_scale, metavar="SCALE",
                      help="force the loss scale of every amp.initialize: a number or 'dynamic' (AMPATCH_LOSS_SCALE)")
+    run.add_argument("--policy", type=policy_path, metavar="PATH",
+                     help="apply a policy file (ampatch tune --out) to every amp.initialize, over the script's own "
+                          "keywords (AMPATCH_POLICY)")
     run.add_argument("--report", metavar="PATH", help="write the run's report() JSON here")
     run.add_argument("--apex-alias", action="store_true",
                      help="make 'from apex import amp' (and apex.parallel, apex.optimizers, ...) in the "
@@ -39,6 +43,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                            str(Path(args.report).resolve()) if args.report else None, keep_fp32=args.keep_fp32)
     if args.loss_scale is not None:
         env[envvars.LOSS_SCALE] = args.loss_scale
+    if args.policy is not None:
+        env[envvars.POLICY] = args.policy
     if args.apex_alias:
         env = runner.with_apex_alias(env)
     return process.attached(cmd, env)

@@ -1,8 +1,9 @@
 """One row per level: the statistics of its run, computed from its report against O0's.
 
 A `Row` is built once from a `LevelRun` (and the baseline's row) and never changed: median
-step time (warm-up skipped), speed-up over O0, first and final loss, largest deviation from O0's loss
-curve at the same step, peak memory, skipped steps and the final loss scale.
+step time (warm-up skipped), speed-up over O0, first and final loss, the deviation of the loss
+curve from O0's (`ampatch.deviation`: relative, the loss scaler's initial back-offs shifted
+out), peak memory, skipped steps and the final loss scale.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ampatch.deviation import deviation
 from ampatch.runs.runner import LevelRun
 from ampatch.telemetry import Report
 
@@ -73,8 +75,8 @@ class Row(LevelRun):
         tail = list(at.values())[-FINAL_LOSS_WINDOW:]
         base = baseline if baseline is not None and baseline.ok else None
         base_at = losses_by_step(base.losses, base.losses_every, upto) if base else {}
-        deviations = [abs(loss - base_at[step]) if math.isfinite(loss - base_at[step]) else math.inf
-                      for step, loss in at.items() if step in base_at]
+        skipped = list(rep.skipped_steps)
+        dev = deviation(at, base_at, skipped) if base else None
         return cls(
             level=run.level, ok=run.ok, error=run.error, returncode=run.returncode, wall_s=run.wall_s,
             report=run.report,
@@ -87,10 +89,10 @@ class Row(LevelRun):
             losses=losses, losses_every=every,
             loss_scale_history=dict(rep.loss_scale_history),
             step_times_s=times,
-            skipped_steps=list(rep.skipped_steps),
+            skipped_steps=skipped,
             final_loss_scale=rep.loss_scale.get("loss_scaler0"),
             speedup_vs_O0=base.median_step_ms / median_ms if base and base.median_step_ms and median_ms else None,
-            max_loss_dev_vs_O0=max(deviations, default=None))
+            max_loss_dev_vs_O0=dev)
 
     def to_dict(self) -> dict[str, Any]:
         """The row as ``--json`` writes it."""

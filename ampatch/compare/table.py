@@ -16,7 +16,7 @@ COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
            ("step ms", "median_step_ms", "{:.1f}"), ("speed-up", "speedup_vs_O0", "{:.2f}x"),
            ("peak MiB", "peak_memory_mib", "{:.0f}"), ("first loss", "first_loss", "{:.4f}"),
            ("final loss", "final_loss", "{:.4f}"),
-           ("max dev vs O0", "max_loss_dev_vs_O0", "{:.3g}"),
+           ("max dev vs O0", "max_loss_dev_vs_O0", "{:.2%}"),
            ("skipped", "skipped_steps", "{}"), ("loss scale", "final_loss_scale", "{:g}"),
            ("steps", "steps", "{}")]
 TEXT_COLUMNS = 2   # the first columns are text, left-aligned; numbers are right-aligned
@@ -50,7 +50,8 @@ def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
             f"step ms: median wall time per optimizer step, first {WARMUP_FRACTION:.0%} "
             "of steps skipped as warm-up; speed-up is relative to O0.",
             f"first loss: the first step's; final loss: mean of the last {FINAL_LOSS_WINDOW} losses (all, if fewer); "
-            "max dev: largest |loss - O0 loss| at the same step.",
+            "max dev: largest relative gap between the loss curve and O0's (5-step means, compared update for update "
+            "after the loss scaler's initial back-offs; see ampatch.deviation).",
             "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS."]
     out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
             for n in notes if n]

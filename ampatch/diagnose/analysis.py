@@ -13,13 +13,22 @@
   largest first, then the others;
 - `recommendation`: the smallest set of modules that explains the problem (the first
   non-finite module; leaves whose local error stands far above the rest) as `keep_fp32`,
-  `settings` that are not modules (a dynamic loss scale against gradient underflow), and
-  `notes` in words.
+  `settings` that are not modules (a dynamic loss scale against gradient underflow: when most
+  layers underflow, or when one layer's gradient underflows whole, so that it never learns),
+  and `notes` in words;
+- `step_fault`: an optimizer step that turned finite weights inf/NaN from finite gradients (a
+  float16-rounded Adam eps at O3): not a module's precision, so no module is recommended for
+  what follows from it (the next forward's inf/NaN).
+
+`diagnosis(doc)` is the same, read once into a typed `Diagnosis` (what `ampatch tune` uses);
+`analyse(doc)` is its JSON-ready dict (what `ampatch diagnose` prints and writes).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,11 +36,48 @@ import torch
 from ..dtypes import from_short_name, is_low
 from .stats import headroom
 
-__all__ = ["analyse", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE"]
+__all__ = ["analyse", "diagnosis", "Diagnosis", "StepFault", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE",
+           "FULL_UNDERFLOW"]
 
 OUTLIER_FACTOR = 10.0   # a leaf's error this many times the median leaf's stands out
 EPS_MULTIPLE = 32.0     # ... and it must exceed this many machine epsilons of the half dtype
 UNDERFLOW_SHARE = 0.5   # a parameter's grad with this share zero/subnormal has underflowed
+FULL_UNDERFLOW = 0.99   # ... with this share, the layer never learns: a finding even for one layer
+
+
+@dataclass(frozen=True)
+class StepFault:
+    """An optimizer step that made finite weights inf/NaN from finite gradients."""
+
+    step: int
+    modules: tuple[str, ...]
+    note: str
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One recorded run, read once (see the module docstring): the fields `analyse` writes."""
+
+    steps: int
+    half_dtype: str | None
+    first_nonfinite: dict[str, Any] | None   # {"step", "phase", "module", "kind"}
+    modules: list[dict[str, Any]]
+    keep_fp32: list[str]
+    settings: dict[str, Any]
+    notes: list[str]
+    step_fault: StepFault | None
+    loss: list[float | None]
+    loss_scale: list[float]
+    skipped_steps: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready diagnosis `ampatch diagnose` prints and writes."""
+        return {"steps": self.steps, "half_dtype": self.half_dtype, "first_nonfinite": self.first_nonfinite,
+                "modules": self.modules,
+                "recommendation": {"keep_fp32": list(self.keep_fp32), "settings": dict(self.settings),
+                                   "notes": list(self.notes)},
+                "step_fault": dataclasses.asdict(self.step_fault) if self.step_fault else None,
+                "loss": self.loss, "loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps}
 
 
 def _half(name: str | None) -> torch.dtype | None:
@@ -106,7 +152,27 @@ def _persistent_backward(steps: list[dict[str, Any]]) -> tuple[dict | None, list
     return culprit, notes
 
 
+def _step_fault(steps: list[dict[str, Any]]) -> StepFault | None:
+    """The first step that left some module's weights inf/NaN although its loss and every
+    gradient were finite and it was not skipped."""
+    for s in steps:
+        bad = s.get("stepped_nonfinite") or []
+        if bad and not s["skipped"] and s["loss_finite"] and not s["backward_nonfinite"]:
+            names = ", ".join(n or "(model)" for n in bad[:4]) + (" ..." if len(bad) > 4 else "")
+            return StepFault(s["step"], tuple(bad), (
+                f"step fault: the optimizer step at step {s['step']} made the weights of {names} inf/NaN from finite "
+                "gradients: the optimizer's own arithmetic in the half dtype (e.g. an Adam eps that float16 "
+                "rounds to 0), not a module's precision; keeping modules in FP32 cannot help: use FP32 "
+                "master weights (O2), bfloat16, or a larger eps."))
+    return None
+
+
 def analyse(doc: dict[str, Any]) -> dict[str, Any]:
+    """The diagnosis of one recorded run (see the module docstring), JSON-ready."""
+    return diagnosis(doc).to_dict()
+
+
+def diagnosis(doc: dict[str, Any]) -> Diagnosis:
     """The diagnosis of one recorded run (see the module docstring)."""
     raw = doc.get("recorded", doc)
     half = doc.get("half_dtype") or raw.get("half_dtype")
@@ -119,8 +185,14 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     keep: list[str] = []
 
     first = None
-    forward = next((s for s in steps if s["forward_culprit"] is not None), None)
-    backward, scaler_notes = _persistent_backward(steps)
+    fault = _step_fault(steps)
+    if fault is not None:  # what follows from a faulty step is its consequence, not a module's precision
+        notes.append(fault.note)
+        steps_before = [s for s in steps if s["step"] <= fault.step]
+    else:
+        steps_before = steps
+    forward = next((s for s in steps_before if s["forward_culprit"] is not None), None)
+    backward, scaler_notes = _persistent_backward(steps_before)
     notes += scaler_notes
     if forward is not None:
         first = {"step": forward["step"], "phase": "forward", "module": forward["forward_culprit"],
@@ -151,7 +223,14 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     static_one = bool(steps) and all(s["loss_scale"] == 1.0 for s in steps)
     with_params = [e for e in leaves if e["grad_underflow"] is not None]
     underflowing = [e for e in with_params if e["grad_underflow"] >= UNDERFLOW_SHARE]
-    if static_one and with_params and len(underflowing) * 2 >= len(with_params):
+    whole = [e for e in with_params if e["grad_underflow"] >= FULL_UNDERFLOW]
+    if static_one and whole and len(underflowing) * 2 < len(with_params):
+        settings["loss_scale"] = "dynamic"
+        names = ", ".join(e["name"] or "(model)" for e in whole[:4]) + (" ..." if len(whole) > 4 else "")
+        notes.append(f"gradient underflow: the gradient of {names} is {FULL_UNDERFLOW:.0%}+ zero or subnormal in "
+                     f"{half} and the loss is not scaled: that layer never learns. Use a dynamic loss scale "
+                     "(amp.initialize(..., loss_scale='dynamic')).")
+    elif static_one and with_params and len(underflowing) * 2 >= len(with_params):
         settings["loss_scale"] = "dynamic"
         worst = max(underflowing, key=lambda e: e["grad_underflow"])
         notes.append(f"gradient underflow: in {len(underflowing)} of {len(with_params)} layers with parameters, at "
@@ -168,13 +247,9 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     if not steps:
         notes.append("no optimizer step was recorded: the script never completed a step under an ampatch "
                      "session (amp.initialize, then scale_loss and optimizer.step).")
-    return {
-        "steps": len(steps),
-        "half_dtype": half,
-        "first_nonfinite": first,
-        "modules": leaves + others,
-        "recommendation": {"keep_fp32": keep, "settings": settings, "notes": notes},
-        "loss": [s["loss"] for s in steps],
-        "loss_scale": [s["loss_scale"] for s in steps],
-        "skipped_steps": [s["step"] for s in steps if s["skipped"]],
-    }
+    if fault is not None and first is None:
+        first = {"step": fault.step, "phase": "step", "module": fault.modules[0], "kind": "nonfinite weights"}
+    return Diagnosis(steps=len(steps), half_dtype=half, first_nonfinite=first, modules=leaves + others,
+                     keep_fp32=keep, settings=settings, notes=notes, step_fault=fault,
+                     loss=[s["loss"] for s in steps], loss_scale=[s["loss_scale"] for s in steps],
+                     skipped_steps=[s["step"] for s in steps if s["skipped"]])

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from .. import env
 from ..compare.rows import Row
 from ..runs.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
-from .analysis import analyse
+from .analysis import diagnosis
 from .child import DEFAULT_STEPS, FORMAT
 
 __all__ = ["Request", "RunFailed", "diagnose", "MAX_ROUNDS"]
@@ -108,9 +108,12 @@ def _parent(name: str) -> str | None:
 def _grow(keep: list[str], run: _Run) -> str | None:
     """The module to add after a verification run that is still not finite: its first
     non-finite module if new, else the parent of the last module added."""
-    found = analyse(run.diagnosis)["first_nonfinite"] if run.diagnosis else None
-    if found is not None and found["module"] not in keep:
-        return found["module"]
+    found = diagnosis(run.diagnosis) if run.diagnosis else None
+    if found is not None and found.step_fault is not None:
+        return None  # the optimizer step's fault: no module to keep helps
+    first = found.first_nonfinite if found is not None else None
+    if first is not None and first["module"] not in keep:
+        return first["module"]
     for name in reversed(keep):
         parent = _parent(name)
         if parent is not None and parent not in keep:
@@ -133,7 +136,7 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> dict[str, Any]:
         raise RunFailed(f"nothing to diagnose: {why}.\n{_tail(first.finished.stderr)}".rstrip())
     if doc.get("format") != FORMAT:
         raise RunFailed(f"the run wrote a diagnosis of format {doc.get('format')!r}; this ampatch reads {FORMAT}.")
-    result = analyse(doc)
+    found = diagnosis(doc)
     steps = doc.get("recorded", {}).get("steps") or []
     if not steps:
         raise RunFailed("nothing to diagnose: the script never completed an optimizer step after amp.scale_loss "
@@ -142,15 +145,15 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> dict[str, Any]:
         raise RunFailed("nothing to diagnose: the script stepped its optimizer but never completed an optimizer "
                         "step after amp.scale_loss: the loss's backward must run inside `with "
                         "amp.scale_loss(loss, optimizer) as scaled: scaled.backward()` for ampatch to see it.")
-    result.update(opt_level=doc.get("opt_level"), kept_already=list(req.keep_fp32),
-                  crashed=first.run.error, verification=None)
+    result = {**found.to_dict(), "opt_level": doc.get("opt_level"), "kept_already": list(req.keep_fp32),
+              "crashed": first.run.error, "verification": None}
     rec = result["recommendation"]
-    if not rec["keep_fp32"] and not rec["settings"]:
+    if not found.keep_fp32 and not found.settings:
         return result
     baseline_run = _run(req, log, "the O0 reference", "O0", record=False)
     baseline = Row.of(baseline_run.run)
-    keep = list(req.keep_fp32) + [k for k in rec["keep_fp32"] if k not in req.keep_fp32]
-    settings = dict(rec["settings"])
+    keep = list(req.keep_fp32) + [k for k in found.keep_fp32 if k not in req.keep_fp32]
+    settings = dict(found.settings)
     tries = []
     for _ in range(MAX_ROUNDS):
         run = _run(req, log, f"verifying keep_fp32={keep}" + (f" with {settings}" if settings else ""),

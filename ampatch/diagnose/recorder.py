@@ -73,6 +73,7 @@ class StepRecord:
     forward_kind: str | None = None  # "overflow" (inf in the output) or "nan"
     backward_culprit: str | None = None
     backward_nonfinite: bool = False
+    stepped_nonfinite: list[str] = field(default_factory=list)  # modules whose own params the step left inf/NaN
 
 
 def module_names(models: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -242,19 +243,27 @@ class Recorder:
         """An optimizer step ended (skipped on overflow or not): close the step's record."""
         if not self.active:
             return
+        stepped_bad = [] if skipped else self._nonfinite_params()
         with self._lock:
             culprit = _backward_culprit(self._events)
             self.steps.append(StepRecord(
                 step=len(self.steps), loss=self._loss, loss_finite=self._loss_finite, loss_scale=self._scale,
                 skipped=skipped, forward_culprit=self._forward_culprit, forward_kind=self._forward_kind,
                 backward_culprit=culprit,
-                backward_nonfinite=any(bad for _, _, bad in self._events)))
+                backward_nonfinite=any(bad for _, _, bad in self._events), stepped_nonfinite=stepped_bad))
             self._new_step()
             done = len(self.steps) >= self.steps_wanted
         if done:
             self.detach()
             if self.on_done is not None:
                 self.on_done(self)
+
+    def _nonfinite_params(self) -> list[str]:
+        """The modules whose own parameters hold inf/NaN (after an optimizer step): a step
+        that turns finite weights non-finite is a fault of the step, not of a module."""
+        with torch.no_grad():
+            return [name for name, m in self.names
+                    if any(not bool(torch.isfinite(p).all()) for p in m.parameters(recurse=False))]
 
     def result(self) -> dict[str, Any]:
         """What was recorded, as plain JSON-ready data (the input of `analysis.analyse`)."""

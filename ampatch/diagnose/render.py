@@ -101,7 +101,10 @@ def render(result: dict[str, Any], command: str, rerun: str | None = None) -> st
     if hidden > 0:
         out.append(f"  ... {hidden} more (all in --json)")
     out.append("")
-    if not rec["keep_fp32"] and not rec["settings"]:
+    if not rec["keep_fp32"] and not rec["settings"] and result.get("step_fault"):
+        out.append("recommendation: no module to keep in FP32: the optimizer step itself made the weights "
+                   "non-finite (see the note).")
+    elif not rec["keep_fp32"] and not rec["settings"]:
         out.append("recommendation: none: no module stands out and nothing went non-finite.")
     else:
         what = []

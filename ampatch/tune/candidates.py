@@ -1,0 +1,66 @@
+"""The policies `ampatch tune` tries: each opt level with each half dtype worth trying here."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ampatch import hardware
+from ampatch.levels import BFLOAT16_LEVELS
+from ampatch.policyfile import Policy
+
+__all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY"]
+
+# ties go to the simpler policy: fewer kept modules, then O1 over O2 over O3 (O4/O5 are O1/O2 in bfloat16)
+SIMPLICITY = {"O0": 0, "O1": 1, "O4": 2, "O2": 3, "O5": 4, "O3": 5}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One policy to measure; `repairs`: the label of the candidate it is a repair of."""
+
+    opt_level: str
+    half_dtype: str | None = None
+    keep_fp32: tuple[str, ...] = ()
+    loss_scale: float | str | None = None
+    repairs: str | None = None
+
+    def policy(self, measured: dict[str, Any] | None = None) -> Policy:
+        return Policy(self.opt_level, self.half_dtype, self.keep_fp32, self.loss_scale, measured)
+
+    @property
+    def label(self) -> str:
+        return self.policy().describe()
+
+    def simplicity(self) -> tuple[int, int, int]:
+        """Smaller is simpler (see `SIMPLICITY`)."""
+        return (len(self.keep_fp32), SIMPLICITY[self.opt_level], int(self.loss_scale is not None))
+
+    def repaired(self, keep: Sequence[str], loss_scale: float | str | None) -> Candidate:
+        """This candidate with `keep` added to its kept modules and `loss_scale` (None: its own)."""
+        kept = tuple(dict.fromkeys([*self.keep_fp32, *keep]))
+        return replace(self, keep_fp32=kept, loss_scale=loss_scale if loss_scale is not None else self.loss_scale,
+                       repairs=self.repairs or self.label)
+
+
+REFERENCE = Candidate("O0")
+
+
+def initial(levels: Sequence[str], device: str, half_dtype: str | None) -> list[Candidate]:
+    """Each level of `levels` (O0 aside) with each half dtype worth trying on `device`:
+    `half_dtype` when given; else bfloat16, and float16 too where it is native (on a CPU
+    without native float16, only when asked). O4/O5 are bfloat16 by definition."""
+    native = hardware.describe(device).native
+    if half_dtype in ("bfloat16", "float16"):
+        dtypes = [half_dtype]
+    else:
+        dtypes = ["bfloat16"] + (["float16"] if native.get("float16") else [])
+    out = []
+    for level in levels:
+        if level == "O0":
+            continue
+        for d in (["bfloat16"] if level in BFLOAT16_LEVELS else dtypes):
+            if level in BFLOAT16_LEVELS and half_dtype == "float16":
+                continue
+            out.append(Candidate(level, d))
+    return list(dict.fromkeys(out))

@@ -1,0 +1,121 @@
+"""One candidate's run, as ``ampatch run --policy`` runs it, and its verdict against O0's.
+
+A candidate qualifies when its run finished, every loss is finite, no step was skipped after
+the loss scaler's initial back-offs (an initial back-off is the scaler finding its scale),
+and the deviation of its loss curve from O0's (`ampatch.deviation`) is within the tolerance.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from ampatch import env
+from ampatch.runs.progress import Progress
+from ampatch.compare.rows import Row
+from ampatch.runs.runner import Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
+from ampatch.deviation import initial_backoffs
+from ampatch.policyfile import save
+from ampatch.tune.candidates import Candidate
+
+__all__ = ["Job", "Measured", "run_candidate", "judge", "measured"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """How every candidate runs: `command(steps)` (a built-in workload's, or the user's
+    script, which `AMPATCH_MAX_STEPS` stops), started by `launch`, for `steps` optimizer steps."""
+
+    command: Callable[[int], list[str]]
+    steps: int
+    launch: Launch = popen
+    apex_alias: bool = False
+    script: bool = False     # a user script: stopped by AMPATCH_MAX_STEPS
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A candidate's run and verdict (`reason`: why it does not qualify, or what it is)."""
+
+    candidate: Candidate
+    row: Row
+    qualifies: bool
+    reason: str
+    finite: bool
+    deviation: float | None
+    step_fault: bool = False
+
+    @property
+    def step_ms(self) -> float | None:
+        return self.row.median_step_ms
+
+    def to_dict(self, reference_ms: float | None = None) -> dict[str, Any]:
+        """The JSON fields of a candidate."""
+        c = self.candidate
+        ms = self.step_ms
+        return {"opt_level": c.opt_level, "half_dtype": c.half_dtype, "keep_fp32": list(c.keep_fp32),
+                "loss_scale": c.loss_scale, "step_ms": ms,
+                "speedup": reference_ms / ms if reference_ms and ms else None,
+                "deviation": self.deviation if self.deviation is None or math.isfinite(self.deviation) else None,
+                "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
+                "peak_memory_mib": self.row.peak_memory_mib, "final_loss": self.row.final_loss,
+                "repairs": c.repairs, "step_fault": self.step_fault}
+
+
+def environment(candidate: Candidate, job: Job, policy_path: str) -> dict[str, str]:
+    """The run's environment: the candidate's policy (AMPATCH_POLICY) and nothing forced besides."""
+    variables = child_env(None, None)
+    for name in (env.OPT_LEVEL, env.HALF_DTYPE, env.KEEP_FP32, env.LOSS_SCALE, env.DIAGNOSE, env.REPORT):
+        variables.pop(name, None)
+    variables[env.POLICY] = policy_path
+    if job.script:
+        variables[env.MAX_STEPS] = str(job.steps)
+    return with_apex_alias(variables) if job.apex_alias else variables
+
+
+def run_candidate(candidate: Candidate, job: Job, log: TextIO | None, record: bool = False) -> Finished:
+    """Run `candidate` once (with the diagnose recorder on: `record`)."""
+    with tempfile.TemporaryDirectory(prefix="ampatch-tune-") as tmp:
+        path = str(Path(tmp, "policy.json"))
+        save(candidate.policy(), path)
+        progress = Progress(candidate.label, job.steps, stream=log) if log is not None else None
+        collect = (env.REPORT, env.DIAGNOSE) if record else (env.REPORT,)
+        return run_child(job.command(job.steps), environment(candidate, job, path), collect=collect,
+                         progress=progress, launch=job.launch)
+
+
+def judge(row: Row, tolerance: float) -> tuple[bool, str, bool, float | None]:
+    """(qualifies, reason, finite, deviation) of a run's row against O0's (already in `row`)."""
+    if not row.ok:
+        return False, f"run failed: {row.error}", False, None
+    losses = row.losses
+    finite = bool(losses) and all(math.isfinite(x) for x in losses)
+    dev = row.max_loss_dev_vs_O0
+    if not finite:
+        first = next(i for i, x in enumerate(losses) if not math.isfinite(x)) * row.losses_every if losses else 0
+        return False, f"loss not finite from step {first}", False, dev
+    late = [s for s in row.skipped_steps if s >= initial_backoffs(row.skipped_steps)]
+    if late:
+        return False, f"{len(late)} step(s) skipped after the loss scaler's first back-offs (first: {late[0]})", \
+            True, dev
+    if dev is None:
+        return False, "no loss to compare with O0's", True, dev
+    if dev > tolerance:
+        return False, f"deviation {dev:.2%} > tolerance {tolerance:.2%}", True, dev
+    return True, f"deviation {dev:.2%} within {tolerance:.2%}", True, dev
+
+
+def measured(candidate: Candidate, done: Finished, reference: Row | None, tolerance: float,
+             upto: int | None = None) -> Measured:
+    """The verdict of `candidate`'s finished run against the O0 `reference` row."""
+    row = Row.of(level_run(done, candidate.opt_level), reference, upto)
+    if reference is None:  # the reference itself
+        return Measured(candidate, row, row.ok, "the reference (FP32)" if row.ok else f"run failed: {row.error}",
+                        row.ok and all(math.isfinite(x) for x in row.losses), 0.0 if row.ok else None)
+    ok, reason, finite, dev = judge(row, tolerance)
+    return Measured(candidate, row, ok, reason, finite, dev)
+
+

@@ -1,0 +1,111 @@
+"""The search's result as text (the table, the choice and how to apply it), as ``--json``,
+and as the policy file."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampatch.policyfile import Policy, fingerprint
+from ampatch.tune.candidates import REFERENCE, Candidate
+from ampatch.tune.search import Result
+
+__all__ = ["render", "to_json", "policy_of", "write_json"]
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x) and spec != "s") else format(x, spec)
+
+
+def _speedup(result: Result, c: Candidate) -> float | None:
+    o0, ms = result.step_ms(REFERENCE), result.step_ms(c)
+    return o0 / ms if o0 and ms else None
+
+
+def to_json(result: Result) -> dict[str, Any]:
+    """`tolerance`, `reference` (O0's step_ms, final_loss), `candidates`, `chosen`, and more."""
+    o0 = result.step_ms(REFERENCE)
+    ref = result.reference
+    cands = []
+    for m in result.candidates:
+        d = m.to_dict(o0)
+        d["step_ms"] = result.step_ms(m.candidate) or d["step_ms"]
+        d["speedup"] = _speedup(result, m.candidate)
+        cands.append(d)
+    chosen = None
+    if result.chosen is not None:
+        c = result.chosen
+        base = next((d for d in cands if d["opt_level"] == c.opt_level and d["keep_fp32"] == list(c.keep_fp32)
+                     and d["half_dtype"] == c.half_dtype and d["loss_scale"] == c.loss_scale), None)
+        chosen = base or {"opt_level": "O0", "half_dtype": None, "keep_fp32": [], "loss_scale": None,
+                          "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0, "finite": True,
+                          "qualifies": True, "reason": "the reference (FP32)"}
+        chosen = {**chosen, "why": result.why}
+    return {"tolerance": result.tolerance,
+            "reference": {"step_ms": o0, "final_loss": ref.row.final_loss if ref else None,
+                          "peak_memory_mib": ref.row.peak_memory_mib if ref else None},
+            "candidates": cands, "chosen": chosen, "spread": result.spread,
+            "timings_ms": result.timings, "repeats_ms": result.repeats, "interrupted": result.interrupted, "notes": result.notes}
+
+
+def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
+    """The chosen policy with what it was measured on."""
+    c = result.chosen or REFERENCE
+    m = result.measured_of(c)
+    return c.policy({"tolerance": result.tolerance, "steps": steps, "speedup": _speedup(result, c),
+                     "deviation": m.deviation if m is not None else None, "machine": fingerprint(device),
+                     "torch": torch.__version__, "what": what,
+                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
+
+
+def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
+    """The table of every candidate, the choice with its reason, and how to apply it."""
+    o0 = result.step_ms(REFERENCE)
+    header = ["policy", "step ms", "speed-up", "peak MiB", "final loss", "deviation", "verdict"]
+    rows = []
+    if result.reference is not None:
+        r = result.reference.row
+        rows.append(["O0 (reference)", _fmt(o0, ".1f"), "1.00x", _fmt(r.peak_memory_mib, ".0f"),
+                     _fmt(r.final_loss, ".4f"), "-", "reference"])
+    for m in result.candidates:
+        c = m.candidate
+        sp = _speedup(result, c)
+        rows.append([c.label, _fmt(result.step_ms(c) or m.step_ms, ".1f"), _fmt(sp, ".2f") + ("x" if sp else ""),
+                     _fmt(m.row.peak_memory_mib, ".0f"), _fmt(m.row.final_loss, ".4f"),
+                     "inf" if m.deviation == math.inf else _fmt(m.deviation, ".2%"),
+                     ("ok: " if m.qualifies else "FAIL: ") + m.reason])
+    widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in (0, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [title, line(header), *(line(x) for x in rows), ""]
+    if result.spread is not None:
+        reps = ", ".join(f"{k}: {'/'.join(f'{v:.0f}' for v in vs)}" for k, vs in result.repeats.items())
+        if reps:
+            out.append(f"step ms: median per step after warm-up; for the finalists, the median of their runs "
+                       f"interleaved with O0's ({reps}); spread between repeats {result.spread:.1%}: a policy is "
+                       "faster only beyond it.")
+        else:
+            out.append(f"step ms: median per step after warm-up, one run each (not re-timed): a policy is faster "
+                       f"only beyond {result.spread:.1%}.")
+    out.append(f"deviation: of the loss curve from O0's, relative, 5-step means, after the loss scaler's initial "
+               f"back-offs (tolerance {result.tolerance:.2%}).")
+    out += [f"note: {n}" for n in result.notes]
+    chosen = result.chosen or REFERENCE
+    out += ["", f"chosen: {chosen.label}: {result.why}"]
+    if result.interrupted:
+        out.append("the policy file was not written (interrupted): run `ampatch tune` again to finish the search.")
+    if out_path:
+        out += [f"written to {out_path}; apply it with", f"  amp.initialize(model, optimizer, policy={out_path!r})",
+                f"  or, without editing the script: {rerun.format(policy=out_path)}",
+                f"  or: AMPATCH_POLICY={out_path} python train.py"]
+    return "\n".join(out)
+
+
+def write_json(path: str, result: Result) -> None:
+    Path(path).write_text(json.dumps(to_json(result), indent=1) + "\n")

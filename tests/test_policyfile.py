@@ -1,0 +1,139 @@
+"""Policy files: loading checks every key and value, `initialize(policy=)` lets explicit
+keywords win (with a warning), `AMPATCH_POLICY` overrides the script, and a policy measured
+on another kind of machine warns."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import ampatch as amp
+from ampatch import env
+from ampatch.cli import main
+from ampatch.policyfile import Policy, PolicyError, apply_policy, fingerprint, load, machine_warning, save
+
+
+def _model():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_save_then_load_gives_the_same_policy(tmp_path):
+    pol = Policy("O2", "bfloat16", ("head", "body.0"), "dynamic", {"tolerance": 0.02, "machine": fingerprint()})
+    save(pol, tmp_path / "p.json")
+    back = load(tmp_path / "p.json")
+    assert back == pol and back.measured["tolerance"] == 0.02
+    assert json.loads((tmp_path / "p.json").read_text())["keep_fp32"] == ["head", "body.0"]
+    assert load({"opt_level": "o1"}).opt_level == "O1"
+
+
+@pytest.mark.parametrize("data,words", [
+    ({"opt_level": "O1", "keep_fp23": []}, "unknown key(s) 'keep_fp23'"),
+    ({"opt_level": "O7"}, "opt_level must be one of"),
+    ({}, "opt_level must be one of"),
+    ({"opt_level": "O1", "half_dtype": "float8"}, "half_dtype must be"),
+    ({"opt_level": "O5", "half_dtype": "float16"}, "always runs in bfloat16"),
+    ({"opt_level": "O1", "loss_scale": "huge"}, "loss_scale"),
+    ({"opt_level": "O1", "keep_fp32": [3]}, "keep_fp32 must be a list of module names"),
+    ({"opt_level": "O1", "format": 9}, "format 9"),
+])
+def test_a_bad_policy_names_what_is_wrong(data, words):
+    with pytest.raises(PolicyError, match=None) as err:
+        load(data)
+    assert words in str(err.value)
+
+
+def test_a_missing_or_broken_file_names_the_file(tmp_path):
+    with pytest.raises(PolicyError, match="not found"):
+        load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{opt_level: O1")
+    with pytest.raises(PolicyError, match="bad.json.*not valid JSON"):
+        load(tmp_path / "bad.json")
+
+
+def test_initialize_takes_a_policy_and_explicit_keywords_win_with_a_warning(tmp_path):
+    save(Policy("O5", "bfloat16", ("2",)), tmp_path / "p.json")
+    model, opt = _model()
+    model, opt = amp.initialize(model, opt, policy=str(tmp_path / "p.json"), verbosity=0)
+    rep = amp.report()
+    assert rep.opt_level == "O5" and model[0].weight.dtype == torch.bfloat16 and model[2].weight.dtype == torch.float32
+    amp.deinitialize()
+    model, opt = _model()
+    with pytest.warns(UserWarning, match="opt_level='O1' beats the policy's opt_level='O5'"):
+        amp.initialize(model, opt, opt_level="O1", policy={"opt_level": "O5"})
+    assert amp.report().opt_level == "O1"
+    amp.deinitialize()
+
+
+def test_apply_policy_from_outside_overrides_the_script():
+    script = {"opt_level": "O2", "master_weights": True, "keep_fp32": ["a"], "half_dtype": "float16"}
+    with pytest.warns(UserWarning) as caught:
+        out = apply_policy(script, {"opt_level": "O4", "keep_fp32": ["b"]}, set(script), forced=True)
+    said = " ".join(str(w.message) for w in caught)
+    assert "dropping the script's master_weights" in said and "overrides the script's opt_level='O2'" in said
+    assert out["opt_level"] == "O4" and "master_weights" not in out and out["half_dtype"] is None
+    assert out["keep_fp32"] == ["a", "b"]                    # added to the script's, as tune measured it
+    assert apply_policy(script, None, set(script), forced=True) == script
+
+
+def test_AMPATCH_POLICY_overrides_the_scripts_level(tmp_path, monkeypatch):
+    save(Policy("O4", "bfloat16"), tmp_path / "p.json")
+    monkeypatch.setenv(env.POLICY, str(tmp_path / "p.json"))
+    model, opt = _model()
+    amp.initialize(model, opt, opt_level="O0", verbosity=0)
+    assert amp.report().opt_level == "O4"
+    amp.deinitialize()
+    monkeypatch.setenv(env.POLICY, str(tmp_path / "missing.json"))
+    with pytest.raises(PolicyError, match="missing.json"):
+        amp.initialize(*_model(), verbosity=0)
+
+
+def test_a_policy_measured_on_another_kind_of_machine_warns():
+    here = {"type": "cpu", "name": "this CPU", "native": {"bfloat16": False, "float16": False}}
+    there = Policy("O4", "bfloat16", measured={"machine": {"type": "cpu", "name": "that CPU",
+                                                            "native": {"bfloat16": True, "float16": False}}})
+    assert "native; here (this CPU) it is emulated" in machine_warning(there, here)
+    assert machine_warning(there, {**here, "native": {"bfloat16": True}}) is None
+    assert "measured on cuda" in machine_warning(Policy("O1", "float16", measured={"machine": {"type": "cuda"}}),
+                                                 here)
+    assert machine_warning(Policy("O1")) is None    # written by hand: nothing to compare
+
+
+def test_run_and_compare_refuse_a_broken_policy_file(tmp_path, capsys):
+    (tmp_path / "p.json").write_text(json.dumps({"opt_level": "O1", "colour": "red"}))
+    assert main(["run", "--policy", str(tmp_path / "p.json"), "--", "python", "-c", "pass"]) == 2
+    assert "unknown key(s) 'colour'" in capsys.readouterr().err
+    assert main(["compare", "--policy", str(tmp_path / "nope.json")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_run_policy_applies_the_file_to_an_unmodified_script(tmp_path):
+    save(Policy("O4", "bfloat16", ("1",)), tmp_path / "p.json")
+    script = tmp_path / "train.py"
+    script.write_text("import torch, ampatch as amp\n"
+                      "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+                      "o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                      "m, o = amp.initialize(m, o, opt_level='O0', verbosity=0)\n"
+                      "assert amp.report().opt_level == 'O4', amp.report().opt_level\n")
+    assert main(["run", "--policy", str(tmp_path / "p.json"), "--", "python", str(script)]) == 0
+
+
+def test_compare_adds_a_row_for_the_policy(tmp_path, capsys):
+    save(Policy("O4", "bfloat16"), tmp_path / "p.json")
+    script = tmp_path / "train.py"
+    script.write_text("import torch, ampatch as amp\n"
+                      "torch.manual_seed(0)\n"
+                      "m = torch.nn.Linear(8, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                      "m, o = amp.initialize(m, o, opt_level='O1', verbosity=0)\n"
+                      "for _ in range(4):\n"
+                      "    loss = m(torch.ones(4, 8)).float().pow(2).mean()\n"
+                      "    with amp.scale_loss(loss, o) as s: s.backward()\n"
+                      "    o.step(); o.zero_grad()\n")
+    code = main(["compare", "--levels", "O0", "--policy", str(tmp_path / "p.json"), "--json", str(tmp_path / "c.json"),
+                 "--", "python", str(script)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["level"] for r in rows] == ["O0", "policy:O4"] and rows[1]["half_dtype"] == "bfloat16"
+    assert rows[1]["max_loss_dev_vs_O0"] is not None

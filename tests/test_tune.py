@@ -1,0 +1,128 @@
+"""`ampatch tune`: the candidates worth trying, the timing rule (faster only beyond the spread
+between repeats, ties to the simpler policy), and the choice, on hand-made measurements."""
+from __future__ import annotations
+
+import io
+
+import pytest
+from _reports import report
+
+from ampatch.cli.tune import tolerance
+from ampatch.compare.rows import Row
+from ampatch.runs.runner import LevelRun
+from ampatch.tune import timing
+from ampatch.tune.candidates import REFERENCE, Candidate, initial
+from ampatch.tune.measure import Job, Measured, judge
+from ampatch.tune.report import render, to_json
+from ampatch.tune.search import Search
+
+O0_LOSSES = [3.0 - 0.1 * i for i in range(10)]
+
+
+def _row(level: str, losses: list[float], base: Row | None = None, skipped=(), ok: bool = True) -> Row:
+    rep = {"opt_level": level, "losses": losses, "skipped_steps": list(skipped), "step_times_s": [0.1] * 5}
+    return Row.of(LevelRun(level, ok, None if ok else "boom", 0, 1.0, report(rep) if ok else None), base)
+
+
+def _measured(c: Candidate, losses: list[float], base: Row, tol: float = 0.02) -> Measured:
+    row = _row(c.opt_level, losses, base)
+    ok, reason, finite, dev = judge(row, tol)
+    return Measured(c, row, ok, reason, finite, dev)
+
+
+def _search(timings: dict[Candidate, list[float]], deviations: dict[Candidate, float]) -> Search:
+    s = Search(Job(lambda n: [], 1), [], 0.02, None, io.StringIO())
+    base = _row("O0", O0_LOSSES)
+    s.result.reference = Measured(REFERENCE, base, True, "reference", True, 0.0)
+    for c, dev in deviations.items():
+        s.result.candidates.append(_measured(c, [x * (1 + dev) for x in O0_LOSSES], base))
+    s.result.timings = {c.label: v for c, v in timings.items()}
+    s.retimed = [c for c in timings if c != REFERENCE]
+    return s
+
+
+def test_the_candidates_on_a_cpu_without_native_float16_are_bfloat16_only():
+    cands = initial(["O1", "O2", "O3", "O4", "O5"], "cpu", None)
+    assert [(c.opt_level, c.half_dtype) for c in cands] == [("O1", "bfloat16"), ("O2", "bfloat16"), ("O3", "bfloat16"),
+                                                             ("O4", "bfloat16"), ("O5", "bfloat16")]
+    asked = initial(["O1", "O5"], "cpu", "float16")
+    assert [(c.opt_level, c.half_dtype) for c in asked] == [("O1", "float16")]   # O5 is bfloat16 by definition
+
+
+def test_the_verdict_names_its_reason():
+    base = _row("O0", O0_LOSSES)
+    assert judge(_row("O1", O0_LOSSES, base), 0.02)[:2] == (True, "deviation 0.00% within 2.00%")
+    far = judge(_row("O1", [x * 1.1 for x in O0_LOSSES], base), 0.02)
+    assert not far[0] and "deviation 10.00% > tolerance 2.00%" in far[1]
+    nan = judge(_row("O1", O0_LOSSES[:3] + [float("nan")] * 7, base), 0.02)
+    assert not nan[0] and nan[1] == "loss not finite from step 3" and not nan[2]
+    lagging = O0_LOSSES[:1] * 2 + O0_LOSSES[:8]      # two initial back-offs: the O0 curve, two updates late
+    assert judge(_row("O1", lagging, base, skipped=[0, 1]), 0.02)[0]
+    late = judge(_row("O1", O0_LOSSES, base, skipped=[0, 6]), 0.02)
+    assert not late[0] and "skipped after the loss scaler's first back-offs (first: 6)" in late[1]
+
+
+def test_the_timing_rule():
+    assert timing.order("O0", ["A", "B"], 2) == ["O0", "A", "B", "O0", "A", "B"]
+    times = {"O0": [100.0, 110.0, 105.0], "A": [80.0, 82.0]}
+    assert timing.spread(times) == pytest.approx(10 / 105)
+    assert timing.spread({"A": [80.0, 80.0]}) == timing.MIN_SPREAD
+    assert timing.faster(80, 100, 0.1) and not timing.faster(95, 100, 0.1)
+
+
+def test_a_tie_within_the_spread_goes_to_the_simpler_policy():
+    o1, o5 = Candidate("O1", "bfloat16"), Candidate("O5", "bfloat16", ("head",))
+    s = _search({REFERENCE: [100.0, 104.0], o1: [70.0, 72.0], o5: [68.0, 70.0]}, {o1: 0.0, o5: 0.0})
+    s.choose()
+    assert s.result.chosen == o1 and "within the" in s.result.why and "simpler" in s.result.why
+
+
+def test_a_policy_faster_beyond_the_spread_wins():
+    o1, o5 = Candidate("O1", "bfloat16"), Candidate("O5", "bfloat16")
+    s = _search({REFERENCE: [100.0, 101.0], o1: [90.0, 91.0], o5: [60.0, 61.0]}, {o1: 0.0, o5: 0.0})
+    s.choose()
+    assert s.result.chosen == o5 and s.result.why.startswith("the fastest policy that trains like FP32 (1.66x")
+
+
+def test_without_a_qualifying_half_policy_O0_is_chosen_and_said_so():
+    o1 = Candidate("O1", "bfloat16")
+    s = _search({REFERENCE: [100.0]}, {o1: 0.5})
+    s.retimed = []
+    s.choose()
+    assert s.result.chosen == REFERENCE and "no half policy trains like FP32" in s.result.why
+    data = to_json(s.result)
+    assert data["chosen"]["opt_level"] == "O0" and data["candidates"][0]["qualifies"] is False
+    assert set(data["candidates"][0]) >= {"opt_level", "half_dtype", "keep_fp32", "loss_scale", "step_ms", "speedup",
+                                          "deviation", "finite", "qualifies", "reason"}
+    assert "chosen: O0: no half policy" in render(s.result, "title", None, "")
+
+
+def test_O0_wins_when_every_half_policy_is_slower_beyond_the_spread():
+    o1 = Candidate("O1", "bfloat16")
+    s = _search({REFERENCE: [50.0, 51.0], o1: [100.0, 101.0]}, {o1: 0.0})
+    s.choose()
+    assert s.result.chosen == REFERENCE and "slower than O0" in s.result.why
+
+
+@pytest.mark.parametrize("text,value", [("2%", 0.02), ("0.5 %", 0.005), ("0.03", 0.03), (".1", 0.1)])
+def test_tolerance_parses(text, value):
+    assert tolerance(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["-2%", "0", "two percent", "2%%", ""])
+def test_a_bad_tolerance_is_refused(text):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError):
+        tolerance(text)
+
+
+def test_only_the_interleaved_repeats_set_the_spread_and_the_finalists_times():
+    """The first timing of O0 ran alone, in a busy minute: it does not count once the
+    finalists have been re-timed side by side with O0."""
+    o1 = Candidate("O1", "bfloat16")
+    s = _search({REFERENCE: [900.0, 470.0, 456.0], o1: [267.0, 290.0, 280.0]}, {o1: 0.0})
+    s.result.repeats = {REFERENCE.label: [470.0, 456.0], o1.label: [290.0, 280.0]}
+    s.choose()
+    assert s.result.spread == pytest.approx(max(14 / 463, 10 / 285))
+    assert s.result.step_ms(REFERENCE) == pytest.approx(463) and s.result.chosen == o1
+    assert "O0: 470/456" in render(s.result, "title", None, "")
