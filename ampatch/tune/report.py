@@ -81,7 +81,7 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
     widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in (0, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i in (0, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     out = [title, line(header), *(line(x) for x in rows), ""]
     if result.spread is not None:
