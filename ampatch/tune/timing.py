@@ -2,7 +2,7 @@
 call one policy faster than another only beyond the spread between repeats of the same run.
 
 A shared machine drifts: a candidate timed in a quiet minute beats one timed in a busy one.
-So the `RETIME` fastest qualifying candidates and O0 run again in turn (O0, A, B, O0, A, B,
+So the `RETIME` fastest qualifying candidates and O0 run again in turn (O0, A, B, C, O0, A, B, C,
 ... `ROUNDS` times), each policy's step time is the median of all its runs, and the spread is
 the largest relative difference between two runs of the same policy (max - min over median).
 `faster(a, b)`: a's step time is below b's by more than that spread.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["RETIME", "ROUNDS", "MIN_SPREAD", "order", "spread", "step_ms", "faster", "simplest_of_fastest"]
 
-RETIME = 2        # the fastest qualifying candidates re-timed against O0
+RETIME = 3        # the fastest qualifying candidates re-timed against O0 (3: a simpler policy just behind the two fastest still competes)
 ROUNDS = 2        # interleaved rounds
 MIN_SPREAD = 0.03 # never trust a difference below 3%, even if the repeats happened to agree
 
