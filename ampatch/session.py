@@ -130,7 +130,7 @@ class Session:
         if self.telemetry.record:
             exit_report.track(self, env.get(env.REPORT))
         if env.get(env.DIAGNOSE):  # per-module statistics for `ampatch diagnose` (ampatch/diagnose/)
-            from .diagnose.child import attach
+            from .record.child import attach
             self.recorder = attach(self, models, env.get(env.DIAGNOSE), eps_lost=lost)
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 

@@ -26,7 +26,7 @@ from .. import env
 from ..compare.rows import Row
 from ..compare.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
 from .analysis import analyse
-from .child import DEFAULT_STEPS, FORMAT
+from ..record.child import DEFAULT_STEPS, FORMAT
 
 __all__ = ["Request", "RunFailed", "diagnose", "MAX_ROUNDS"]
 
