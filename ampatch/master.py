@@ -10,7 +10,7 @@ move is `optimizer.OptimizerHandle`'s job.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -130,6 +130,25 @@ class Masters:
                 mp = model_of.get(id(p))
                 if mp is not None:
                     yield mp, p
+
+    def split(self, params: Iterable[torch.Tensor] | None = None) -> tuple[list[Pair], list[torch.Tensor]]:
+        """`params` (default: everything the optimizer steps, in param_groups order) split in
+        two: (model param, master) for each master, and the params that are their own masters
+        (FP32 ones, and every param without master weights). The one split of an optimizer's
+        params; `ampatch.compat` takes Apex's `_amp_stash` groups from it too."""
+        if params is None:
+            params = self.params()
+        model_of = self.model_of
+        if not model_of:  # no masters (O0, O1, O3, O4): every param is its own
+            return [], list(params)
+        pairs, own = [], []
+        for p in params:
+            mp = model_of.get(id(p))
+            if mp is None:
+                own.append(p)
+            else:
+                pairs.append((mp, p))
+        return pairs, own
 
     def model_params(self) -> list[torch.Tensor]:
         """The model-side tensors the optimizer steps: the half param in place of each master."""

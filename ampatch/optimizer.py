@@ -199,31 +199,20 @@ class OptimizerHandle:
         if distributed():
             self._rescale_in_place(scale)
             return
-        stash, fresh = [], []
-        model_of = self.masters.model_of
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                mp = model_of.get(id(p))
-                if mp is None:
-                    if p.grad is not None:
-                        stash.append((p, p.grad))
-                        p.grad = None
-                elif mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
-                    fresh.append((mp, p))
+        pairs, own = self.masters.split()
+        stash = [(p, p.grad) for p in own if p.grad is not None]
+        for p, _ in stash:
+            p.grad = None
+        fresh = [(mp, p) for mp, p in pairs if mp.grad is not None]  # a plain backward outside scale_loss
         if fresh:
             self.masters.move_grads(fresh)
         self._stash = stash
 
     def _rescale_in_place(self, scale: float) -> None:
         """Existing (unscaled) grads times `scale`, left where the coming backward accumulates."""
-        own = []
-        model_of = self.masters.model_of
-        for p in self.params():
-            mp = model_of.get(id(p))
-            if mp is None:
-                if p.grad is not None:
-                    own.append(p)
-                continue
+        pairs, params = self.masters.split()
+        own = [p for p in params if p.grad is not None]
+        for mp, p in pairs:
             if mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
                 self.masters.move_grads([(mp, p)])
             if p.grad is not None:
@@ -242,19 +231,14 @@ class OptimizerHandle:
         if self._stage is OptState.SCALED:  # those grads are unscaled and checked with the new ones
             self._stage = self._resume
         inv = 1.0 / scale
-        own, pairs = [], []  # one pass: own-master grads, and (model param, master) pairs
-        model_of = self.masters.model_of
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                mp = model_of.get(id(p))
-                if mp is None:
-                    g = p.grad
-                    if g is not None:
-                        if g.is_sparse and g.dtype == torch.float16:  # see scaler.unscale_
-                            p.grad = g = g.coalesce()
-                        own.append(g)
-                else:
-                    pairs.append((mp, p))
+        pairs, params = self.masters.split()
+        own = []  # the new grads of the params that are their own masters
+        for p in params:
+            g = p.grad
+            if g is not None:
+                if g.is_sparse and g.dtype == torch.float16:  # see scaler.unscale_
+                    p.grad = g = g.coalesce()
+                own.append(g)
         if own:
             found_inf = unscale_(own, inv, found_inf)
         found_inf = self.masters.move_grads(pairs, inv, found_inf, check=True)

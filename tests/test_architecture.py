@@ -44,6 +44,11 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _imports(module: str, top_level_only: bool) -> list[tuple[str, str | None, int]]:
     """(imported module, imported name or None, line) for every import in `module`."""
     tree = ast.parse(MODULES[module].read_text())
@@ -57,6 +62,8 @@ def _imports(module: str, top_level_only: bool) -> list[tuple[str, str | None, i
             for a in node.names:
                 sub = f"{target}.{a.name}"
                 found.append((sub, None, node.lineno) if sub in MODULES else (target, a.name, node.lineno))
+        elif top_level_only and isinstance(node, ast.If) and _is_type_checking(node.test):
+            continue  # `if TYPE_CHECKING:` imports never run
         elif top_level_only and isinstance(node, (ast.If, ast.Try)):  # guarded imports still run at import
             for inner in ast.walk(node):
                 if isinstance(inner, ast.Import):

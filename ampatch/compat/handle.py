@@ -20,7 +20,7 @@ import ampatch
 
 from .. import levels
 from ..patching import disable_casts as casts_off
-from ..session import current as _current
+from ..live import current as _current
 
 logger = logging.getLogger("ampatch")
 

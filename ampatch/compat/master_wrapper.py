@@ -25,7 +25,7 @@ from ..optimizer import HandleContext, OptimizerHandle, OptState
 from ..patching import Patcher
 from ..scaler import LossScaler as CoreScaler
 from ..scaler import Verdict, check_scale_value
-from ..session import current as current_session
+from ..live import current as current_session
 from .stash import AmpStash
 
 logger = logging.getLogger("ampatch")
