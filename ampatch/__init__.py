@@ -30,6 +30,7 @@ from .options import Options, prepare
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
 from .policy import user as _user_policy
+from .scaler import check_loss_id as _check_loss_id
 from .session import Session
 from .settings import SETTINGS as _SETTINGS
 from .telemetry import Report
@@ -114,7 +115,7 @@ def load_state_dict(state_dict: dict) -> None:
 def loss_scale(loss_id: int = 0) -> float:
     """The current loss scale of `loss_id` (for gradient-penalty recipes)."""
     s = _session("loss_scale")
-    s.check_loss_id(loss_id, "amp.loss_scale(loss_id)")
+    _check_loss_id(loss_id, len(s.scalers), "amp.loss_scale(loss_id)")
     s.resolve_pending()
     return s.scalers[loss_id].scale
 

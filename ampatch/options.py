@@ -26,7 +26,7 @@ from .settings import SETTINGS
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Options", "Prepared", "prepare", "as_list"]
+__all__ = ["Options", "Prepared", "prepare", "as_list", "optimizer_list"]
 
 DEFAULT_MAX_LOSS_SCALE = 2.0 ** 24
 
@@ -159,6 +159,19 @@ def as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:
             raise TypeError(f"amp.initialize expects {what} to be {kind.__name__} objects (or a list of them), "
                             f"got {type(item).__name__}.")
     return items, single
+
+
+def optimizer_list(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """`scale_loss`'s optimizers (one or a list/tuple) as a list: at least one, each once."""
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not opts:
+        raise ValueError("scale_loss got no optimizer: pass the optimizer(s) whose params this loss's "
+                         "backward reaches (they unscale the grads and skip the step on overflow).")
+    for i, o in enumerate(opts):
+        if any(o is other for other in opts[:i]):
+            raise ValueError(f"scale_loss got the same optimizer twice (optimizers[{i}]); pass each once, or "
+                             "its grads would be unscaled twice.")
+    return opts
 
 
 def _check_process_group(group: Any) -> None:

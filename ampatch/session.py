@@ -1,10 +1,9 @@
-"""One object holding everything an `initialize` call set up: set up, step, close.
+"""One object holding everything an `initialize` call set up; its one job: set up, step, close.
 
-Made from a checked call (`options.Prepared`); the set-up itself is `plain.setup` or
-`fsdp.setup`, which return what they built; what watches the session from outside its job
-(the report at exit, the diagnose recorder, the end after N steps) is a list of
-`observers`; the report is assembled by `telemetry`, the warnings' words are in `tips`.
-`ampatch/__init__.py` keeps the live session in `live` and delegates to it.
+Made from a checked call (`options.Prepared`). The set-up proper is `plain.setup` or
+`fsdp.setup` (each returns what it built); what watches from outside (report at exit,
+diagnose recorder, end after N steps) is a list of `observers`; `telemetry` assembles the
+report and `tips` words the warnings. The live session is held in `live`.
 """
 from __future__ import annotations
 
@@ -26,18 +25,14 @@ from .model import ModelHandle
 from .notices import warn
 from .o1 import O1Patches
 from .optimizer import HandleContext, OptimizerHandle, OptState
-from .options import Options, Prepared
+from .options import Options, Prepared, optimizer_list
 from .param_guard import ParamGuard
 from .patching import Patcher, WrapContext
 from .policy import user as user_policy
-from .scaler import LossScaler, Verdict, load_scalers_state_dict, scalers_state_dict
+from .scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
 from .telemetry import Report, Telemetry
 
 logger = logging.getLogger("ampatch")
-
-
-class BadLossId(TypeError, ValueError):
-    """A loss_id that is not an int: the wrong type, and a bad value of the argument."""
 
 
 class Session:
@@ -140,37 +135,20 @@ class Session:
 
     # ------------------------------------------------------------------ training loop
     def handle(self, optimizer: torch.optim.Optimizer) -> OptimizerHandle:
-        for h in self.optimizers:
-            if h.optimizer is optimizer:
-                return h
+        h = next((h for h in self.optimizers if h.optimizer is optimizer), None)
+        if h is not None:
+            return h
         raise RuntimeError("scale_loss got an optimizer that was not passed to amp.initialize; pass every "
                            "optimizer to initialize (they come back patched). A later amp.initialize ends the "
                            "earlier session: its optimizers are plain torch optimizers again.")
-
-    def check_loss_id(self, loss_id: Any, what: str = "scale_loss") -> None:
-        """`loss_id` names one of this session's loss scalers (`num_losses` of them): the one
-        check of `scale_loss` and `amp.loss_scale`."""
-        n = len(self.scalers)
-        if not isinstance(loss_id, int) or isinstance(loss_id, bool):
-            raise BadLossId(f"{what}: loss_id must be an int from 0 to num_losses-1 ({n - 1} here), got {loss_id!r}.")
-        if not 0 <= loss_id < n:
-            raise ValueError(f"{what}: loss_id={loss_id} is out of range: initialize(num_losses={n}) gives loss ids "
-                             f"0..{n - 1}.")
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
                    delay_unscale: bool = False, delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
-        self.check_loss_id(loss_id)
-        opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-        if not opts:
-            raise ValueError("scale_loss got no optimizer: pass the optimizer(s) whose params this loss's "
-                             "backward reaches (they unscale the grads and skip the step on overflow).")
-        for i, o in enumerate(opts):
-            if any(o is other for other in opts[:i]):
-                raise ValueError(f"scale_loss got the same optimizer twice (optimizers[{i}]); pass each once, or "
-                                 "its grads would be unscaled twice.")
+        check_loss_id(loss_id, len(self.scalers))
+        opts = optimizer_list(optimizers)
         if not self.properties.enabled:
             yield loss
             return
@@ -198,7 +176,7 @@ class Session:
             yield loss.float() * scale
         except BaseException:
             try:
-                self._abort(handles, scale)
+                abort(handles, scale)
             finally:
                 self.cache.clear()
             raise
@@ -218,22 +196,6 @@ class Session:
         finally:
             self.cache.clear()
             self.telemetry.scale_loss_time += time.perf_counter() - start
-
-    def _abort(self, handles: Sequence[OptimizerHandle], scale: float) -> None:
-        """The `scale_loss` block raised (a KeyboardInterrupt from a backward hook included):
-        whatever its backward wrote is unscaled like on a normal exit, so the grads hold what
-        they held before the block plus the new part unscaled, as in plain PyTorch; never
-        scaled grads that a later step applies. A non-finite new part makes the next step
-        skip. The verdict is local (no collective on an exception path: the other ranks are
-        not in this block) and the scale is left alone (it must stay equal on every rank)."""
-        found_inf = None
-        for h in handles:
-            found_inf = h.after_backward(scale, found_inf, delay_unscale=False)
-        if found_inf is not None and bool(found_inf.item()):
-            for h in handles:
-                h.skip_next_step()
-            logger.warning("ampatch: the scale_loss block raised after writing non-finite gradients; the next "
-                           "optimizer.step() is skipped.")
 
     def _skipper(self, handles: Sequence[OptimizerHandle], loss_id: int) -> Callable[[float, float], None]:
         """What an overflow verdict does: the optimizers skip their next step, and it is logged."""

@@ -423,7 +423,7 @@ def test_init_arguments() -> None:
     with pytest.raises(ValueError, match="not a half type"):
         amp.init(patch_type=torch.float32)
     handle = amp.init(enable_caching=False, verbose=True, allow_banned=True)
-    assert handle.verbose and amp._amp_state.session().allow_banned
+    assert handle.verbose and amp._amp_state.session().options.allow_banned
     handle._deactivate()
 
 
