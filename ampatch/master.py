@@ -136,11 +136,11 @@ class Masters:
         two: (model param, master) for each master, and the params that are their own masters
         (FP32 ones, and every param without master weights). The one split of an optimizer's
         params; `ampatch.compat` takes Apex's `_amp_stash` groups from it too."""
-        if params is None:
-            params = self.params()
+        params = ([p for group in self.optimizer.param_groups for p in group["params"]] if params is None
+                  else list(params))  # a list of our own: the caller's is never handed back
         model_of = self.model_of
         if not model_of:  # no masters (O0, O1, O3, O4): every param is its own
-            return [], list(params)
+            return [], params
         pairs, own = [], []
         for p in params:
             mp = model_of.get(id(p))
