@@ -148,7 +148,7 @@ class Session:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
         check_loss_id(loss_id, len(self.scalers))
-        opts = optimizer_list(optimizers)
+        opts = optimizer_list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         if not self.properties.enabled:
             yield loss
             return

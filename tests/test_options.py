@@ -149,3 +149,18 @@ def test_observers_come_from_one_list(tmp_path):
     observers.exit_report.write()
     assert json.loads(path.read_text()) == {"steps": 2}
     assert observers.attach(session, [], env.Overrides()) == []
+
+
+def test_a_group_added_inside_a_scale_loss_block_is_unscaled_too():
+    """The split taken when the block starts is reused at its end only if the param groups
+    are unchanged: a group added inside the block has its grads unscaled with the others."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    extra = nn.Parameter(torch.zeros(3))
+    loss = model(torch.randn(2, 4)).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+        opt.add_param_group({"params": [extra]})
+        extra.grad = torch.full((3,), 128.0)
+    assert torch.equal(extra.grad, torch.ones(3))
