@@ -1,15 +1,24 @@
-"""Every environment variable ampatch reads, named once.
+"""Every environment variable ampatch reads, named once, and read once into `Overrides`.
 
 The `ampatch` command talks to the runs it starts through these (a forced level, where to
 write the report, live progress, ...); a user can set them by hand for the same effect.
-Each name is read or written only through this module's constants.
+Each name is read or written only through this module's constants, and read only by
+`read()`: `initialize` takes one `Overrides` snapshot and hands it to what needs it, so a
+bad value fails before anything changes, with a message naming the variable.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from .levels import LEVELS, parse_dtype, parse_loss_scale
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MAX_STEPS", "REPORT", "PROGRESS",
-           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "ALL", "get", "flag", "positive_int", "without_ampatch"]
+           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "ALL", "Overrides", "read", "parse_names", "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)
@@ -26,25 +35,95 @@ ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MAX_STEPS, REPORT, PROGRESS
 PREFIX = "AMPATCH_"
 
 
-def get(name: str) -> str | None:
-    """The variable's value, or None where it is unset or empty."""
-    return os.environ.get(name) or None
+def parse_names(text: str) -> list[str]:
+    """"a, b,c" -> ["a", "b", "c"] (empty items dropped): AMPATCH_KEEP_FP32's format."""
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def flag(name: str) -> bool:
-    """A switch: set to anything but "" or "0"."""
-    return os.environ.get(name, "") not in ("", "0")
+@dataclass(frozen=True)
+class Overrides:
+    """What the environment asks of a session, parsed and checked (all unset: `Overrides()`).
+
+    `raw` keeps each set variable's text, so that messages quote what the user wrote."""
+
+    opt_level: str | None = None             # AMPATCH_OPT_LEVEL, upper-cased
+    half_dtype: torch.dtype | None = None    # AMPATCH_HALF_DTYPE
+    keep_fp32: tuple[str, ...] = ()          # AMPATCH_KEEP_FP32
+    loss_scale: float | str | None = None    # AMPATCH_LOSS_SCALE: a scale or "dynamic"
+    max_steps: int | None = None             # AMPATCH_MAX_STEPS
+    report: str | None = None                # AMPATCH_REPORT
+    progress: str | None = None              # AMPATCH_PROGRESS (only while recording a report)
+    time_wrappers: bool = False              # AMPATCH_TIME_WRAPPERS
+    diagnose: str | None = None              # AMPATCH_DIAGNOSE
+    policy: str | None = None                # AMPATCH_POLICY: a policy file's path (read by policyfile)
+    raw: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    VARIABLES: ClassVar[dict[str, str]] = {
+        "opt_level": OPT_LEVEL, "half_dtype": HALF_DTYPE, "keep_fp32": KEEP_FP32, "loss_scale": LOSS_SCALE,
+        "max_steps": MAX_STEPS, "report": REPORT, "progress": PROGRESS, "time_wrappers": TIME_WRAPPERS,
+        "diagnose": DIAGNOSE, "policy": POLICY}
+
+    def given(self, field_name: str) -> str:
+        """"AMPATCH_X=value" for a field, as the user set it: what messages quote."""
+        name = self.VARIABLES[field_name]
+        return f"{name}={self.raw.get(name, '')}"
 
 
-def positive_int(name: str) -> int | None:
-    """A count given in the variable (None when unset); anything but a positive integer is
-    a ValueError naming the variable."""
-    value = get(name)
+def _value(environ: Mapping[str, str], name: str) -> str | None:
+    return environ.get(name) or None  # unset or empty: not given
+
+
+def _positive_int(name: str, value: str | None) -> int | None:
     if value is None:
         return None
     if not value.strip().isdigit() or int(value) < 1:
         raise ValueError(f"{name}={value!r}: expected a positive integer (or leave it unset).")
     return int(value)
+
+
+def _checked(name: str, value: str | None, parse):
+    """`parse(value)`, its ValueError/TypeError re-raised as a ValueError naming the variable."""
+    if value is None:
+        return None
+    try:
+        return parse(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}={value!r}: {exc}") from None
+
+
+def _level(value: str) -> str:
+    level = value.strip().upper()
+    if level not in LEVELS:
+        raise ValueError(f"not an opt level; use one of {', '.join(LEVELS)}.")
+    return level
+
+
+def _half(value: str | None) -> torch.dtype | None:
+    half = parse_dtype(value.strip(), HALF_DTYPE) if value is not None else None  # its message names it
+    if half == torch.float32:
+        raise ValueError(f"{HALF_DTYPE}={value!r} is not a half type: use float16 or bfloat16 (or force "
+                         f"{OPT_LEVEL}=O0 for FP32).")
+    return half
+
+
+def read(environ: Mapping[str, str] | None = None) -> Overrides:
+    """The overrides in `environ` (default: this process's environment), checked: a bad value
+    raises `ValueError` naming the variable and what it accepts."""
+    source = os.environ if environ is None else environ
+    v = {name: _value(source, name) for name in ALL}
+    return Overrides(
+        opt_level=_checked(OPT_LEVEL, v[OPT_LEVEL], _level),
+        half_dtype=_half(v[HALF_DTYPE]),
+        keep_fp32=tuple(parse_names(v[KEEP_FP32] or "")),
+        loss_scale=_checked(LOSS_SCALE, v[LOSS_SCALE], lambda s: parse_loss_scale(s.strip())),
+        max_steps=_positive_int(MAX_STEPS, v[MAX_STEPS]),
+        report=v[REPORT],
+        progress=v[PROGRESS] if v[REPORT] else None,
+        time_wrappers=(source.get(TIME_WRAPPERS) or "0") != "0",
+        diagnose=v[DIAGNOSE],
+        policy=v[POLICY],
+        raw={name: value for name, value in v.items() if value is not None},
+    )
 
 
 def without_ampatch(environ: dict[str, str] | None = None) -> dict[str, str]:

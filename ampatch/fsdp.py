@@ -356,9 +356,10 @@ def _check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
 def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
           patcher: Any, context: HandleContext = HandleContext(), kept: Collection[int] = frozenset(),
           ) -> tuple[list[ShardedModel], list[ShardedOptimizerHandle]]:
-    """The level on FSDP2-sharded models (see the module docstring): returns the models' and
-    the optimizers' handles (no model handles at O0/O1/O4, where the models are left alone).
-    `kept`: the ids of the modules `keep_fp32` keeps and of those inside them."""
+    """The level on FSDP2-sharded models (see the module docstring), beside `plain.setup` for
+    unsharded ones: returns the models' and the optimizers' handles (no model handles at
+    O0/O1/O4, where the models are left alone; their outputs are `plain.wrap_model_outputs`'
+    job). `kept`: the ids of the modules `keep_fp32` keeps and of those inside them."""
     units = [_Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
     if props.casts_model and not all(u.modules for u in units):
         raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
@@ -377,8 +378,4 @@ def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
             raise
         for h in handles:
             h.recast_state()
-    elif props.cast_model_outputs is not None:
-        for m in models:
-            if id(m) not in kept:
-                wrap_outputs(m, props.cast_model_outputs, patcher)
     return sharded, handles

@@ -18,10 +18,11 @@ from typing import Any
 from torch import nn
 
 from . import env
+from .env import parse_names
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Kept", "labelled", "resolve", "outermost", "forced_names", "parse_names", "kept_module_ids", "with_tied"]
+__all__ = ["Kept", "labelled", "resolve", "select", "outermost", "parse_names", "kept_module_ids", "with_tied"]
 
 
 @dataclass(frozen=True)
@@ -34,17 +35,6 @@ class Kept:
     name: str
     label: str
     module: nn.Module
-
-
-def parse_names(text: str) -> list[str]:
-    """"a, b,c" -> ["a", "b", "c"] (empty items dropped)."""
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def forced_names() -> list[str]:
-    """The names AMPATCH_KEEP_FP32 forces (none when unset)."""
-    value = env.get(env.KEEP_FP32)
-    return parse_names(value) if value else []
 
 
 def _items(spec: Any) -> list[Any]:
@@ -170,3 +160,27 @@ def with_tied(models: Sequence[nn.Module], kept: Sequence[Kept]) -> tuple[list[K
     for i, e in enumerate(entries):
         first.setdefault(id(e.module), i)
     return outermost(sorted(by_module.values(), key=lambda k: first[id(k.module)])), added
+
+
+def select(models: Sequence[nn.Module], spec: Any, forced: Sequence[str], casts_model: bool,
+           warn: Callable[[str], None]) -> list[Kept]:
+    """What a session keeps in FP32: `resolve(models, spec, forced)`, and where the models
+    are cast to half (`casts_model`), the modules tied to those (`with_tied`, said through
+    `warn`). `forced` (AMPATCH_KEEP_FP32) is logged, and ignored without models (amp.init())."""
+    if forced and not models:
+        logger.warning("ampatch: %s is set, but this session has no models (amp.init()): nothing kept in FP32.",
+                       env.KEEP_FP32)
+        forced = ()
+    kept = resolve(models, spec, forced)
+    if forced:
+        logger.warning("ampatch: %s=%s: these modules run in FP32 too (added to the script's keep_fp32).",
+                       env.KEEP_FP32, ",".join(forced))
+    if casts_model:
+        kept, tied = with_tied(models, kept)
+        if tied:
+            warn(f"ampatch: keep_fp32 keeps {', '.join(repr(k.label) for k in tied)} in FP32 too: it holds a "
+                 "parameter of a kept module (tied weights), and a parameter is FP32 or half everywhere it is "
+                 "used. Add it to keep_fp32 to silence this, or untie the weights.")
+    if kept:
+        logger.info("ampatch: keep_fp32: %s run in FP32.", ", ".join(repr(k.label) for k in kept))
+    return kept

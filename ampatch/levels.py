@@ -16,14 +16,16 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import env
-from .dtypes import FLOATS, LOW
+from .dtypes import FLOATS, LOW, short_name
 from .notices import warn
 from .scaler import check_scale_value
+
+if TYPE_CHECKING:  # env reads the environment with this module's parsers: it imports levels
+    from .env import Overrides
 
 logger = logging.getLogger("ampatch")
 
@@ -145,13 +147,35 @@ def default_half_dtype(device: torch.device | None) -> torch.dtype:
     return torch.bfloat16
 
 
+def fixed_half_dtype(level: str) -> torch.dtype | None:
+    """The half dtype `level` always uses, or None where it is the session's choice: the one
+    statement of the rule "O4/O5 use bfloat16" (they are O1/O2 in bfloat16, by definition)."""
+    return torch.bfloat16 if level in BFLOAT16_LEVELS else None
+
+
+def half_dtype_conflict(level: str, half: Any) -> str | None:
+    """Why `half` (a dtype or its name; None and "auto" never conflict) contradicts `level`
+    under `fixed_half_dtype`, or None when it does not. Each caller decides what a conflict
+    does (initialize raises, a forced level drops the script's choice, the command refuses)."""
+    fixed = fixed_half_dtype(level)
+    if fixed is None or half is None or (isinstance(half, str) and half.strip().lower() == "auto"):
+        return None
+    half = parse_dtype(half, "half_dtype")
+    if half == fixed:
+        return None
+    base = "O1" if level == "O4" else "O2"
+    return (f"{level} is the {short_name(fixed)} variant of {base}; half_dtype={half} contradicts it. Use "
+            f"opt_level='{base}' with half_dtype={half}.")
+
+
 def half_dtype_for(level: str, device: torch.device | str | None, requested: Any = None) -> torch.dtype:
-    """The half dtype of `level` on `device`: bfloat16 at O4/O5 (by definition); else
+    """The half dtype of `level` on `device`: the level's own (`fixed_half_dtype`); else
     `requested` (a dtype or its name; None or "auto": the device's default, see
     `default_half_dtype`). At O0, which runs FP32, it is the dtype its overrides would use.
     The one rule `initialize` and the `ampatch` command share."""
-    if level in BFLOAT16_LEVELS:
-        return torch.bfloat16
+    fixed = fixed_half_dtype(level)
+    if fixed is not None:
+        return fixed
     if isinstance(requested, str) and requested.strip().lower() == "auto":
         requested = None
     half = parse_dtype(requested, "half_dtype")
@@ -160,27 +184,32 @@ def half_dtype_for(level: str, device: torch.device | str | None, requested: Any
     return default_half_dtype(torch.device(device) if isinstance(device, str) else device)
 
 
-def forced_level() -> str | None:
-    """The level forced from outside through AMPATCH_OPT_LEVEL (the `ampatch` command)."""
-    level = env.get(env.OPT_LEVEL)
-    if not level:
-        return None
-    level = level.strip().upper()
-    if level not in LEVELS:
-        raise ValueError(f"{env.OPT_LEVEL}={level!r} is not an opt level; use one of {', '.join(LEVELS)}.")
-    return level
-
-
 def resolve(opt_level: str = "O1", *, device: torch.device | None = None, enabled: bool = True,
             half_dtype: Any = None, cast_model_outputs: Any = None, hard_override: bool = False,
-            **overrides: Any) -> Properties:
-    """Turn a level and property overrides into validated `Properties`.
+            overrides: "Overrides | None" = None, **properties: Any) -> Properties:
+    """Turn a level and property overrides into validated `Properties`, logging what the
+    environment's `overrides` changed (see `resolve_with_notes`)."""
+    props, notes = resolve_with_notes(opt_level, device=device, enabled=enabled, half_dtype=half_dtype,
+                                      cast_model_outputs=cast_model_outputs, hard_override=hard_override,
+                                      overrides=overrides, **properties)
+    for note in notes:
+        logger.warning(note)
+    return props
 
-    `overrides` are the property keywords of `initialize` (cast_model_type,
+
+def resolve_with_notes(opt_level: str = "O1", *, device: torch.device | None = None, enabled: bool = True,
+                       half_dtype: Any = None, cast_model_outputs: Any = None, hard_override: bool = False,
+                       overrides: "Overrides | None" = None, **properties: Any) -> tuple[Properties, list[str]]:
+    """Turn a level and property overrides into validated `Properties`, and the warnings to
+    log about it (returned, not logged: `initialize` checks everything before it changes the
+    logger's level to the call's verbosity, then logs them).
+
+    `properties` are the property keywords of `initialize` (cast_model_type,
     patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale); None means
     "the level's default". An override Apex refused raises `OverrideError` (a warning with
-    `hard_override=True`). A level forced by AMPATCH_OPT_LEVEL wins; overrides that
-    conflict with it are dropped and logged.
+    `hard_override=True`). `overrides` (`env.read()`; None: none) come from outside: a
+    forced level wins, and the script's properties that conflict with it are dropped, each
+    with a note; a forced loss scale or half dtype replaces the script's.
     """
     if not isinstance(opt_level, str):
         raise TypeError(f"opt_level must be a string such as 'O1', got {type(opt_level).__name__}.")
@@ -191,64 +220,47 @@ def resolve(opt_level: str = "O1", *, device: torch.device | None = None, enable
                             " O4/O5 = O1/O2 in bfloat16).")
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {enabled!r}.")
-    cast_model_type = overrides.pop("cast_model_type", None)
+    cast_model_type = properties.pop("cast_model_type", None)
     clean = {
         "cast_model_type": NO_CAST if cast_model_type is False else parse_dtype(cast_model_type, "cast_model_type"),
-        "patch_torch_functions": _parse_bool(overrides.pop("patch_torch_functions", None), "patch_torch_functions"),
-        "keep_batchnorm_fp32": _parse_bool(overrides.pop("keep_batchnorm_fp32", None), "keep_batchnorm_fp32"),
-        "master_weights": _parse_bool(overrides.pop("master_weights", None), "master_weights"),
-        "loss_scale": parse_loss_scale(overrides.pop("loss_scale", None)),
+        "patch_torch_functions": _parse_bool(properties.pop("patch_torch_functions", None), "patch_torch_functions"),
+        "keep_batchnorm_fp32": _parse_bool(properties.pop("keep_batchnorm_fp32", None), "keep_batchnorm_fp32"),
+        "master_weights": _parse_bool(properties.pop("master_weights", None), "master_weights"),
+        "loss_scale": parse_loss_scale(properties.pop("loss_scale", None)),
     }
-    if overrides:
-        raise TypeError(f"Unknown property keyword(s): {', '.join(sorted(overrides))}.")
-    clean["loss_scale"] = _loss_scale_from_env(clean["loss_scale"])
+    if properties:
+        raise TypeError(f"Unknown property keyword(s): {', '.join(sorted(properties))}.")
+    notes: list[str] = []
     outputs = parse_dtype(cast_model_outputs, "cast_model_outputs")
-    forced = forced_level()
-    half = _half_from_env(parse_dtype(half_dtype, "half_dtype"), forced or level)
+    half = parse_dtype(half_dtype, "half_dtype")
+    forced = None
+    if overrides is not None:
+        forced = overrides.opt_level
+        if overrides.loss_scale is not None:  # `ampatch diagnose` verifies its advice this way
+            if clean["loss_scale"] is not None and clean["loss_scale"] != overrides.loss_scale:
+                notes.append(f"ampatch: {overrides.given('loss_scale')} overrides the script's "
+                             f"loss_scale={clean['loss_scale']}.")
+            clean["loss_scale"] = overrides.loss_scale
+        if overrides.half_dtype is not None:
+            conflict = half_dtype_conflict(forced or level, overrides.half_dtype)
+            if conflict:  # like a conflicting override under a forced level: ignored, and said
+                notes.append(f"ampatch: {overrides.given('half_dtype')} does not apply to {forced or level}, "
+                             f"which always runs in bfloat16; ignored.")
+            else:
+                half = overrides.half_dtype
     if half == torch.float32:
         raise ValueError("half_dtype=torch.float32 is not a half type; use opt_level='O0' for FP32.")
-
     if forced is not None:
         if forced != level:
-            logger.warning("ampatch: %s=%s overrides the script's opt_level=%s.", env.OPT_LEVEL, forced, level)
-        return _resolve_forced(forced, device, half, outputs, clean)
-    return _build(level, device, half, outputs, clean, enabled, hard_override)
+            notes.append(f"ampatch: {overrides.given('opt_level')} overrides the script's opt_level={level}.")
+        return _resolve_forced(forced, device, half, outputs, clean, notes), notes
+    return _build(level, device, half, outputs, clean, enabled, hard_override), notes
 
 
-def _loss_scale_from_env(scale: float | str | None) -> float | str | None:
-    """AMPATCH_LOSS_SCALE (a number or "dynamic") forces the loss scale over the script's;
-    `ampatch diagnose` verifies its advice against gradient underflow this way."""
-    value = env.get(env.LOSS_SCALE)
-    if value is None:
-        return scale
-    try:
-        forced = parse_loss_scale(value.strip())
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{env.LOSS_SCALE}={value!r}: {exc}") from None
-    if scale is not None and scale != forced:
-        logger.warning("ampatch: %s=%s overrides the script's loss_scale=%s.", env.LOSS_SCALE, value, scale)
-    return forced
-
-
-def _half_from_env(half: torch.dtype | None, level: str) -> torch.dtype | None:
-    """AMPATCH_HALF_DTYPE forces the half dtype, except at O4/O5, which are bfloat16 by
-    definition: there a float16 setting is ignored (and logged), like a conflicting
-    override under a forced level."""
-    value = env.get(env.HALF_DTYPE)
-    if not value:
-        return half
-    env_half = parse_dtype(value, env.HALF_DTYPE)
-    if level in BFLOAT16_LEVELS and env_half != torch.bfloat16:
-        logger.warning("ampatch: %s=%s does not apply to %s, which always runs in bfloat16; ignored.",
-                       env.HALF_DTYPE, value, level)
-        return half
-    return env_half
-
-
-def _resolve_forced(level: str, device, half, outputs, clean: dict) -> Properties:
-    """Apply the script's overrides one by one, dropping (and logging) each that conflicts."""
-    if half is not None and level in BFLOAT16_LEVELS and half != torch.bfloat16:
-        logger.warning("ampatch: dropping half_dtype=%s, which conflicts with forced %s.", half, level)
+def _resolve_forced(level: str, device, half, outputs, clean: dict, notes: list[str]) -> Properties:
+    """Apply the script's overrides one by one, dropping each that conflicts (with a note)."""
+    if half_dtype_conflict(level, half):
+        notes.append(f"ampatch: dropping half_dtype={half}, which conflicts with forced {level}.")
         half = None
     kept: dict[str, Any] = {}
     for name, value in clean.items():
@@ -257,8 +269,8 @@ def _resolve_forced(level: str, device, half, outputs, clean: dict) -> Propertie
         try:
             _build(level, device, half, outputs, {**kept, name: value}, True)
         except ValueError as err:
-            logger.warning("ampatch: dropping %s=%r, which conflicts with forced %s (%s)", name,
-                           False if value is NO_CAST else value, level, err)
+            notes.append(f"ampatch: dropping {name}={False if value is NO_CAST else value!r}, which conflicts "
+                         f"with forced {level} ({err})")
             continue
         kept[name] = value
     return _build(level, device, half, outputs, kept, True)
@@ -268,11 +280,9 @@ def _build(level: str, device, half, outputs, overrides: dict, enabled: bool,
            hard_override: bool = False) -> Properties:
     """Merge the level's defaults with non-None overrides, then check the combination."""
     cmt_override = overrides.get("cast_model_type")
-    if level in BFLOAT16_LEVELS:
-        if half == torch.float16:
-            raise ValueError(f"{level} is the bfloat16 variant of {'O1' if level == 'O4' else 'O2'}; "
-                             f"half_dtype=torch.float16 contradicts it. Use opt_level="
-                             f"'{'O1' if level == 'O4' else 'O2'}' with half_dtype=torch.float16.")
+    conflict = half_dtype_conflict(level, half)
+    if conflict:
+        raise ValueError(conflict)
     if half is None and cmt_override in LOW:
         half = cmt_override
     half = half_dtype_for(level, device, half)

@@ -88,22 +88,6 @@ def check_one_master_each(optimizers: Sequence[torch.optim.Optimizer], ids: set[
                         "one optimizer (give it to one of them, or use O1).")
 
 
-def split_master_params(params: Iterable[torch.Tensor], model_of: dict[int, torch.Tensor]
-                        ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """`params` (what an optimizer steps) split in order into (the half model params that have
-    an FP32 master, those masters, the params that are their own master); `model_of` maps
-    id(master) -> model param (`Masters.model_of`)."""
-    half, masters, own = [], [], []
-    for p in params:
-        mp = model_of.get(id(p))
-        if mp is not None:
-            half.append(mp)
-            masters.append(p)
-        else:
-            own.append(p)
-    return half, masters, own
-
-
 class Masters:
     """The FP32 masters of one optimizer, in its param_groups in place of their half params.
 
@@ -146,6 +130,25 @@ class Masters:
                 mp = model_of.get(id(p))
                 if mp is not None:
                     yield mp, p
+
+    def split(self, params: Iterable[torch.Tensor] | None = None) -> tuple[list[Pair], list[torch.Tensor]]:
+        """`params` (default: everything the optimizer steps, in param_groups order) split in
+        two: (model param, master) for each master, and the params that are their own masters
+        (FP32 ones, and every param without master weights). The one split of an optimizer's
+        params; `ampatch.compat` takes Apex's `_amp_stash` groups from it too."""
+        params = ([p for group in self.optimizer.param_groups for p in group["params"]] if params is None
+                  else list(params))  # a list of our own: the caller's is never handed back
+        model_of = self.model_of
+        if not model_of:  # no masters (O0, O1, O3, O4): every param is its own
+            return [], params
+        pairs, own = [], []
+        for p in params:
+            mp = model_of.get(id(p))
+            if mp is None:
+                own.append(p)
+            else:
+                pairs.append((mp, p))
+        return pairs, own
 
     def model_params(self) -> list[torch.Tensor]:
         """The model-side tensors the optimizer steps: the half param in place of each master."""

@@ -91,6 +91,9 @@ class HandleContext:
     # step(closure) is allowed with scaling: the closure's backward is scaled and unscaled by the
     # driver itself (Apex's FP16_Optimizer.backward), not by a scale_loss it would bypass
     scaled_closures: bool = False
+    # attributes to hang on the optimizer while it is patched, made per handle (the public API
+    # passes Apex's `_amp_stash` maker, so the core needs no import of compat); None: none
+    attributes: Callable[["OptimizerHandle"], dict[str, Any]] | None = None
 
 
 def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
@@ -146,6 +149,7 @@ class OptimizerHandle:
         self._stage = OptState.FRESH
         self._resume = OptState.READY  # where SCALED goes back to
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._block_split: tuple[Any, tuple[list[Pair], list[torch.Tensor]]] | None = None  # see _split
         self._deferred: list[Callable[[], None]] = []
         self._steps = 0
         self._skips = 0  # skipped steps in a row
@@ -196,31 +200,34 @@ class OptimizerHandle:
         if distributed():
             self._rescale_in_place(scale)
             return
-        stash, fresh = [], []
-        model_of = self.masters.model_of
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                mp = model_of.get(id(p))
-                if mp is None:
-                    if p.grad is not None:
-                        stash.append((p, p.grad))
-                        p.grad = None
-                elif mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
-                    fresh.append((mp, p))
+        pairs, own = self._split(keep=True)
+        stash = [(p, p.grad) for p in own if p.grad is not None]
+        for p, _ in stash:
+            p.grad = None
+        fresh = [(mp, p) for mp, p in pairs if mp.grad is not None]  # a plain backward outside scale_loss
         if fresh:
             self.masters.move_grads(fresh)
         self._stash = stash
 
+    def _split(self, keep: bool = False) -> tuple[list[Pair], list[torch.Tensor]]:
+        """`Masters.split()`, taken once per scale_loss block: `before_backward` keeps it
+        (`keep`) for the `after_backward` that ends the block, unless the param groups
+        changed in between (a group added, a params list replaced or resized)."""
+        groups = self.optimizer.param_groups
+        key = [(id(g["params"]), len(g["params"])) for g in groups]
+        kept, self._block_split = self._block_split, None
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        split = self.masters.split()
+        if keep:
+            self._block_split = (key, split)
+        return split
+
     def _rescale_in_place(self, scale: float) -> None:
         """Existing (unscaled) grads times `scale`, left where the coming backward accumulates."""
-        own = []
-        model_of = self.masters.model_of
-        for p in self.params():
-            mp = model_of.get(id(p))
-            if mp is None:
-                if p.grad is not None:
-                    own.append(p)
-                continue
+        pairs, params = self.masters.split()
+        own = [p for p in params if p.grad is not None]
+        for mp, p in pairs:
             if mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
                 self.masters.move_grads([(mp, p)])
             if p.grad is not None:
@@ -239,19 +246,14 @@ class OptimizerHandle:
         if self._stage is OptState.SCALED:  # those grads are unscaled and checked with the new ones
             self._stage = self._resume
         inv = 1.0 / scale
-        own, pairs = [], []  # one pass: own-master grads, and (model param, master) pairs
-        model_of = self.masters.model_of
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                mp = model_of.get(id(p))
-                if mp is None:
-                    g = p.grad
-                    if g is not None:
-                        if g.is_sparse and g.dtype == torch.float16:  # see scaler.unscale_
-                            p.grad = g = g.coalesce()
-                        own.append(g)
-                else:
-                    pairs.append((mp, p))
+        pairs, params = self._split()
+        own = []  # the new grads of the params that are their own masters
+        for p in params:
+            g = p.grad
+            if g is not None:
+                if g.is_sparse and g.dtype == torch.float16:  # see scaler.unscale_
+                    p.grad = g = g.coalesce()
+                own.append(g)
         if own:
             found_inf = unscale_(own, inv, found_inf)
         found_inf = self.masters.move_grads(pairs, inv, found_inf, check=True)
@@ -292,7 +294,7 @@ class OptimizerHandle:
                 # the patched step calls that wrapper, so the scheduler must not think it was replaced
                 method._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             patcher.patch(opt, name, types.MethodType(method, opt))
-        for name, value in apex_attributes(self).items():
+        for name, value in (self._ctx.attributes(self) if self._ctx.attributes else {}).items():
             if not hasattr(opt, name):
                 setattr(opt, name, value)
                 patcher.on_restore(functools.partial(_drop_attribute, opt, name, value))
@@ -424,16 +426,8 @@ class OptimizerHandle:
         self.masters.resync_from_model(incoming, params)
 
 
-def apex_attributes(handle: OptimizerHandle) -> dict[str, Any]:
-    """The attributes Apex hung on an optimizer (`_amp_stash`, ...), which `install` sets
-    (removed again with its patches). From ampatch.compat, imported here at call time: compat
-    sits above the core, and the attributes must not depend on whether it was imported."""
-    from .compat.amp.stash import attributes
-    return attributes(handle)
-
-
 def _drop_attribute(owner: Any, name: str, value: Any) -> None:
-    """Remove an `apex_attributes` entry from `owner`, unless someone replaced it since."""
+    """Remove an attribute `HandleContext.attributes` hung on `owner`, unless someone replaced it since."""
     if vars(owner).get(name) is value:
         delattr(owner, name)
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from . import env, hardware
-from .levels import BFLOAT16_LEVELS, LEVELS, parse_loss_scale
+from .levels import LEVELS, half_dtype_conflict, parse_loss_scale
 from .notices import warn
 
 __all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "fingerprint", "machine_warning",
@@ -115,9 +115,9 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
     half = data.get("half_dtype")
     if half is not None and half not in HALF_NAMES:
         raise PolicyError(f"{where}: half_dtype must be null, \"bfloat16\" or \"float16\", got {half!r}.")
-    if level in BFLOAT16_LEVELS and half == "float16":
-        raise PolicyError(f"{where}: {level} always runs in bfloat16; half_dtype \"float16\" contradicts it "
-                          f"(use {'O1' if level == 'O4' else 'O2'} with float16).")
+    conflict = half_dtype_conflict(level, half)
+    if conflict:
+        raise PolicyError(f"{where}: {conflict}")
     keep = data.get("keep_fp32") or []
     if isinstance(keep, str):
         keep = [k for k in (s.strip() for s in keep.split(",")) if k]
@@ -251,7 +251,7 @@ def takes_policy(initialize: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         given = dict(signature.bind(*args, **kwargs).arguments)
         policy = given.pop("policy", None)
-        outside = env.get(env.POLICY)
+        outside = env.read().policy
         if policy is None and outside is None:
             return initialize(*args, **kwargs)
         explicit = set(given) - {"models", "optimizers"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,21 @@ class StateDictKeyError(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+class BadLossId(TypeError, ValueError):
+    """A loss_id that is not an int: the wrong type, and a bad value of the argument."""
+
+
+def check_loss_id(loss_id: object, count: int, what: str = "scale_loss") -> None:
+    """`loss_id` names one of `count` loss scalers (`initialize(num_losses=count)`): the one
+    check of `scale_loss` and `amp.loss_scale`."""
+    if not isinstance(loss_id, int) or isinstance(loss_id, bool):
+        raise BadLossId(f"{what}: loss_id must be an int from 0 to num_losses-1 ({count - 1} here), got "
+                        f"{loss_id!r}.")
+    if not 0 <= loss_id < count:
+        raise ValueError(f"{what}: loss_id={loss_id} is out of range: initialize(num_losses={count}) gives loss ids "
+                         f"0..{count - 1}.")
 
 
 class LossScaler:
@@ -263,3 +279,21 @@ def overflowed(found_inf: torch.Tensor, process_group=None) -> bool:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
         return bool(flag.item())
     return bool(found_inf.item())
+
+
+def abort(handles: Sequence[Any], scale: float) -> None:
+    """A `scale_loss` block raised (a KeyboardInterrupt from a backward hook included):
+    whatever its backward wrote is unscaled like on a normal exit, so the grads hold what
+    they held before the block plus the new part unscaled, as in plain PyTorch; never
+    scaled grads that a later step applies. A non-finite new part makes the next step
+    skip. The verdict is local (no collective on an exception path: the other ranks are
+    not in this block) and the scale is left alone (it must stay equal on every rank).
+    `handles`: the block's `optimizer.OptimizerHandle`s."""
+    found_inf = None
+    for h in handles:
+        found_inf = h.after_backward(scale, found_inf, delay_unscale=False)
+    if found_inf is not None and bool(found_inf.item()):
+        for h in handles:
+            h.skip_next_step()
+        logger.warning("ampatch: the scale_loss block raised after writing non-finite gradients; the next "
+                       "optimizer.step() is skipped.")

@@ -11,6 +11,7 @@ live progress `ampatch compare` shows inside each level.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import json
 import logging
@@ -18,13 +19,15 @@ import os
 import resource
 import threading
 import time
+import types
+import typing
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import env
+from .dtypes import short_name
 
 logger = logging.getLogger("ampatch")
 
@@ -93,7 +96,7 @@ class Series:
 class Telemetry:
     """Mutable counters of one session."""
 
-    def __init__(self, record: bool = False, time_wrappers: bool = False) -> None:
+    def __init__(self, record: bool = False, time_wrappers: bool = False, progress: str | None = None) -> None:
         self.record = record
         self.time_wrappers = time_wrappers
         self.counters = Counters()
@@ -105,7 +108,7 @@ class Telemetry:
         self.scale_loss_time = 0.0
         self._last_step: float | None = None
         self._lock = threading.Lock()
-        self._progress = env.get(env.PROGRESS) if record else None
+        self._progress = progress if record else None  # a path: "step loss" lines appended while recording
 
     def add_wrapper_time(self, seconds: float) -> None:
         with self._lock:
@@ -131,6 +134,32 @@ class Telemetry:
                         f.write(f"{self.steps} {float('nan') if last is None else last}\n")
                 except OSError:  # the command that asked for it went away: never fail a step for it
                     self._progress = None
+
+
+    def report(self, properties: Any, cache: dict[str, int], scalers: Sequence[Any], device: dict[str, Any],
+               kept: Sequence[str]) -> "Report":
+        """The `Report` of a session: these counters with its `properties` (levels.Properties),
+        cast-cache `{"hits", "misses"}`, loss scalers, device (hardware.check_half) and the
+        labels of the modules kept in FP32."""
+        return Report(
+            opt_level=properties.opt_level,
+            half_dtype=short_name(properties.half_dtype) if properties.opt_level != "O0" else None,
+            enabled=properties.enabled,
+            casts=self.counters.snapshot(),
+            cache=dict(cache),
+            steps=self.steps,
+            skipped_steps=list(self.skipped),
+            loss_scale={f"loss_scaler{i}": s.scale for i, s in enumerate(scalers)},
+            loss_scale_history={f"loss_scaler{i}": [list(h) for h in s.history] for i, s in enumerate(scalers)},
+            time_s={"wrappers": self.wrapper_time if self.time_wrappers else None, "scale_loss": self.scale_loss_time},
+            step_times_s=list(self.step_times),
+            losses=list(self.losses),
+            losses_every=self.losses.stride,
+            step_times_every=self.step_times.stride,
+            peak_memory_bytes=peak_memory_bytes(),
+            device=dict(device),
+            keep_fp32=list(kept),
+        )
 
 
 def peak_memory_bytes() -> int:
@@ -177,10 +206,6 @@ class Report:
         reading of it. A field with a default may be missing (a report of an older ampatch);
         a missing required field, an unknown field or a value of the wrong type raises
         ValueError naming it, instead of a wrong figure later."""
-        import dataclasses
-        import types
-        import typing
-
         def fits(value: Any, hint: Any) -> bool:
             origin = typing.get_origin(hint)
             if origin in (typing.Union, types.UnionType):
@@ -211,10 +236,6 @@ class Report:
                 expected = hints[name].__name__ if isinstance(hints[name], type) else hints[name]
                 raise ValueError(f"report field {name!r} is a {type(value).__name__}, not {expected}")
         return cls(**data)
-
-    def to_json(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f)
 
     def __str__(self) -> str:
         lines = [f"ampatch report: opt_level={self.opt_level} half_dtype={self.half_dtype} "

@@ -5,7 +5,10 @@
   `log_dims_tip` logs that list once, at `initialize`.
 - `eps_lost_in_float16(optimizers)`: optimizer groups that step float16 parameters in
   float16 with an `eps` that float16 rounds to 0 (Adam's 1e-8): every weight whose
-  gradient is 0 becomes 0/0 = NaN at the first step. The session warns at `initialize`.
+  gradient is 0 becomes 0/0 = NaN at the first step. The session warns at `initialize`
+  (`eps_lost_warning`).
+- `skipping_warning(...)`: why many optimizer steps in a row were skipped (the session's
+  warning when they pile up).
 - `explain_dtype_error(exc, op_name, model_dtype)`: when a dtype-mismatch error escapes a call
   under mixed precision, what fixes it: at O1/O4 the registration for the op; inside the
   forward of a model cast to half (O2/O3/O5, `model_dtype`), the tensor the cast did not reach
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,8 +29,8 @@ from torch import nn
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["dims_not_multiple_of_8", "log_dims_tip", "eps_lost_in_float16", "explain_dtype_error", "attach_hint",
-           "hint_dtype_error", "qualified_name"]
+__all__ = ["dims_not_multiple_of_8", "log_dims_tip", "eps_lost_in_float16", "eps_lost_warning", "skipping_warning",
+           "explain_dtype_error", "attach_hint", "hint_dtype_error", "qualified_name"]
 
 _MULTIPLE = 8
 
@@ -95,6 +98,34 @@ def eps_lost_in_float16(optimizers: Iterable[torch.optim.Optimizer]) -> list[str
             if any(isinstance(p, torch.Tensor) and p.dtype == torch.float16 for p in group["params"]):
                 out.append(f"optimizers[{i}] ({type(opt).__name__}) param group {j}: eps={eps:g}")
     return out
+
+
+def eps_lost_warning(lost: Iterable[str], opt_level: str) -> str:
+    """The warning `initialize` gives for the groups `eps_lost_in_float16` found."""
+    return (f"ampatch: {'; '.join(lost)}: float16 rounds that eps to 0, and at {opt_level} these float16 "
+            "parameters are stepped in float16 (no FP32 master weights), so every weight whose gradient is 0 "
+            "(an embedding row missing from the batch) becomes 0/0 = NaN at the first step. Use O2 (FP32 master "
+            "weights), bfloat16, or an eps float16 can hold (1e-4 is usual for float16 Adam).")
+
+
+def skipping_warning(count: int, loss: torch.Tensor | None, scalers: Sequence[Any], optimizer: int | None) -> str:
+    """Why `count` optimizer steps in a row were skipped, as far as the last `loss` tells;
+    `scalers` are the session's loss scalers, `optimizer` the index of the optimizer that
+    skipped (None when it is the only one)."""
+    finite = None if loss is None else torch.isfinite(loss)
+    if finite is not None and not bool(finite.all()):
+        bad = float(loss[~finite].flatten()[0])
+        cause = (f"the loss itself is {bad}: no loss scale can fix that. Look for inf/NaN in the data or the "
+                 "labels, a log/sqrt/division of zero in the loss, or a learning rate that made the weights diverge")
+    else:
+        cause = ("the gradients hold inf/NaN at every scale tried. Look for a learning rate that is too high, an op "
+                 "that overflows in half precision (amp.register_float_function runs it in FP32), or inf/NaN in "
+                 "the data")
+    scales = ", ".join(f"loss scaler {i}: {s.scale:g}" + (" (its floor)" if s.dynamic and s.scale <= s.floor else "")
+                       for i, s in enumerate(scalers))
+    which = f"optimizer {optimizer}: " if optimizer is not None else ""
+    return (f"ampatch: {which}{count} optimizer steps in a row were skipped because the gradients were not finite "
+            f"({scales}); {cause}.")
 
 
 # Messages of dtype-mismatch errors from torch (checked against torch 2.x CPU and CUDA).

@@ -1,7 +1,9 @@
 """One walk over argument structures, as `torch.autocast` has one `_cast`.
 
 `map_tensors(x, leaf)` replaces every tensor nested in lists, tuples, namedtuples
-(`PackedSequence` among them) and dicts by `leaf(tensor)`. Each caller brings its own leaf:
+(`PackedSequence` among them) and dicts by `leaf(tensor)`; `holds_dtype(x, dtypes)` is
+the same walk asking only whether one of those tensors has a dtype in `dtypes` (the O1
+wrappers' pre-check: nothing built, no call per tensor). Each caller brings its own leaf:
 the O1 wrappers (a cast served from the cast cache), their `torch.compile` twins (`t.to`),
 the RNN forward, promotion (which reads dtypes and changes nothing), and the model wrapper
 of O2/O3/O5, which also converts custom batch objects through their `.to`.
@@ -24,6 +26,8 @@ Leaf = Callable[[torch.Tensor], Any]
 # without a look.
 ATOMS = frozenset({int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice,
                    torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format})
+
+CONTAINERS = (list, tuple, dict)  # what the walks look into (namedtuples are tuples; a dict's values)
 
 _Tensor = torch.Tensor
 
@@ -61,6 +65,25 @@ def map_tensors(x: Any, leaf: Leaf, batch: Callable[[Any], Any] | None = None) -
             changed = True
         new.append(z)
     return _rebuild(x, new) if changed else x
+
+
+def holds_dtype(x: Any, dtypes: frozenset) -> bool:
+    """Whether a tensor nested in the container `x` (as `map_tensors` walks it) has a dtype
+    in `dtypes`; False for anything but a container (a tensor itself included: callers test
+    a tensor argument inline, before calling this)."""
+    cls = type(x)
+    if cls is not tuple and cls is not list:
+        if isinstance(x, dict):
+            x = x.values()
+        elif not isinstance(x, (list, tuple)):
+            return False
+    for y in x:
+        if isinstance(y, _Tensor):
+            if y.dtype in dtypes:
+                return True
+        elif type(y) not in ATOMS and holds_dtype(y, dtypes):
+            return True
+    return False
 
 
 def _rebuild(x: Any, new: list) -> Any:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.session import current
+from ampatch.live import current
 from ampatch.patching import cast_switch
 
 N = 100_000

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch import levels
+from ampatch import env, levels
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
@@ -187,9 +187,10 @@ def test_unknown_level_is_apex_runtime_error_too() -> None:
 
 def test_env_float16_does_not_apply_at_bfloat16_levels(monkeypatch, caplog) -> None:
     monkeypatch.setenv("AMPATCH_HALF_DTYPE", "float16")
-    assert levels.resolve("O1").half_dtype == F16
+    forced = env.read()  # initialize reads the environment once and hands it to levels.resolve
+    assert levels.resolve("O1", overrides=forced).half_dtype == F16
     with caplog.at_level("WARNING", logger="ampatch"):
-        assert levels.resolve("O4").half_dtype == BF16
+        assert levels.resolve("O4", overrides=forced).half_dtype == BF16
     assert "AMPATCH_HALF_DTYPE=float16 does not apply to O4" in caplog.text
     with pytest.raises(ValueError):  # an explicit argument still contradicts
         levels.resolve("O5", half_dtype=F16)

@@ -2,9 +2,14 @@
 
 - no module imports another module's underscore name (`from .patching import _switch`,
   or `patching._switch` on an imported ampatch module): what a module shares is public;
+  the same holds for `scripts/` (the benchmark and the tools use ampatch's public names);
 - the module-level imports inside `ampatch/` form no cycle, and none runs upward: the core
   never imports `compat`, the command line or the tools built on the core at import time
   (it may import them lazily, inside a function, for a compatibility name);
+- the core never imports them lazily either (inside a function), except the package's own
+  Apex-compatibility names (`amp.init`, `amp._amp_state`, ...);
+- `ampatch.record` (the in-process half of diagnose) sits below the session: nothing in it
+  imports the session, the set-up or the public API above it;
 - no file in `ampatch/` grows past the size where it should be split by job.
 """
 from __future__ import annotations
@@ -15,38 +20,57 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ampatch"
+SCRIPTS = PACKAGE.parent / "scripts"
 MAX_LINES = 470  # "~450 lines": split a file by job before it grows further
 # Layers above the core: they may import the core; the core may not import them at module level.
 UPPER = ("ampatch.compat", "ampatch.cli", "ampatch.compare", "ampatch.runs", "ampatch.tune", "ampatch.diagnose",
          "ampatch.workloads", "ampatch.__main__")
+# The core modules that may import an upper layer inside a function: the public API's Apex names.
+LAZY_UPWARD_ALLOWED = {("ampatch", "ampatch.compat")}
+# What sits above `ampatch.record` inside the core: the session, its set-up and the public API.
+ABOVE_RECORD = ("ampatch", "ampatch.session", "ampatch.live", "ampatch.observers", "ampatch.options",
+                "ampatch.plain")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path, base: Path) -> dict[str, Path]:
+    """Module name -> file, for the .py files under `root`, named relative to `base`."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(base).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
     return out
 
 
-MODULES = _modules()
+MODULES = _modules(PACKAGE, PACKAGE.parent)
+# scripts/ runs with scripts/ on sys.path (`python scripts/bench` imports `bench.harness`)
+SCRIPT_MODULES = _modules(SCRIPTS, SCRIPTS)
+
+
+def _known() -> dict[str, Path]:
+    return {**SCRIPT_MODULES, **MODULES}
 
 
 def _resolve(module: str, node: ast.ImportFrom) -> str:
     """The absolute module name an ImportFrom in `module` names."""
     if node.level == 0:
         return node.module or ""
-    is_package = MODULES[module].name == "__init__.py"
+    is_package = _known()[module].name == "__init__.py"
     base = module.split(".")
     base = base[: len(base) - node.level + (1 if is_package else 0)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _imports(module: str, top_level_only: bool) -> list[tuple[str, str | None, int]]:
     """(imported module, imported name or None, line) for every import in `module`."""
-    tree = ast.parse(MODULES[module].read_text())
+    known = _known()
+    tree = ast.parse(known[module].read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = []
     for node in nodes:
@@ -56,7 +80,9 @@ def _imports(module: str, top_level_only: bool) -> list[tuple[str, str | None, i
             target = _resolve(module, node)
             for a in node.names:
                 sub = f"{target}.{a.name}"
-                found.append((sub, None, node.lineno) if sub in MODULES else (target, a.name, node.lineno))
+                found.append((sub, None, node.lineno) if sub in known else (target, a.name, node.lineno))
+        elif top_level_only and isinstance(node, ast.If) and _is_type_checking(node.test):
+            continue  # `if TYPE_CHECKING:` imports never run
         elif top_level_only and isinstance(node, (ast.If, ast.Try)):  # guarded imports still run at import
             for inner in ast.walk(node):
                 if isinstance(inner, ast.Import):
@@ -67,12 +93,12 @@ def _imports(module: str, top_level_only: bool) -> list[tuple[str, str | None, i
 
 
 def _is_ours(name: str) -> bool:
-    return name == "ampatch" or name.startswith("ampatch.")
+    return name == "ampatch" or name.startswith("ampatch.") or name in SCRIPT_MODULES
 
 
 def test_no_module_imports_another_modules_underscore_names() -> None:
     bad = []
-    for module, path in MODULES.items():
+    for module, path in _known().items():
         for target, name, line in _imports(module, top_level_only=False):
             if _is_ours(target) and target != module and name and name.startswith("_") and not name.startswith("__"):
                 bad.append(f"{path.name}:{line} imports {name} from {target}")
@@ -138,6 +164,30 @@ def test_the_core_never_imports_the_layers_above_it_at_import_time() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_the_core_never_imports_the_layers_above_it_even_lazily() -> None:
+    bad = []
+    for m in MODULES:
+        if _layer(m):
+            continue
+        for target, _, line in _imports(m, top_level_only=False):
+            layer = next((u for u in UPPER if target == u or target.startswith(u + ".")), None)
+            if layer is not None and (m, layer) not in LAZY_UPWARD_ALLOWED:
+                bad.append(f"{m}:{line} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_record_sits_below_the_session() -> None:
+    record = [m for m in MODULES if m == "ampatch.record" or m.startswith("ampatch.record.")]
+    assert record, "ampatch.record is gone: update ABOVE_RECORD"
+    bad = []
+    for m in record:
+        for target, name, line in _imports(m, top_level_only=False):
+            full = f"{target}.{name}" if name else target
+            if target in ABOVE_RECORD or full in ABOVE_RECORD or _layer(target):
+                bad.append(f"{m}:{line} imports {full}")
+    assert not bad, "ampatch.record imports upward:\n" + "\n".join(bad)
+
+
 def test_no_file_in_the_package_is_past_the_split_size() -> None:
     big = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
@@ -160,3 +210,18 @@ def test_the_checks_above_can_fail(tmp_path: Path) -> None:
             test_module_level_imports_have_no_cycle()
     finally:
         MODULES = saved
+
+
+def test_scripts_are_checked_too(tmp_path: Path) -> None:
+    """A script importing an underscore name of ampatch, or of another script, is caught."""
+    global SCRIPT_MODULES
+    saved = SCRIPT_MODULES
+    try:
+        (tmp_path / "tool.py").write_text("from ampatch.scaler import _private\nfrom helper import _x\n")
+        (tmp_path / "helper.py").write_text("_x = 1\n")
+        SCRIPT_MODULES = {"tool": tmp_path / "tool.py", "helper": tmp_path / "helper.py"}
+        with pytest.raises(AssertionError, match="_private") as err:
+            test_no_module_imports_another_modules_underscore_names()
+        assert "_x from helper" in str(err.value)
+    finally:
+        SCRIPT_MODULES = saved

@@ -17,9 +17,9 @@ from torch import nn
 import ampatch as amp
 from ampatch import env
 from ampatch.diagnose.analysis import analyse, error_floor
-from ampatch.diagnose.recorder import Recorder
 from ampatch.diagnose.render import render
-from ampatch.diagnose.stats import relative_error, underflow_fraction
+from ampatch.record.recorder import Recorder
+from ampatch.record.stats import relative_error, underflow_fraction
 
 
 class _Amplify(torch.autograd.Function):

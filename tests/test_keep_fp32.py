@@ -140,7 +140,7 @@ def test_initialize_refuses_an_unknown_name_and_changes_nothing():
     net, opt = make()
     with pytest.raises(ValueError, match="Close names: 'head'"):
         init(net, opt, "O2", keep_fp32="heads")
-    assert amp.session.current() is None
+    assert amp.live.current() is None
     assert net.body.weight.dtype == F32 and "forward" not in vars(net.head)
 
 

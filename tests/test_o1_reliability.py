@@ -25,7 +25,7 @@ def o1(half, *models, **kw):
 
 
 def _cache():
-    from ampatch.session import current
+    from ampatch.live import current
     return current().cache
 
 

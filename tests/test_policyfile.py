@@ -34,7 +34,7 @@ def test_save_then_load_gives_the_same_policy(tmp_path):
     ({"opt_level": "O7"}, "opt_level must be one of"),
     ({}, "opt_level must be one of"),
     ({"opt_level": "O1", "half_dtype": "float8"}, "half_dtype must be"),
-    ({"opt_level": "O5", "half_dtype": "float16"}, "always runs in bfloat16"),
+    ({"opt_level": "O5", "half_dtype": "float16"}, "is the bfloat16 variant of"),
     ({"opt_level": "O1", "loss_scale": "huge"}, "loss_scale"),
     ({"opt_level": "O1", "keep_fp32": [3]}, "keep_fp32 must be a list of module names"),
     ({"opt_level": "O1", "format": 9}, "format 9"),

@@ -89,8 +89,9 @@ def check_output_path(path: str | None, option: str) -> None:
 
 def check_half_dtype(level: str | None, half_dtype: str | None) -> None:
     """Refuse ``--half-dtype float16`` with a level that is always bfloat16 (O4/O5)."""
-    if half_dtype == "float16" and level in levels_policy.BFLOAT16_LEVELS:
-        raise CliError(f"{level} always uses bfloat16; --half-dtype float16 contradicts it (use O1-O3 for float16)")
+    reason = levels_policy.half_dtype_conflict(level, half_dtype)
+    if reason:
+        raise CliError(reason)
 
 
 def policy_path(text: str) -> str:

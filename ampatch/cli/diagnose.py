@@ -9,7 +9,7 @@ import sys
 
 from ampatch.cli.common import CliError, check_half_dtype, check_output_path, module_names, opt_level, positive
 from ampatch.diagnose import command as diagnosis
-from ampatch.diagnose.child import DEFAULT_STEPS as DIAGNOSE_STEPS
+from ampatch.record.child import DEFAULT_STEPS as DIAGNOSE_STEPS
 from ampatch.diagnose.render import render
 from ampatch.diagnose.render import write_plot as write_diagnosis_plot
 from ampatch.keep import parse_names

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..dtypes import from_short_name, is_low
-from .stats import headroom
+from ..record.stats import headroom
 
 __all__ = ["analyse", "diagnosis", "Diagnosis", "StepFault", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE",
            "FULL_UNDERFLOW"]

@@ -24,9 +24,9 @@ from typing import Any, TextIO
 
 from .. import env
 from ..compare.rows import Row
+from ..record.child import DEFAULT_STEPS, FORMAT
 from ..runs.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
 from .analysis import diagnosis
-from .child import DEFAULT_STEPS, FORMAT
 
 __all__ = ["Request", "RunFailed", "diagnose", "MAX_ROUNDS"]
 

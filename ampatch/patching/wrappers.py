@@ -21,13 +21,12 @@ import torch
 from ..dtypes import short_name
 from ..telemetry import Counters
 from ..tips import hint_dtype_error
-from ..tree import ATOMS, map_tensors
+from ..tree import ATOMS, CONTAINERS, holds_dtype, map_tensors
 from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
 from .switch import cast_switch
 
 Caster = Callable[[torch.Tensor], torch.Tensor]
 _Tensor = torch.Tensor
-_CONTAINERS = (list, tuple, dict)  # the containers `map_tensors` walks
 
 
 @dataclass
@@ -55,24 +54,6 @@ def make_wrapper(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
     return _refuse_wrapper(p, original, ctx.timer)
 
 
-def _holds(x: Any, needs: frozenset) -> bool:
-    """Whether a tensor nested in `x`, a non-tensor argument, has a dtype in `needs`: the
-    pre-check's look into the containers `map_tensors` walks."""
-    cls = type(x)
-    if cls is not tuple and cls is not list:
-        if isinstance(x, dict):
-            x = x.values()
-        elif not isinstance(x, (list, tuple)):
-            return False
-    for y in x:
-        if isinstance(y, _Tensor):
-            if y.dtype in needs:
-                return True
-        elif type(y) not in ATOMS and _holds(y, needs):
-            return True
-    return False
-
-
 def _cast_wrapper(p: CastPlan, original: Any, tick: Any, cast: Caster,
                   timer: Callable[[float], None] | None) -> Callable:
     """A CAST wrapper: a tensor whose dtype is in the plan's `needs` goes through `cast`
@@ -80,7 +61,7 @@ def _cast_wrapper(p: CastPlan, original: Any, tick: Any, cast: Caster,
     dict is never passed on: `f(*args, **{})` costs a torch builtin about 0.25 us. With
     `timer`, the time spent converting is reported."""
     state = cast_switch
-    holds, atoms = _holds, ATOMS
+    holds, atoms = holds_dtype, ATOMS
     timed = timer is not None
     perf = time.perf_counter
     needs, leaf = p.needs, p.leaf(cast)
@@ -195,7 +176,7 @@ def _promote_wrapper(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
                         first = d
                     elif d is not first:
                         break
-            elif type(a) not in atoms and isinstance(a, _CONTAINERS):
+            elif type(a) not in atoms and isinstance(a, CONTAINERS):
                 break
         else:
             return wrapped(*args, **kwargs) if kwargs else wrapped(*args)

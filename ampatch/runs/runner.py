@@ -91,7 +91,7 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
     if report:
         env[envvars.REPORT] = report
     # O0 has no half type and O4/O5 are bfloat16 by definition
-    if half_dtype in ("bfloat16", "float16") and level != "O0" and level not in levels.BFLOAT16_LEVELS:
+    if half_dtype in ("bfloat16", "float16") and level != "O0" and levels.fixed_half_dtype(level) is None:
         env[envvars.HALF_DTYPE] = half_dtype
     elif half_dtype is not None:
         env.pop(envvars.HALF_DTYPE, None)

@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ampatch import hardware
-from ampatch.levels import BFLOAT16_LEVELS
+from ampatch.dtypes import short_name
+from ampatch.levels import fixed_half_dtype, half_dtype_conflict
 from ampatch.policyfile import Policy
 
 __all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY"]
@@ -59,8 +60,9 @@ def initial(levels: Sequence[str], device: str, half_dtype: str | None) -> list[
     for level in levels:
         if level == "O0":
             continue
-        for d in (["bfloat16"] if level in BFLOAT16_LEVELS else dtypes):
-            if level in BFLOAT16_LEVELS and half_dtype == "float16":
-                continue
+        if half_dtype_conflict(level, half_dtype):  # --half-dtype float16 asks nothing of O4/O5
+            continue
+        fixed = fixed_half_dtype(level)
+        for d in ([short_name(fixed)] if fixed is not None else dtypes):
             out.append(Candidate(level, d))
     return list(dict.fromkeys(out))

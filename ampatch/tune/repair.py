@@ -12,7 +12,7 @@ from typing import TextIO
 
 from ampatch import env
 from ampatch.diagnose.analysis import Diagnosis, diagnosis
-from ampatch.diagnose.child import FORMAT
+from ampatch.record.child import FORMAT
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.measure import Job, run_candidate
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ... import levels
-from ...session import current as _current
+from ...live import current as _current
 from .handle import Handle
 
 logger = logging.getLogger("ampatch")

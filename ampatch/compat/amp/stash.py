@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from ...dtypes import LOW
-from ...master import split_master_params
 from ...optimizer import OptimizerHandle, OptState
 from .scaler import device_of
 
@@ -52,7 +51,11 @@ class AmpStash:
     def _groups(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
         """Per param group: (half model params with a master, their masters, the other params)."""
         h = self._handle
-        return [split_master_params(group["params"], h.masters.model_of) for group in h.optimizer.param_groups]
+        out = []
+        for group in h.optimizer.param_groups:
+            pairs, own = h.masters.split(group["params"])
+            out.append(([mp for mp, _ in pairs], [m for _, m in pairs], own))
+        return out
 
     @property
     def fp16_groups(self) -> list[list[torch.Tensor]]:

@@ -24,7 +24,7 @@ from ...master import MASTERS_KEY
 from ...optimizer import HandleContext, OptimizerHandle, OptState
 from ...patching import Patcher
 from ...scaler import LossScaler, Verdict, check_scale_value
-from ...session import current as current_session
+from ...live import current as current_session
 from ..amp.stash import AmpStash
 
 logger = logging.getLogger("ampatch")

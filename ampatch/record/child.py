@@ -53,7 +53,7 @@ def attach(session: Any, models: Sequence[nn.Module], path: str, eps_lost: Seque
     props = session.properties
     masters = _masters(session)
     sharded = fsdp.is_sharded(models)
-    recorder = Recorder(models, props.half_dtype, session.stop_after or DEFAULT_STEPS,
+    recorder = Recorder(models, props.half_dtype, session.overrides.max_steps or DEFAULT_STEPS,
                         masters=lambda p: masters.get(id(p)), shadows=not sharded,
                         on_done=lambda r: _output.write(tracked))
     notes = [f"{line}: float16 rounds that eps to 0; with float16 parameters stepped in float16, any weight "

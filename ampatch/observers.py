@@ -1,0 +1,84 @@
+"""What watches a session's losses and steps from outside its job, attached from one list.
+
+The session tells each observer about every loss it scales (loss id 0) and every step of
+its first optimizer, and closes them when it closes. `attach` makes the list from the
+environment (`env.Overrides`): the report written at exit (AMPATCH_REPORT), the diagnose
+recorder (AMPATCH_DIAGNOSE, `ampatch.record`), and the end of the process after N steps
+(AMPATCH_MAX_STEPS), last, so that the others saw the final step first.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .env import MAX_STEPS, Overrides
+from .record.child import attach as attach_recorder
+from .telemetry import exit_report
+
+logger = logging.getLogger("ampatch")
+
+__all__ = ["Observer", "StopAfter", "ReportAtExit", "attach"]
+
+
+class Observer(Protocol):
+    def on_loss(self, loss: torch.Tensor, scale: float) -> None: ...
+
+    def on_step(self, skipped: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StopAfter:
+    """Ends the process (`SystemExit(0)`) after `steps` optimizer steps, skipped ones included:
+    a command needs no more of the run (`ampatch compare`, `ampatch diagnose`)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.seen = steps, 0
+
+    def on_loss(self, loss: torch.Tensor, scale: float) -> None:
+        pass
+
+    def on_step(self, skipped: bool) -> None:
+        self.seen += 1
+        if self.seen >= self.steps:
+            logger.info("ampatch: %s=%d: ending the process after %d optimizer steps.", MAX_STEPS, self.steps,
+                        self.seen)
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        pass
+
+
+class ReportAtExit:
+    """The session's `report()` written as JSON to `path` at exit (`telemetry.exit_report`:
+    the newest session of the process writes; a closed one leaves what it would write)."""
+
+    def __init__(self, session: Any, path: str) -> None:
+        self.session = session
+        exit_report.track(session, path)
+
+    def on_loss(self, loss: torch.Tensor, scale: float) -> None:
+        pass
+
+    def on_step(self, skipped: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        exit_report.release(self.session)
+
+
+def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides,
+           eps_lost: Sequence[str] = ()) -> list[Observer]:
+    """The observers `overrides` ask for, in the order they are told of each step."""
+    observers: list[Observer] = []
+    if overrides.report:
+        observers.append(ReportAtExit(session, overrides.report))
+    if overrides.diagnose:  # per-module statistics for `ampatch diagnose`
+        observers.append(attach_recorder(session, models, overrides.diagnose, eps_lost=eps_lost))
+    if overrides.max_steps is not None:
+        observers.append(StopAfter(overrides.max_steps))
+    return observers
