@@ -1,4 +1,4 @@
-"""The layout rules of the package, checked on its source (see README "Layout").
+"""The layout rules of the package, checked on its source (see docs/reference.md, "Layout").
 
 - no module imports another module's underscore name (`from .patching import _switch`,
   or `patching._switch` on an imported ampatch module): what a module shares is public;
