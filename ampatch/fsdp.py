@@ -58,7 +58,8 @@ from .levels import Properties
 from .master import MASTERS_KEY
 from .forwards import wrap_outputs
 from .model import is_batchnorm, modules_to_cast, params_to_cast
-from .optimizer import HandleContext, OptimizerHandle, OptState
+from .handle_context import HandleContext, OptState
+from .optimizer import OptimizerHandle
 
 logger = logging.getLogger("ampatch")
 

@@ -18,7 +18,8 @@ from .keep import Kept, kept_module_ids
 from .levels import Properties
 from .master import check_one_master_each, master_ids
 from .model import ModelHandle, params_to_cast
-from .optimizer import HandleContext, OptimizerHandle
+from .handle_context import HandleContext
+from .optimizer import OptimizerHandle
 
 __all__ = ["setup", "undo", "keep_forwards", "wrap_model_outputs"]
 

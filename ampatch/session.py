@@ -24,7 +24,8 @@ from .levels import Properties
 from .model import ModelHandle
 from .notices import warn
 from .o1 import O1Patches
-from .optimizer import HandleContext, OptimizerHandle, OptState
+from .handle_context import HandleContext, OptState
+from .optimizer import OptimizerHandle
 from .options import Options, Prepared, optimizer_list
 from .param_guard import ParamGuard
 from .patching import Patcher, WrapContext

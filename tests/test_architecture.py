@@ -21,7 +21,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ampatch"
 SCRIPTS = PACKAGE.parent / "scripts"
-MAX_LINES = 470  # "~450 lines": split a file by job before it grows further
+MAX_LINES = 420  # "~400 lines": split a file by job before it grows further
 # Layers above the core: they may import the core; the core may not import them at module level.
 UPPER = ("ampatch.compat", "ampatch.cli", "ampatch.compare", "ampatch.runs", "ampatch.tune", "ampatch.diagnose",
          "ampatch.workloads", "ampatch.__main__")

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ...optimizer import OptimizerHandle, OptState
+from ...handle_context import OptState
+from ...optimizer import OptimizerHandle
 from ... import scaler as core
 
 logger = logging.getLogger("ampatch")

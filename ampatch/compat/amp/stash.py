@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from ...dtypes import LOW
-from ...optimizer import OptimizerHandle, OptState
+from ...handle_context import OptState
+from ...optimizer import OptimizerHandle
 from .scaler import device_of
 
 logger = logging.getLogger("ampatch")

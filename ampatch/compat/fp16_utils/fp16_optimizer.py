@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...optimizer import OptState
+from ...handle_context import OptState
 from ...scaler import LossScaler, StateDictKeyError, check_scale_value
 from .master_wrapper import MasterWeightOptimizer, WrapperOwner
 from ..amp.scaler import LossScalerView

@@ -21,7 +21,8 @@ from torch._utils import _unflatten_dense_tensors
 
 from ...dtypes import LOW
 from ...master import MASTERS_KEY
-from ...optimizer import HandleContext, OptimizerHandle, OptState
+from ...handle_context import HandleContext, OptState
+from ...optimizer import OptimizerHandle
 from ...patching import Patcher
 from ...scaler import LossScaler, Verdict, check_scale_value
 from ...live import current as current_session
