@@ -1,5 +1,9 @@
-"""Shared fixtures: every test starts and ends without an ampatch session."""
+"""Shared fixtures: every test starts and ends without an ampatch session; `apex_alias`
+installs the Apex import alias for one test."""
 from __future__ import annotations
+
+import importlib.util
+import sys
 
 import pytest
 import torch
@@ -42,3 +46,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def apex_alias():
+    """The Apex import alias for one test (skipped where a real apex is installed)."""
+    from ampatch import compat
+    if "apex" not in sys.modules and importlib.util.find_spec("apex") is not None:
+        pytest.skip("a real apex is installed here")
+    compat.uninstall_apex_alias()
+    assert compat.install_apex_alias()
+    yield
+    compat.uninstall_apex_alias()

@@ -22,17 +22,7 @@ def _flag(value: int = 0) -> torch.Tensor:
     return torch.tensor([value], dtype=torch.int)
 
 
-@pytest.fixture
-def alias():
-    if "apex" not in sys.modules and importlib.util.find_spec("apex") is not None:
-        pytest.skip("a real apex is installed here")
-    compat.uninstall_apex_alias()
-    assert compat.install_apex_alias()
-    yield
-    compat.uninstall_apex_alias()
-
-
-def test_the_modules_import_under_the_alias_only(alias) -> None:
+def test_the_modules_import_under_the_alias_only(apex_alias) -> None:
     import amp_C
     import apex_C
     from amp_C import multi_tensor_l2norm

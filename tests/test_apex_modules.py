@@ -99,18 +99,8 @@ NOT_PROVIDED = ("apex.contrib", "apex.contrib.optimizers", "apex.contrib.optimiz
                 "apex.amp._process_optimizer", "apex.optimizers.fused_lars", "apex.mlp")
 
 
-@pytest.fixture
-def installed():
-    if "apex" not in sys.modules and importlib.util.find_spec("apex") is not None:
-        pytest.skip("a real apex is installed here")
-    compat.uninstall_apex_alias()
-    assert compat.install_apex_alias()
-    yield
-    compat.uninstall_apex_alias()
-
-
 @pytest.mark.parametrize("name", sorted(APEX_MODULES))
-def test_each_public_apex_module_imports_with_its_names(installed, name: str) -> None:
+def test_each_public_apex_module_imports_with_its_names(apex_alias, name: str) -> None:
     module = importlib.import_module(name)
     assert importlib.util.find_spec(name) is not None
     missing = [n for n in APEX_MODULES[name] if not hasattr(module, n)]
@@ -118,7 +108,7 @@ def test_each_public_apex_module_imports_with_its_names(installed, name: str) ->
     exec(f"import {name}", {})  # the import statement too, not only importlib
 
 
-def test_the_rule_maps_apex_names_to_compat_files(installed) -> None:
+def test_the_rule_maps_apex_names_to_compat_files(apex_alias) -> None:
     assert alias.target_of("apex.optimizers.fused_adam") == "ampatch.compat.optimizers.fused_adam"
     assert alias.target_of("apex.amp.lists.torch_overrides") == "ampatch.compat.amp.lists.torch_overrides"
     assert alias.target_of("apex.amp") == "ampatch" and alias.target_of("amp_C") == "ampatch.compat.extensions.amp_C"
@@ -127,7 +117,7 @@ def test_the_rule_maps_apex_names_to_compat_files(installed) -> None:
         assert sys.modules[name] is importlib.import_module(target), name
 
 
-def test_amp_submodules_are_attributes_of_apex_amp_but_never_set_on_ampatch(installed) -> None:
+def test_amp_submodules_are_attributes_of_apex_amp_but_never_set_on_ampatch(apex_alias) -> None:
     import apex.amp.frontend
     from apex.amp import frontend, lists, wrap
     assert lists is sys.modules["apex.amp.lists"] and wrap is sys.modules["apex.amp.wrap"]
@@ -137,7 +127,7 @@ def test_amp_submodules_are_attributes_of_apex_amp_but_never_set_on_ampatch(inst
     assert not hasattr(ampatch, "lists")
 
 
-def test_the_lists_are_ampatchs_policy(installed) -> None:
+def test_the_lists_are_ampatchs_policy(apex_alias) -> None:
     from apex.amp.lists import functional_overrides, tensor_overrides, torch_overrides
 
     from ampatch.policy import functional, tensor, torch_ops
@@ -149,7 +139,7 @@ def test_the_lists_are_ampatchs_policy(installed) -> None:
     assert all(isinstance(n, str) and isinstance(m, str) for n, m in functional_overrides.BANNED_FUNCS)
 
 
-def test_names_without_an_equivalent_raise_at_call_time_naming_the_way(installed) -> None:
+def test_names_without_an_equivalent_raise_at_call_time_naming_the_way(apex_alias) -> None:
     from apex.amp.wrap import make_cast_wrapper
     from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction
     from apex.parallel.multiproc import main
@@ -164,7 +154,7 @@ def test_names_without_an_equivalent_raise_at_call_time_naming_the_way(installed
         main()
 
 
-def test_what_there_is_behaves(installed) -> None:
+def test_what_there_is_behaves(apex_alias) -> None:
     from apex.amp import utils
     from apex.amp.frontend import opt_levels
     from apex.amp.scaler import scale_check_overflow_python
@@ -185,7 +175,7 @@ def test_what_there_is_behaves(installed) -> None:
 
 
 @pytest.mark.parametrize("name", NOT_PROVIDED)
-def test_what_is_not_provided_fails_to_import_and_find_spec_answers_none(installed, name: str) -> None:
+def test_what_is_not_provided_fails_to_import_and_find_spec_answers_none(apex_alias, name: str) -> None:
     assert importlib.util.find_spec(name) is None
     assert not any(n == name or n.startswith(name + ".") for n in sys.modules)
     assert not any(getattr(m, "__dict__", {}).get("__ampatch_probe__") for m in list(sys.modules.values()))
@@ -194,7 +184,7 @@ def test_what_is_not_provided_fails_to_import_and_find_spec_answers_none(install
     assert importlib.util.find_spec(name) is None  # again, after a failed import
 
 
-def test_the_amp_state_loss_scalers_are_apex_amp_scaler_loss_scalers(installed) -> None:
+def test_the_amp_state_loss_scalers_are_apex_amp_scaler_loss_scalers(apex_alias) -> None:
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ampatch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)

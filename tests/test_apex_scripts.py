@@ -21,16 +21,6 @@ from ampatch.compat import alias
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def installed():
-    if "apex" not in sys.modules and importlib.util.find_spec("apex") is not None:
-        pytest.skip("a real apex is installed here")
-    compat.uninstall_apex_alias()
-    assert compat.install_apex_alias()
-    yield
-    compat.uninstall_apex_alias()
-
-
 def _is_package_available(name: str) -> bool:
     """How Transformers 4.x probes for a package while it is being imported."""
     if importlib.util.find_spec(name) is None:
@@ -42,7 +32,7 @@ def _is_package_available(name: str) -> bool:
     return True
 
 
-def test_the_alias_looks_installed_to_importlib(installed) -> None:
+def test_the_alias_looks_installed_to_importlib(apex_alias) -> None:
     spec = importlib.util.find_spec("apex")
     assert spec is not None and spec.name == "apex" and spec.submodule_search_locations == []
     for name in [*alias.provided_modules(), *alias.EXTENSION_MODULES]:
