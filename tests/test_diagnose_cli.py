@@ -44,6 +44,8 @@ def test_the_example_goes_nan_in_float16_and_the_verified_fix_trains_like_o0(tmp
     v = result["verification"]
     assert v["finite"] and not v["gave_up"] and not v["without"]["finite"]
     assert v["max_dev_vs_O0"] < 0.05
+    # the verification shows the deviation as compare and tune do: relative, in percent
+    assert f"{v['max_dev_vs_O0']:.2%}" in done.stdout
     assert "encoder.attn.scores" in done.stdout and "ampatch run --half-dtype float16 --keep-fp32 encoder.attn.scores -- python examples/diagnose.py" in done.stdout
 
 

@@ -56,7 +56,7 @@ def _verification(v: dict[str, Any], level: str) -> list[str]:
 
     def row(label: str, f: dict[str, Any]) -> list[str]:
         return [label, "yes" if f["finite"] else "no", _fmt(f["final_loss"], ".4f"),
-                _fmt(f["max_dev_vs_O0"], ".3g"), str(f["skipped_steps"]), str(f["steps"])]
+                _fmt(f["max_dev_vs_O0"], ".2%"), str(f["skipped_steps"]), str(f["steps"])]
 
     rows = [row(level, v["without"])]
     for t in v["tries"]:
