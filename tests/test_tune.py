@@ -126,3 +126,33 @@ def test_only_the_interleaved_repeats_set_the_spread_and_the_finalists_times():
     assert s.result.spread == pytest.approx(max(14 / 463, 10 / 285))
     assert s.result.step_ms(REFERENCE) == pytest.approx(463) and s.result.chosen == o1
     assert "O0: 470/456" in render(s.result, "title", None, "")
+
+
+@pytest.mark.parametrize("stop,signum", [(KeyboardInterrupt(), 2), ("SIGTERM", 15)])
+def test_an_interrupted_search_records_the_signal_that_stopped_it(monkeypatch, stop, signum):
+    """Ctrl-C and SIGTERM/SIGHUP (process.Stopped) end the search with what was measured; the
+    command exits 128+N from `Result.interrupted`, as compare does."""
+    import signal as signals
+
+    from ampatch.runs import process
+    exc = process.Stopped(getattr(signals, stop)) if isinstance(stop, str) else stop
+    s = Search(Job(lambda n: [], 1), [], 0.02, None, io.StringIO())
+
+    def stopped():
+        raise exc
+    monkeypatch.setattr(s, "_run", stopped)
+    result = s.run()
+    assert result.interrupted == signum and result.chosen is REFERENCE
+    assert any(signals.Signals(signum).name in note for note in result.notes)
+
+
+def test_compare_keeps_the_finished_levels_when_the_policy_row_is_interrupted():
+    """A signal during compare's --policy row stops only that row: the table still prints."""
+    from ampatch.cli.compare import with_policy_row
+    from ampatch.runs import process
+    runs = ["O0 run"]
+
+    def interrupted():
+        raise process.Stopped(15)
+    assert with_policy_row(runs, interrupted) == 15 and runs == ["O0 run"]
+    assert with_policy_row(runs, lambda: "policy run") is None and runs == ["O0 run", "policy run"]

@@ -15,7 +15,7 @@ from ampatch import env as envvars
 from ampatch.compare.plot import write_plot
 from ampatch.compare.rows import common_steps, summarize
 from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
-from ampatch.runs import builtin, runner
+from ampatch.runs import builtin, process, runner
 from ampatch.runs.budget import DEFAULT_BUDGET_S, TARGET_STEPS
 from ampatch.runs.sizing import sizes_in_words
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
@@ -79,7 +79,7 @@ def compare_script(args: argparse.Namespace) -> Compared:
     runs, interrupted = runner.run_all({lv: lambda cap, deadline: cmd for lv in args.levels},
                                        args.half_dtype, sys.stderr, keep_fp32=args.keep_fp32)
     if args.policy and not interrupted:
-        runs.append(policy_run(cmd, args.policy, args.keep_fp32))
+        interrupted = with_policy_row(runs, lambda: policy_run(cmd, args.policy, args.keep_fp32))
     return Compared(runs, interrupted, None, f"ampatch compare: {' '.join(args.command)}",
                     {"command": list(args.command)}, [], "cpu")
 
@@ -99,9 +99,20 @@ def compare_builtin(args: argparse.Namespace) -> Compared:
                                            plan.budget, plan.steps, launch, keep_fp32=args.keep_fp32)
         if args.policy and not interrupted:
             steps = common_steps(runs) or plan.steps
-            runs.append(policy_run(plan.commands(["O0"])["O0"](steps, None), args.policy, args.keep_fp32, launch))
+            interrupted = with_policy_row(runs, lambda: policy_run(plan.commands(["O0"])["O0"](steps, None),
+                                                                   args.policy, args.keep_fp32, launch))
     upto = common_steps(runs) if plan.budget is not None else None
     return Compared(runs, interrupted, upto, plan.title(upto), plan.header(), plan.notes(upto), device)
+
+
+def with_policy_row(runs: list[runner.LevelRun], run: Any) -> int | None:
+    """Append the ``--policy`` row that ``run()`` measures; a Ctrl-C or SIGTERM/SIGHUP during it
+    returns its signal (the table of the finished levels is still printed), else None."""
+    try:
+        runs.append(run())
+    except KeyboardInterrupt as exc:
+        return process.signal_of(exc)
+    return None
 
 
 def policy_run(cmd: list[str], policy: str, keep_fp32: str | None,

@@ -50,7 +50,8 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
     t.add_argument("--json", metavar="PATH", help="write every candidate and the choice as JSON")
     t.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     t.add_argument("--size", choices=SIZES, help="size of the built-in workload (default: large for lm)")
-    t.add_argument("--device", help="device of the built-in workloads (default: CUDA when available)")
+    t.add_argument("--device", help="device the built-in workload trains on, or your script does: what decides the "
+                                     "half dtypes worth trying (default: CUDA when available)")
     t.add_argument("--no-repair", action="store_true", help="do not repair failed candidates")
     t.add_argument("--rounds", type=int, default=2, metavar="N",
                    help="interleaved re-timing rounds of the fastest qualifying candidates against O0 (default 2; "
@@ -71,11 +72,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_output_path(args.json, "--json")
     half = None if args.half_dtype in (None, "auto") else args.half_dtype
     if args.command is not None:
-        if args.workload or args.size or args.device:
-            raise CliError("--workload/--size/--device apply to the built-in workloads; give your script its "
-                           "own options after --")
+        if args.workload or args.size:
+            raise CliError("--workload/--size apply to the built-in workloads; give your script its own options "
+                           "after --")
         cmd = runner.resolve_command(args.command)
-        device, what = "cpu", " ".join(args.command)
+        # the device the script trains on, as far as this machine tells (what candidates are worth trying)
+        device, what = builtin.workload_device(args.device), " ".join(args.command)
         job_cmd = lambda steps: list(cmd)  # noqa: E731 - AMPATCH_MAX_STEPS stops it
         rerun = f"ampatch run --policy {{policy}} -- {what}"
     else:
@@ -87,7 +89,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 "--size", size, "--seed", "0"]
         job_cmd = lambda steps: base + ["--steps", str(steps)]  # noqa: E731
         rerun = f"ampatch run --policy {{policy}} -- python -m ampatch.workloads.{workload} --size {size} --threads 1"
-    cands = candidates.initial([lv for lv in args.levels if lv != "O0"], device, half)
+    cands = candidates.initial(args.levels, device, half)
     print(builtin.machine_notice(device, ["O0", *args.levels], half), file=sys.stderr, flush=True)
     budget_text = "no budget" if args.budget is None else f"a {args.budget:g}s budget"
     print(f"ampatch tune: {what}: O0, then {len(cands)} candidate(s), {args.steps} steps each, repairs and "
@@ -102,10 +104,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except NoReference as exc:
         print(f"ampatch tune: {exc}", file=sys.stderr)
         return 1
-    out = None if result.interrupted else args.out
+    out = None if result.interrupted is not None else args.out
     print(report.render(result, f"ampatch tune: {what}, {args.steps} steps per run", out, rerun), flush=True)
     if out:
         save(report.policy_of(result, args.steps, what, device), out)
     if args.json:
         report.write_json(args.json, result)
-    return 130 if result.interrupted else 0
+    return 128 + result.interrupted if result.interrupted is not None else 0

@@ -49,7 +49,7 @@ def to_json(result: Result) -> dict[str, Any]:
             "reference": {"step_ms": o0, "final_loss": ref.row.final_loss if ref else None,
                           "peak_memory_mib": ref.row.peak_memory_mib if ref else None},
             "candidates": cands, "chosen": chosen, "spread": result.spread,
-            "timings_ms": result.timings, "repeats_ms": result.repeats, "interrupted": result.interrupted, "notes": result.notes}
+            "timings_ms": result.timings, "repeats_ms": result.repeats, "interrupted": result.interrupted is not None, "notes": result.notes}
 
 
 def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
@@ -98,7 +98,7 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
     out += [f"note: {n}" for n in result.notes]
     chosen = result.chosen or REFERENCE
     out += ["", f"chosen: {chosen.label}: {result.why}"]
-    if result.interrupted:
+    if result.interrupted is not None:
         out.append("the policy file was not written (interrupted): run `ampatch tune` again to finish the search.")
     if out_path:
         out += [f"written to {out_path}; apply it with", f"  amp.initialize(model, optimizer, policy={out_path!r})",

@@ -7,11 +7,13 @@ search before a run that would not fit (the last run's wall time is the estimate
 """
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from ampatch.runs import process
 from ampatch.tune import timing
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
@@ -36,7 +38,7 @@ class Result:
     spread: float | None = None
     chosen: Candidate | None = None
     why: str = ""
-    interrupted: bool = False
+    interrupted: int | None = None   # the signal that stopped the search (SIGINT: Ctrl-C)
     notes: list[str] = field(default_factory=list)
 
     def compared(self) -> dict[str, list[float]]:
@@ -94,9 +96,10 @@ class Search:
         """The whole search; raises `NoReference` when O0's run fails."""
         try:
             self._run()
-        except KeyboardInterrupt:
-            self.result.interrupted = True
-            self.result.notes.append("interrupted (Ctrl-C): the choice is the best of what was measured.")
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (process.Stopped)
+            self.result.interrupted = process.signal_of(exc)
+            self.result.notes.append(f"interrupted ({signal.Signals(self.result.interrupted).name}): the choice is "
+                                     "the best of what was measured.")
         self.choose()
         return self.result
 
