@@ -62,6 +62,10 @@ def deviation(losses: Mapping[int, float], reference: Mapping[int, float], skipp
     if any(not math.isfinite(v) for v in mine.values()):
         return math.inf
     common = [s for s in mine if s - k in reference]   # a thinned curve has only some steps
+    if not common and k:  # a long run's thinned curves (every n-th loss) share no step k apart:
+        stride = min((b - a for a, b in zip(sorted(reference), sorted(reference)[1:])), default=1)
+        k -= k % stride   # shift by whole strides (an update or so off, over thousands of steps)
+        common = [s for s in mine if s - k in reference]
     ours = _smoothed({s: mine[s] for s in common}, window)
     theirs = _smoothed({s - k: reference[s - k] for s in common}, window)
     worst = None

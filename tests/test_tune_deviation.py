@@ -50,3 +50,14 @@ def test_compare_rows_use_it():
                                                        "skipped_steps": [0]}))]
     _, o1 = summarize(runs)
     assert o1.max_loss_dev_vs_O0 == pytest.approx(0, abs=1e-12)
+
+
+def test_thinned_curves_compare_after_an_odd_number_of_backoffs():
+    """A long run keeps every 2nd loss; one skipped first step shifts the run by one update,
+    which no recorded step of the reference matches exactly: each step is compared with the
+    reference shifted by whole strides, not dropped (the deviation was None)."""
+    o0 = [2.0 - 1e-4 * i for i in range(4000)]      # a long run, late in training
+    half = [o0[0]] + o0[:3999]
+    thin = lambda c: {s: c[s] for s in range(0, len(c), 2)}  # noqa: E731
+    dev = deviation(thin(half), thin(o0), skipped=[0])
+    assert dev is not None and dev < 1e-3
