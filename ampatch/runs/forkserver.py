@@ -57,25 +57,26 @@ def serve(preload: Sequence[str], requests: TextIO, replies: TextIO) -> None:
         replies.flush()
 
     reply({"ready": True})
+    server = os.getpid()
     for line in requests:
         request = json.loads(line)
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            run_forked(request)
+            run_forked(request, server)
         reply({"pid": pid})
         _, status = os.waitpid(pid, 0)
         reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
-def run_forked(request: dict[str, Any]) -> None:
+def run_forked(request: dict[str, Any], server: int) -> None:
     """In the forked child: become the run (environment, standard streams, Ctrl-C, argv), run
     its module as ``__main__`` and exit as a fresh ``python -m`` would: its exit code, a
     traceback on stderr if it raised, its ``atexit`` handlers run. Then the process ends
     without tearing down the modules it inherited (seconds of work, for nothing)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setsid()                              # its own process group, as `process.start` gives a fresh run
-    process.die_with_parent(os.getppid())    # the server; it dies with the command
+    process.die_with_parent(server)          # the server (it dies with the command); gone already: end now
     code = [0]
 
     def leave() -> None:  # registered first, so it runs after the run's own exit handlers

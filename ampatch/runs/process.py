@@ -74,10 +74,11 @@ def prctl() -> Callable[..., int] | None:
         return None
 
 
-def die_with_parent(parent: int | None = None) -> None:
+def die_with_parent(parent: int | None = None, call: Callable[..., int] | None = None) -> None:
     """In a child: be SIGKILLed when the thread that started it ends (Linux; elsewhere nothing).
-    ``parent``: the pid that started it; if it is gone already, end now."""
-    call = prctl()
+    ``parent``: the pid that started it; if it is gone already, end now. ``call``: `prctl()`,
+    looked up before the fork (default: looked up here)."""
+    call = call if call is not None else prctl()
     if call is None:
         return
     call(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
