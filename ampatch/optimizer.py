@@ -107,7 +107,6 @@ class OptimizerHandle:
         self._stage = OptState.FRESH
         self._resume = OptState.READY  # where SCALED goes back to
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._block_split: tuple[Any, tuple[list[Pair], list[torch.Tensor]]] | None = None  # see _split
         self._deferred: list[Callable[[], None]] = []
         self._steps = 0
         self._skips = 0  # skipped steps in a row
@@ -158,7 +157,7 @@ class OptimizerHandle:
         if distributed():
             self._rescale_in_place(scale)
             return
-        pairs, own = self._split(keep=True)
+        pairs, own = self.masters.split()
         stash = [(p, p.grad) for p in own if p.grad is not None]
         for p, _ in stash:
             p.grad = None
@@ -166,20 +165,6 @@ class OptimizerHandle:
         if fresh:
             self.masters.move_grads(fresh)
         self._stash = stash
-
-    def _split(self, keep: bool = False) -> tuple[list[Pair], list[torch.Tensor]]:
-        """`Masters.split()`, taken once per scale_loss block: `before_backward` keeps it
-        (`keep`) for the `after_backward` that ends the block, unless the param groups
-        changed in between (a group added, a params list replaced or resized)."""
-        groups = self.optimizer.param_groups
-        key = [(id(g["params"]), len(g["params"])) for g in groups]
-        kept, self._block_split = self._block_split, None
-        if kept is not None and kept[0] == key:
-            return kept[1]
-        split = self.masters.split()
-        if keep:
-            self._block_split = (key, split)
-        return split
 
     def _rescale_in_place(self, scale: float) -> None:
         """Existing (unscaled) grads times `scale`, left where the coming backward accumulates."""
@@ -204,7 +189,7 @@ class OptimizerHandle:
         if self._stage is OptState.SCALED:  # those grads are unscaled and checked with the new ones
             self._stage = self._resume
         inv = 1.0 / scale
-        pairs, params = self._split()
+        pairs, params = self.masters.split()
         own = []  # the new grads of the params that are their own masters
         for p in params:
             g = p.grad
