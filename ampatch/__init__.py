@@ -134,7 +134,10 @@ def loss_scale(loss_id: int = 0) -> float:
 def last_step_skipped(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer`'s last `step()` was skipped (its grads overflowed): for a driver
     that must not advance an LR scheduler past a step that did not happen."""
-    return _session("last_step_skipped").handle(optimizer).consecutive_skips > 0
+    s = _session("last_step_skipped")
+    if not s.properties.enabled:  # nothing patched (enabled=False): no step is ever skipped
+        return False
+    return s.handle(optimizer, "amp.last_step_skipped").consecutive_skips > 0
 
 
 def deinitialize() -> None:

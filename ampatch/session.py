@@ -140,11 +140,12 @@ class Session:
             self.o1.register(owner, name, kind)
 
     # ------------------------------------------------------------------ training loop
-    def handle(self, optimizer: torch.optim.Optimizer) -> OptimizerHandle:
+    def handle(self, optimizer: torch.optim.Optimizer, what: str = "scale_loss") -> OptimizerHandle:
+        """The handle of `optimizer`; `what` names the caller in the error for a stranger."""
         h = next((h for h in self.optimizers if h.optimizer is optimizer), None)
         if h is not None:
             return h
-        raise RuntimeError("scale_loss got an optimizer that was not passed to amp.initialize; pass every "
+        raise RuntimeError(f"{what} got an optimizer that was not passed to amp.initialize; pass every "
                            "optimizer to initialize (they come back patched). A later amp.initialize ends the "
                            "earlier session: its optimizers are plain torch optimizers again.")
 

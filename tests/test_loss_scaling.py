@@ -882,3 +882,25 @@ def test_gradient_penalty_recipe_reads_the_scale_inside_the_block(level):
         (ref_loss + sum(g.pow(2).sum() for g in ref_grads)).backward()
     for g, r in zip(grads_of(opt), ref.parameters()):
         assert relerr(g, r.grad) < TOL[level]
+
+
+def test_last_step_skipped_says_whether_the_step_happened():
+    """`amp.last_step_skipped` is what the framework integrations hold an LR scheduler on: True
+    after an overflowed step, False after a clean one, and False (not an error) when the session
+    is disabled and nothing is ever skipped."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).sum() * float("inf"), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.last_step_skipped(opt)
+    opt.zero_grad()
+    with amp.scale_loss(model(torch.randn(2, 4)).sum() * 1e-3, opt) as scaled:  # small: no float16 overflow
+        scaled.backward()
+    opt.step()
+    assert not amp.last_step_skipped(opt)
+    with pytest.raises(RuntimeError, match="amp.last_step_skipped got an optimizer"):
+        amp.last_step_skipped(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
+    model, opt = amp.initialize(torch.nn.Linear(4, 1), torch.optim.SGD(model.parameters(), lr=0.1), enabled=False)
+    assert amp.last_step_skipped(opt) is False
