@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from .env import MAX_STEPS, Overrides
-from .record.child import attach as attach_recorder
 from .telemetry import exit_report
 
 logger = logging.getLogger("ampatch")
@@ -73,11 +72,14 @@ class ReportAtExit:
 
 def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides,
            eps_lost: Sequence[str] = ()) -> list[Observer]:
-    """The observers `overrides` ask for, in the order they are told of each step."""
-    observers: list[Observer] = []
+    """Attach the observers `overrides` ask for to `session.observers`, in the order they are
+    told of each step; each is there as soon as it exists, so that `Session.close` releases it
+    even when a later one fails to attach."""
+    observers: list[Observer] = session.observers
     if overrides.report:
         observers.append(ReportAtExit(session, overrides.report))
-    if overrides.diagnose:  # per-module statistics for `ampatch diagnose`
+    if overrides.diagnose:  # per-module statistics for `ampatch diagnose` (loaded only then)
+        from .record.child import attach as attach_recorder
         observers.append(attach_recorder(session, models, overrides.diagnose, eps_lost=eps_lost))
     if overrides.max_steps is not None:
         observers.append(StopAfter(overrides.max_steps))

@@ -94,7 +94,7 @@ class Session:
             self.warn(tips.eps_lost_warning(lost, props.opt_level))
         if props.patch_torch_functions:
             self.o1.install(user_policy.REGISTERED, policy.NAMESPACES)
-        self.observers = observers.attach(self, models, self.overrides, lost)
+        observers.attach(self, models, self.overrides, lost)
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
     def _scaler(self) -> LossScaler:

@@ -300,3 +300,16 @@ def test_an_optimizer_step_that_makes_weights_nan_is_a_step_fault_not_a_module(t
     text = render({**result, "opt_level": "O3"}, "test")
     assert "first non-finite: step nonfinite weights in inp at step 0" in text
     assert "recommendation: no module to keep in FP32: the optimizer step itself" in text
+
+
+def test_the_recorder_loads_only_for_a_diagnosis():
+    """`import ampatch` and a plain session leave diagnose's recorder unimported: it is loaded
+    when AMPATCH_DIAGNOSE asks for it, not paid for by every training script."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, ampatch as amp; m = torch.nn.Linear(2, 2); "
+            "amp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), opt_level='O1', verbosity=0); "
+            "print('ampatch.record.recorder' in sys.modules)")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AMPATCH_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
