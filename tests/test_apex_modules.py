@@ -215,3 +215,20 @@ def test_amp_stash_exists_without_importing_compat_first() -> None:
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_package_probed_by_find_spec_still_fails_to_import_what_is_not_provided(apex_alias, tmp_path,
+                                                                                     monkeypatch) -> None:
+    """`find_spec("pk.sub")` imports `pk`; an `import apex.contrib.xentropy` inside `pk` must
+    still raise (a placeholder there would tell `pk` that Apex's kernel exists) and leave no
+    placeholder behind."""
+    pkg = tmp_path / "probedpk"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "try:\n    import apex.contrib.xentropy\n    FOUND = True\nexcept ImportError:\n    FOUND = False\n")
+    (pkg / "sub.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("probedpk.sub") is not None
+    assert sys.modules["probedpk"].FOUND is False
+    assert not any(n.startswith("apex.contrib") for n in sys.modules)
+    del sys.modules["probedpk"]

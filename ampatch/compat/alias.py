@@ -169,7 +169,9 @@ class _ApexFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(fullname, _AliasLoader(stand_in), origin=spec.origin,
                                                   is_package=spec.submodule_search_locations is not None)
         probed = _probed_name()
-        if probed is None:
+        if probed is None or not (probed == fullname or probed.startswith(fullname + ".")):
+            # not the name a find_spec asks about, nor a parent on its way to it (an import run
+            # by a package that find_spec imports): the clear ImportError, no placeholder
             _drop_placeholders()
             raise NotProvidedError(not_provided_message(fullname), name=fullname)
         if probed == fullname:  # the name asked about: "not there", placeholders gone
