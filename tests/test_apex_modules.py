@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import ampatch
+import ampatch as amp
 from ampatch import compat
 from ampatch.compat import alias
 
@@ -232,3 +234,32 @@ def test_a_package_probed_by_find_spec_still_fails_to_import_what_is_not_provide
     assert sys.modules["probedpk"].FOUND is False
     assert not any(n.startswith("apex.contrib") for n in sys.modules)
     del sys.modules["probedpk"]
+
+
+def test_apex_amp_utils_cached_cast_casts_a_changed_parameter_again() -> None:
+    from ampatch.compat.amp.utils import cached_cast
+    p, cache = torch.nn.Parameter(torch.ones(2)), {}
+    assert cached_cast(lambda t: t.half(), p, cache).tolist() == [1.0, 1.0]
+    with torch.no_grad():
+        p.add_(1)
+    assert cached_cast(lambda t: t.half(), p, cache).tolist() == [2.0, 2.0]
+
+
+def test_the_not_provided_norm_functions_name_a_function_that_exists() -> None:
+    import re
+
+    from ampatch.compat.normalization import fused_layer_norm as fln
+    for name in [n for n in dir(fln) if n.startswith("Fused") and n.endswith("Function")]:
+        with pytest.raises(NotImplementedError) as err:
+            getattr(fln, name).apply(None)
+        named = re.search(r"call apex\.normalization\.fused_layer_norm\.(\w+)", str(err.value)).group(1)
+        assert callable(getattr(fln, named)), (name, named)
+
+
+def test_maybe_print_follows_the_sessions_verbosity(caplog) -> None:
+    from ampatch.compat.amp._amp_state import maybe_print
+    model = torch.nn.Linear(2, 2)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+    with caplog.at_level(logging.INFO, logger="ampatch"):
+        maybe_print("quiet please")
+    assert "quiet please" not in caplog.text

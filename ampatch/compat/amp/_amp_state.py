@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ...live import current
 from ...notices import set_verbosity
 from ...optimizer import OptimizerHandle
 from ...scaler import LossScaler
@@ -203,7 +204,8 @@ def maybe_print(msg: str, rank0: bool = False) -> None:
     import torch.distributed as dist
     if rank0 and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    if SETTINGS.verbosity > 0:
+    s = current()
+    if (s.verbosity if s is not None else SETTINGS.verbosity) > 0:  # as AmpState.verbosity reads it
         logger.info("%s", msg)
 
 

@@ -99,11 +99,12 @@ def cached_cast(cast_fn: Callable[[Any], Any], x: Any, cache: dict[Any, Any]) ->
     """`cast_fn(x)`, kept in `cache` for an FP32 parameter (a changed parameter is cast again)."""
     if is_nested(x):
         return type(x)(cached_cast(cast_fn, y, cache) for y in x)
-    if x in cache:
-        return cache[x]
+    hit = cache.get(x)
+    if hit is not None and hit[0] == x._version:  # an in-place update since: cast again
+        return hit[1]
     cast = cast_fn(x)
     if should_cache(x):
-        cache[x] = cast
+        cache[x] = (x._version, cast)
     return cast
 
 

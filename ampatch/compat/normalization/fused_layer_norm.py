@@ -116,9 +116,9 @@ def _shape(normalized_shape: Any) -> tuple[int, ...]:
 
 # Apex's autograd Functions ran its CUDA kernels; the functions above are their torch forms.
 for _kind, _fn in (("LayerNorm", "fused_layer_norm"), ("RMSNorm", "fused_rms_norm")):
-    for _suffix, _form in (("Affine", "_affine"), ("AffineMixedDtypes", "_affine (mixed_dtype_)"), ("", "")):
+    for _suffix, _call in (("Affine", f"{_fn}_affine"), ("AffineMixedDtypes", f"mixed_dtype_{_fn}_affine"), ("", _fn)):
         _name = f"Fused{_kind}{_suffix}Function"
         globals()[_name] = not_provided_class(
             _name, __name__, f"apex.normalization.fused_layer_norm.{_name} ran Apex's CUDA kernel and is not provided "
-            f"by ampatch; call apex.normalization.fused_layer_norm.{_fn}{_form} (torch.nn.functional's kernel) instead.")
-del _kind, _fn, _suffix, _form, _name
+            f"by ampatch; call apex.normalization.fused_layer_norm.{_call} (torch.nn.functional's kernel) instead.")
+del _kind, _fn, _suffix, _call, _name
