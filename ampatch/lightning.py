@@ -110,6 +110,10 @@ class AmpatchPrecision(Precision):
         ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
         bare = ddp.module if ddp is not None else model
         opts = [_raw(o) for o in optimizers]
+        if any(isinstance(o, torch.optim.LBFGS) for o in opts):  # once, before anything is set up
+            raise TypeError("AmpatchPrecision cannot drive LBFGS: it calls its closure (and backward) several "
+                            "times inside step(), where the loss scale cannot reach. Use another optimizer, or "
+                            "train without the plugin.")
         if opts:
             bare, opts = amp.initialize(bare, opts, opt_level=self.opt_level, **self.initialize_kwargs)
         else:  # validate/test/predict: the model only
@@ -146,7 +150,7 @@ class AmpatchPrecision(Precision):
         if self.state is not PluginState.CONNECTED or not self.optimizers:
             raise RuntimeError("AmpatchPrecision.backward ran before connect(): the plugin initializes ampatch "
                                "when the Trainer sets up its optimizers; use it through Trainer(plugins=[...]).")
-        opts = [_raw(optimizer)] if optimizer is not None else self.optimizers
+        opts = _raw(optimizer) if optimizer is not None else self.optimizers  # one: scale_loss's short path
         with amp.scale_loss(tensor, opts) as scaled:
             model.backward(scaled, *args, **kwargs)
 
@@ -154,9 +158,6 @@ class AmpatchPrecision(Precision):
         """Run the closure (forward and scaled backward), Lightning's clipping on the masters,
         then the step (skipped by ampatch after an overflow). The closure cannot go into
         `step(closure)`: its backward would bypass the loss scale."""
-        if isinstance(_raw(optimizer), torch.optim.LBFGS):
-            raise TypeError("AmpatchPrecision cannot drive LBFGS: it calls its closure (and backward) several "
-                            "times inside step(), outside the loss scale. Use another optimizer or opt_level O0.")
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and getattr(model, "automatic_optimization", True):

@@ -256,6 +256,16 @@ def test_bad_arguments_are_refused() -> None:
         AmpatchPrecision(2)
 
 
+def test_lbfgs_is_refused_at_set_up_before_anything_changes() -> None:
+    """LBFGS runs its closure's backward inside step(), out of the loss scale's reach: refused in
+    connect, before a forward, and with no session left behind."""
+    model = nn.Linear(4, 2)
+    plugin = AmpatchPrecision("O2")
+    with pytest.raises(TypeError, match="cannot drive LBFGS"):
+        plugin.connect(model, [torch.optim.LBFGS(model.parameters())], [])
+    assert amp.live.current() is None and model.weight.dtype == torch.float32
+
+
 def test_importing_ampatch_imports_neither_lightning_nor_transformers() -> None:
     code = ("import sys, ampatch, ampatch.cli; "
             "bad = [m for m in ('lightning', 'pytorch_lightning', 'transformers') if m in sys.modules]; "
