@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> float:
     gen = torch.Generator().manual_seed(args.seed + 1)
     for step in range(args.steps):
         x = torch.randn(512, 32, generator=gen)
-        y = teacher(x).argmax(-1).detach()
+        with torch.no_grad(), amp.disable_casts():  # the labels: the same at every level
+            y = teacher(x).argmax(-1)
         loss = nn.functional.cross_entropy(model(x).float(), y)
         optimizer.zero_grad()
         with amp.scale_loss(loss, optimizer) as scaled:
