@@ -139,3 +139,15 @@ def test_resolve_command() -> None:
     with pytest.raises(UsageError, match="missing command after '--'"):
         runner.resolve_command([])
     assert runner.python_script(["-m", "pkg"]) is None
+
+
+def test_a_policy_run_does_not_inherit_what_the_policy_decides() -> None:
+    """run --policy, compare --policy and tune's candidates share one environment rule: the
+    caller's AMPATCH_OPT_LEVEL/HALF_DTYPE/LOSS_SCALE/KEEP_FP32 do not override the policy."""
+    shell = {envvars.OPT_LEVEL: "O3", envvars.HALF_DTYPE: "float16", envvars.LOSS_SCALE: "128",
+             envvars.KEEP_FP32: "head", "HOME": "/home/x"}
+    env = runner.child_env(None, None, base=shell, policy="p.json")
+    assert env[envvars.POLICY] == "p.json" and env["HOME"] == "/home/x"
+    assert not set(runner.POLICY_DECIDES) & set(env)
+    forced = runner.child_env("O2", None, base=shell, keep_fp32="norm", policy="p.json")
+    assert forced[envvars.OPT_LEVEL] == "O2" and forced[envvars.KEEP_FP32] == "norm"  # the command's own, kept

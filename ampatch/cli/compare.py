@@ -120,9 +120,7 @@ def policy_run(cmd: list[str], policy: str, keep_fp32: str | None,
     """The ``--policy`` row: ``cmd`` run with ``AMPATCH_POLICY`` (the policy's level, not a forced
     one), labelled ``policy:LEVEL``."""
     print(f"[policy] running with {policy}", file=sys.stderr, flush=True)
-    env = runner.child_env(None, None, keep_fp32=keep_fp32)
-    env.pop(envvars.OPT_LEVEL, None)
-    env[envvars.POLICY] = policy
+    env = runner.child_env(None, None, keep_fp32=keep_fp32, policy=policy)
     done = runner.run_child(cmd, env, collect=(envvars.REPORT,), launch=launch)
     run = runner.level_run(done, None)
     print(f"[policy] {'ok' if run.ok else 'FAILED: ' + str(run.error)} in {run.wall_s:.1f}s", file=sys.stderr,

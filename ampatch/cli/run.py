@@ -39,12 +39,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     cmd = runner.resolve_command(args.command)
     check_output_path(args.report, "--report")
     check_half_dtype(args.opt_level, args.half_dtype)
-    env = runner.child_env(args.opt_level, args.half_dtype,
-                           str(Path(args.report).resolve()) if args.report else None, keep_fp32=args.keep_fp32)
+    env = runner.child_env(args.opt_level, args.half_dtype, str(Path(args.report).resolve()) if args.report else None,
+                           keep_fp32=args.keep_fp32, policy=args.policy)
     if args.loss_scale is not None:
         env[envvars.LOSS_SCALE] = args.loss_scale
-    if args.policy is not None:
-        env[envvars.POLICY] = args.policy
     if args.apex_alias:
         env = runner.with_apex_alias(env)
     return process.attached(cmd, env)

@@ -78,12 +78,23 @@ def prepend_path(env: dict[str, str], directory: str) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (directory, env.get("PYTHONPATH")) if p)
 
 
+# what a policy file decides: a run given one does not inherit these from the caller's shell
+POLICY_DECIDES = (envvars.OPT_LEVEL, envvars.HALF_DTYPE, envvars.LOSS_SCALE, envvars.KEEP_FP32)
+
+
 def child_env(level: str | None, half_dtype: str | None, report: str | None = None,
-              base: Mapping[str, str] | None = None, keep_fp32: str | None = None) -> dict[str, str]:
+              base: Mapping[str, str] | None = None, keep_fp32: str | None = None,
+              policy: str | None = None) -> dict[str, str]:
     """The environment of a run: ``base`` (default: this process's) with the forced level
     (None: the script's own), the half type, the report path, the modules to keep in FP32
-    (comma-separated names, added to the script's ``keep_fp32``), and ampatch importable."""
+    (comma-separated names, added to the script's ``keep_fp32``), a policy file
+    (``AMPATCH_POLICY``: what it decides is not inherited; `run --policy`, `compare
+    --policy` and every `tune` candidate run alike), and ampatch importable."""
     env = dict(os.environ if base is None else base)
+    if policy is not None:
+        for name in POLICY_DECIDES:
+            env.pop(name, None)
+        env[envvars.POLICY] = policy
     if level is not None:
         env[envvars.OPT_LEVEL] = level
     if keep_fp32:

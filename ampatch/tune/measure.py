@@ -67,10 +67,9 @@ class Measured:
 
 def environment(candidate: Candidate, job: Job, policy_path: str) -> dict[str, str]:
     """The run's environment: the candidate's policy (AMPATCH_POLICY) and nothing forced besides."""
-    variables = child_env(None, None)
-    for name in (env.OPT_LEVEL, env.HALF_DTYPE, env.KEEP_FP32, env.LOSS_SCALE, env.DIAGNOSE, env.REPORT):
+    variables = child_env(None, None, policy=policy_path)
+    for name in (env.DIAGNOSE, env.REPORT):  # this run's own, set by run_candidate
         variables.pop(name, None)
-    variables[env.POLICY] = policy_path
     if job.script:
         variables[env.MAX_STEPS] = str(job.steps)
     return with_apex_alias(variables) if job.apex_alias else variables
