@@ -313,3 +313,18 @@ def test_the_recorder_loads_only_for_a_diagnosis():
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AMPATCH_")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_the_growth_rule_diagnose_and_tune_share():
+    """A kept set that did not make the run finite grows by the run's first non-finite module if
+    it is new, else by the parent of the last module kept; never after a step fault."""
+    from ampatch.diagnose.analysis import Diagnosis, StepFault, grow
+
+    def found(module=None, fault=None):
+        first = {"step": 0, "phase": "forward", "module": module, "kind": "overflow"} if module else None
+        return Diagnosis(1, "float16", first, [], [], {}, [], fault, [], [], [])
+    assert grow(["a.b"], found("c")) == "c"
+    assert grow(["a.b"], found("a.b")) == "a" and grow(["a.b"], None) == "a"
+    assert grow(["a", ""], found("a")) is None
+    fault = StepFault(*[None] * len(StepFault.__dataclass_fields__))
+    assert grow(["a.b"], found("c", fault)) is None

@@ -36,7 +36,7 @@ import torch
 from ..dtypes import from_short_name, is_low
 from ..record.stats import headroom
 
-__all__ = ["analyse", "diagnosis", "Diagnosis", "StepFault", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE",
+__all__ = ["analyse", "diagnosis", "grow", "Diagnosis", "StepFault", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE",
            "FULL_UNDERFLOW"]
 
 OUTLIER_FACTOR = 10.0   # a leaf's error this many times the median leaf's stands out
@@ -253,3 +253,25 @@ def diagnosis(doc: dict[str, Any]) -> Diagnosis:
                      keep_fp32=keep, settings=settings, notes=notes, step_fault=fault,
                      loss=[s["loss"] for s in steps], loss_scale=[s["loss_scale"] for s in steps],
                      skipped_steps=[s["step"] for s in steps if s["skipped"]])
+
+
+def _parent(name: str) -> str | None:
+    """The enclosing module's name ("a.b.c" -> "a.b", "a" -> "" the model), None for the model."""
+    return None if name == "" else name.rpartition(".")[0]
+
+
+def grow(keep: list[str] | tuple[str, ...], found: Diagnosis | None) -> str | None:
+    """The module to add to `keep` when keeping it in FP32 did not make a run finite: the run's
+    first non-finite module if new, else the parent of the last module kept; None after a step
+    fault (no module to keep helps) or when nothing is left to add. The one growth rule of
+    `diagnose`'s verification and `tune`'s repairs."""
+    if found is not None and found.step_fault is not None:
+        return None
+    first = found.first_nonfinite if found is not None else None
+    if first is not None and first["module"] not in keep:
+        return first["module"]
+    for name in reversed(keep):
+        parent = _parent(name)
+        if parent is not None and parent not in keep:
+            return parent
+    return None

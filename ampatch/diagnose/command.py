@@ -26,7 +26,7 @@ from .. import env
 from ..compare.rows import Row
 from ..record.child import DEFAULT_STEPS, FORMAT
 from ..runs.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
-from .analysis import diagnosis
+from .analysis import diagnosis, grow
 
 __all__ = ["Request", "RunFailed", "diagnose", "MAX_ROUNDS"]
 
@@ -98,27 +98,9 @@ def _number(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _parent(name: str) -> str | None:
-    """The enclosing module's name ("a.b.c" -> "a.b", "a" -> "" the model), None for the model."""
-    if name == "":
-        return None
-    return name.rpartition(".")[0]
-
-
 def _grow(keep: list[str], run: _Run) -> str | None:
-    """The module to add after a verification run that is still not finite: its first
-    non-finite module if new, else the parent of the last module added."""
-    found = diagnosis(run.diagnosis) if run.diagnosis else None
-    if found is not None and found.step_fault is not None:
-        return None  # the optimizer step's fault: no module to keep helps
-    first = found.first_nonfinite if found is not None else None
-    if first is not None and first["module"] not in keep:
-        return first["module"]
-    for name in reversed(keep):
-        parent = _parent(name)
-        if parent is not None and parent not in keep:
-            return parent
-    return None
+    """The module to add after a verification run that is still not finite (`analysis.grow`)."""
+    return grow(keep, diagnosis(run.diagnosis) if run.diagnosis else None)
 
 
 def diagnose(req: Request, log: TextIO = sys.stderr) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ampatch import env
-from ampatch.diagnose.analysis import Diagnosis, diagnosis
+from ampatch.diagnose.analysis import Diagnosis, diagnosis, grow
 from ampatch.record.child import FORMAT
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.measure import Job, run_candidate
@@ -28,10 +28,6 @@ class Suggestion:
     candidate: Candidate | None
     why: str
     step_fault: bool = False
-
-
-def _parent(name: str) -> str | None:
-    return None if name == "" else name.rpartition(".")[0]
 
 
 def _record(candidate: Candidate, job: Job, log: TextIO | None) -> Diagnosis | None:
@@ -51,12 +47,7 @@ def suggest(candidate: Candidate, job: Job, log: TextIO | None) -> Suggestion:
         return Suggestion(None, found.step_fault.note, step_fault=True)
     keep = [k for k in found.keep_fp32 if k not in candidate.keep_fp32]
     if not keep and found.first_nonfinite is not None and candidate.keep_fp32:
-        module = found.first_nonfinite["module"]
-        grown = module if module not in candidate.keep_fp32 else None
-        for name in reversed(candidate.keep_fp32):
-            parent = _parent(name)
-            if grown is None and parent is not None and parent not in candidate.keep_fp32:
-                grown = parent
+        grown = grow(candidate.keep_fp32, found)  # diagnose's own rule for a kept set that did not help
         keep = [grown] if grown is not None else []
     scale = found.settings.get("loss_scale")
     if not keep and (scale is None or scale == candidate.loss_scale):
