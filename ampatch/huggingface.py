@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ import torch
 import ampatch as amp
 
 from . import lr_guard
+from .patching import Patcher
 
 try:
     import transformers
@@ -86,7 +86,7 @@ class AmpatchTrainer(transformers.Trainer):
         if policy is not None:
             self.initialize_kwargs["policy"] = policy
         self._amp_optimizer: torch.optim.Optimizer | None = None
-        self._undo: list[Callable[[], None]] = []
+        self._patches = Patcher()  # the accelerator's backward, the scheduler's hold
         super().__init__(*args, **kwargs)
         check_args(self.args)
 
@@ -108,16 +108,15 @@ class AmpatchTrainer(transformers.Trainer):
             with amp.scale_loss(loss, bare) as scaled:
                 own_backward(scaled, **kwargs)
 
-        accelerator.backward = backward
-        self._undo.append(lambda: vars(accelerator).pop("backward", None))
+        self._patches.patch(accelerator, "backward", backward)
         return optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """The Trainer's scheduler, held still after a skipped step."""
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self._amp_optimizer is not None and "step" not in vars(scheduler):
+        if self._amp_optimizer is not None:
             opt = self._amp_optimizer
-            self._undo.append(lr_guard.hold_on_skip(scheduler, lambda: amp.last_step_skipped(opt)))
+            lr_guard.hold_on_skip(scheduler, lambda: amp.last_step_skipped(opt), self._patches)
         return scheduler
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -129,9 +128,7 @@ class AmpatchTrainer(transformers.Trainer):
 
     def end_ampatch(self) -> None:
         """Undo the session and the Trainer's patches (train() does this when it returns)."""
-        for undo in reversed(self._undo):
-            undo()
-        self._undo = []
+        self._patches.restore_all()
         if self._amp_optimizer is not None:
             amp.deinitialize()
             self._amp_optimizer = None

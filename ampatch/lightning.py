@@ -37,6 +37,7 @@ from torch import nn
 import ampatch as amp
 
 from . import lr_guard
+from .patching import Patcher
 
 try:
     from lightning.pytorch.plugins.precision import Precision
@@ -101,7 +102,7 @@ class AmpatchPrecision(Precision):
         self.state = PluginState.IDLE
         self.optimizers: list[torch.optim.Optimizer] = []
         self._pending: dict | None = None  # scaler state loaded before connect
-        self._undo: list[Callable[[], None]] = []  # the schedulers' holds
+        self._patches = Patcher()  # the schedulers' holds
 
     # ------------------------------------------------------------------ set-up
     def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -133,15 +134,13 @@ class AmpatchPrecision(Precision):
             scheduler = getattr(config, "scheduler", config)
             optimizer = getattr(scheduler, "optimizer", None)
             if getattr(config, "interval", "step") == "step" and any(optimizer is o for o in self.optimizers):
-                self._undo.append(lr_guard.hold_on_skip(scheduler, functools.partial(self._skipped, optimizer)))
+                lr_guard.hold_on_skip(scheduler, functools.partial(self._skipped, optimizer), self._patches)
 
     def _skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         return self.state is PluginState.CONNECTED and amp.last_step_skipped(optimizer)
 
     def _restore_schedulers(self) -> None:
-        for undo in self._undo:
-            undo()
-        self._undo = []
+        self._patches.restore_all()
 
     # ------------------------------------------------------------------ training
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:

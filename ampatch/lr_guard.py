@@ -13,16 +13,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .patching import Patcher
+
 logger = logging.getLogger("ampatch")
 
 PATCHED = ("step", "state_dict")
 
 
-def hold_on_skip(scheduler: Any, skipped: Callable[[], bool]) -> Callable[[], None]:
-    """Make `scheduler.step()` do nothing while `skipped()` is true; returns the undo."""
-    if any(name in vars(scheduler) for name in PATCHED):
-        raise RuntimeError(f"{type(scheduler).__name__}.step or .state_dict is already replaced on this "
-                           "scheduler (held twice?); undo the first hold before holding it again.")
+def hold_on_skip(scheduler: Any, skipped: Callable[[], bool], patcher: Patcher) -> None:
+    """Make `scheduler.step()` do nothing while `skipped()` is true, through `patcher` (its
+    `restore_all` undoes it; holding the same scheduler twice is refused there)."""
     own_step, own_state_dict = scheduler.step, scheduler.state_dict
 
     def step(*args: Any, **kwargs: Any) -> Any:
@@ -34,9 +34,5 @@ def hold_on_skip(scheduler: Any, skipped: Callable[[], bool]) -> Callable[[], No
     def state_dict() -> dict:
         return {k: v for k, v in own_state_dict().items() if k not in PATCHED}
 
-    scheduler.step, scheduler.state_dict = step, state_dict
-
-    def undo() -> None:
-        for name in PATCHED:
-            vars(scheduler).pop(name, None)
-    return undo
+    patcher.patch(scheduler, "step", step)
+    patcher.patch(scheduler, "state_dict", state_dict)
