@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ...options import DEFAULT_MAX_LOSS_SCALE
 from ...live import current
 from ...notices import set_verbosity
 from ...optimizer import OptimizerHandle
@@ -152,7 +153,7 @@ class AmpState:
     @property
     def max_loss_scale(self) -> float:
         s = self._current()
-        return s.scalers[0].max_loss_scale if s is not None else 2.0 ** 24
+        return s.scalers[0].max_loss_scale if s is not None else DEFAULT_MAX_LOSS_SCALE
 
     @property
     def hard_override(self) -> bool:

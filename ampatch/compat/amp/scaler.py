@@ -24,6 +24,7 @@ import torch
 from ...handle_context import OptState
 from ...optimizer import OptimizerHandle
 from ... import scaler as core
+from ..extensions.kernels import has_inf_or_nan
 
 logger = logging.getLogger("ampatch")
 
@@ -237,16 +238,12 @@ class LossScalerView:
 LossScaler = LossScalerView  # Apex's name: the class of `_amp_state.loss_scalers[i]`
 
 
-def _overflowed(grad: torch.Tensor) -> bool:
-    return not bool(torch.isfinite(grad).all())
-
-
 def scale_check_overflow_python(model_grad: torch.Tensor, master_grad: torch.Tensor, scale: float,
                                 check_overflow: bool = False) -> bool | None:
     """Apex's Python fallback: `master_grad = model_grad * scale` (in place when they are the
     same tensor); with `check_overflow`, True (and nothing written) if `model_grad` holds an
     inf or a NaN."""
-    if check_overflow and _overflowed(model_grad):
+    if check_overflow and has_inf_or_nan(model_grad):
         return True
     if master_grad is not model_grad:
         master_grad.copy_(model_grad)
@@ -259,7 +256,7 @@ def axpby_check_overflow_python(model_grad: torch.Tensor, stashed_grad: torch.Te
                                 a: float, b: float, check_overflow: bool = False) -> bool | None:
     """Apex's Python fallback: `master_grad = a * model_grad + b * stashed_grad`; with
     `check_overflow`, True (and nothing written) if `model_grad` holds an inf or a NaN."""
-    if check_overflow and _overflowed(model_grad):
+    if check_overflow and has_inf_or_nan(model_grad):
         return True
     torch.add(model_grad.to(master_grad.dtype) * a, stashed_grad.to(master_grad.dtype), alpha=b, out=master_grad)
     return False

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["check_lists", "skipped", "raise_flag", "nonfinite", "upcast", "store", "norms", "total_norm",
+__all__ = ["check_lists", "skipped", "raise_flag", "has_inf_or_nan", "nonfinite", "upcast", "store", "norms", "total_norm",
            "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_mp",
            "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm", "update_scale_hysteresis"]
 
@@ -60,6 +60,11 @@ def skipped(noop_flag: Tensor) -> bool:
 def raise_flag(noop_flag: Tensor, bad: Tensor) -> None:
     """Set the flag buffer to 1 where `bad` (a 0-dim bool tensor) is true, without a host sync."""
     noop_flag.masked_fill_(bad.to(noop_flag.device), 1)
+
+
+def has_inf_or_nan(x: Tensor) -> bool:
+    """Whether `x` holds an inf or a NaN (Apex's one-tensor check, read on the host)."""
+    return not bool(torch.isfinite(x).all())
 
 
 def nonfinite(tensors: Sequence[Tensor]) -> Tensor:

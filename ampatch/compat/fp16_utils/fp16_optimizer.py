@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...options import DEFAULT_MAX_LOSS_SCALE
 from ...handle_context import OptState
 from ...scaler import LossScaler, StateDictKeyError, check_scale_value
 from .master_wrapper import MasterWeightOptimizer, WrapperOwner
@@ -26,7 +27,7 @@ __all__ = ["FP16_Optimizer", "DYNAMIC_DEFAULTS"]
 
 # Apex's amp LossScaler arguments (FP16_Optimizer's dynamic_loss_args) and their defaults.
 DYNAMIC_DEFAULTS = {"init_scale": 2.0 ** 16, "scale_factor": 2.0, "scale_window": 2000, "min_loss_scale": None,
-                    "max_loss_scale": 2.0 ** 24}
+                    "max_loss_scale": DEFAULT_MAX_LOSS_SCALE}
 
 
 def _dynamic_scaler(args: dict[str, Any] | None) -> LossScaler:

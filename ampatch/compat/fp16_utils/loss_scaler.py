@@ -12,7 +12,7 @@ from torch import nn
 
 from ... import scaler as core
 from ...scaler import USABLE_RANGE, check_scale_value
-from ..extensions.kernels import nonfinite
+from ..extensions.kernels import has_inf_or_nan, nonfinite
 from .fp16util import to_python_float
 
 __all__ = ["LossScaler", "DynamicLossScaler", "has_inf_or_nan", "apex_scaler", "to_python_float"]
@@ -31,9 +31,6 @@ def apex_scaler(scale: float, dynamic: bool = False, scale_factor: float = 2.0, 
                            growth_interval=scale_window, init_scale=scale, growth_factor=scale_factor)
 
 
-def has_inf_or_nan(x: torch.Tensor) -> bool:
-    """Whether `x` holds an inf or a NaN."""
-    return not bool(torch.isfinite(x).all())
 
 
 def _grads_overflow(params: Iterable[torch.Tensor]) -> bool:
