@@ -50,7 +50,6 @@ FORMAT = 1
 DEFAULT_PATH = "ampatch-policy.json"
 FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale")   # the initialize keywords a policy sets
 KEYS = ("format", *FIELDS, "measured")                             # every key a policy file may have
-HALF_NAMES = ("bfloat16", "float16")
 # initialize keywords that only make sense for the level they were written for
 LEVEL_KEYWORDS = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights")
 
@@ -113,7 +112,7 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
         raise PolicyError(f"{where}: opt_level must be one of {', '.join(LEVELS)}, got {level!r}.")
     level = level.strip().upper()
     half = data.get("half_dtype")
-    if half is not None and half not in HALF_NAMES:
+    if half is not None and half not in hardware.HALF_NAMES:
         raise PolicyError(f"{where}: half_dtype must be null, \"bfloat16\" or \"float16\", got {half!r}.")
     conflict = half_dtype_conflict(level, half)
     if conflict:

@@ -10,6 +10,7 @@ import sys
 from contextlib import nullcontext
 
 from ampatch.cli.common import CliError, budget, check_output_path, opt_levels, positive
+from ampatch.policyfile import DEFAULT_PATH
 from ampatch.runs import builtin, runner
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
@@ -45,8 +46,8 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
     t.add_argument("--levels", type=opt_levels, default=["O1", "O2", "O3", "O4", "O5"],
                    help="levels to try (default O1,O2,O3,O4,O5)")
     t.add_argument("--half-dtype", **half)
-    t.add_argument("--out", metavar="PATH", default="ampatch-policy.json",
-                   help="the policy file to write (default ampatch-policy.json)")
+    t.add_argument("--out", metavar="PATH", default=DEFAULT_PATH,
+                   help=f"the policy file to write (default {DEFAULT_PATH})")
     t.add_argument("--json", metavar="PATH", help="write every candidate and the choice as JSON")
     t.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     t.add_argument("--size", choices=SIZES, help="size of the built-in workload (default: large for lm)")

@@ -10,6 +10,7 @@ from typing import Any
 
 from ampatch import hardware
 from ampatch.compare.rows import FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
+from ampatch.deviation import WINDOW
 
 # (heading, Row attribute, format)
 COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
@@ -50,7 +51,7 @@ def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
             f"step ms: median wall time per optimizer step, first {WARMUP_FRACTION:.0%} "
             "of steps skipped as warm-up; speed-up is relative to O0.",
             f"first loss: the first step's; final loss: mean of the last {FINAL_LOSS_WINDOW} losses (all, if fewer); "
-            "max dev: largest relative gap between the loss curve and O0's (5-step means, compared update for update "
+            f"max dev: largest relative gap between the loss curve and O0's ({WINDOW}-step means, compared update for update "
             "after the loss scaler's initial back-offs; see ampatch.deviation).",
             "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS."]
     out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)

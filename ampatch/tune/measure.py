@@ -96,7 +96,8 @@ def judge(row: Row, tolerance: float) -> tuple[bool, str, bool, float | None]:
     if not finite:
         first = next(i for i, x in enumerate(losses) if not math.isfinite(x)) * row.losses_every if losses else 0
         return False, f"loss not finite from step {first}", False, dev
-    late = [s for s in row.skipped_steps if s >= initial_backoffs(row.skipped_steps)]
+    backoffs = initial_backoffs(row.skipped_steps)
+    late = [s for s in row.skipped_steps if s >= backoffs]
     if late:
         return False, f"{len(late)} step(s) skipped after the loss scaler's first back-offs (first: {late[0]})", \
             True, dev

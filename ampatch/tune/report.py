@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ampatch.deviation import WINDOW
 from ampatch.policyfile import Policy, fingerprint
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.search import Result
@@ -93,7 +94,7 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
         else:
             out.append(f"step ms: median per step after warm-up, one run each (not re-timed): a policy is faster "
                        f"only beyond {result.spread:.1%}.")
-    out.append(f"deviation: of the loss curve from O0's, relative, 5-step means, after the loss scaler's initial "
+    out.append(f"deviation: of the loss curve from O0's, relative, {WINDOW}-step means, after the loss scaler's initial "
                f"back-offs (tolerance {result.tolerance:.2%}).")
     out += [f"note: {n}" for n in result.notes]
     chosen = result.chosen or REFERENCE
