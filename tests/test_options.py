@@ -139,7 +139,7 @@ def test_holds_dtype_walks_what_map_tensors_walks():
 
 # ------------------------------------------------------------------ observers
 def test_observers_come_from_one_list(tmp_path):
-    session = types.SimpleNamespace(report=lambda: types.SimpleNamespace(to_dict=lambda: {"steps": 2}))
+    session = types.SimpleNamespace(report=lambda: types.SimpleNamespace(to_dict=lambda: {"steps": 2}), observers=[])
     path = tmp_path / "r.json"
     made = observers.attach(session, [], env.Overrides(report=str(path), max_steps=2))
     assert [type(o) for o in made] == [observers.ReportAtExit, observers.StopAfter]  # the stop last
@@ -150,12 +150,13 @@ def test_observers_come_from_one_list(tmp_path):
     made[0].close()  # the closing session's report is kept, and written (here: now, not at exit)
     observers.exit_report.write()
     assert json.loads(path.read_text()) == {"steps": 2}
-    assert observers.attach(session, [], env.Overrides()) == []
+    assert made is session.observers  # each joins the session's list as it is made
+    assert observers.attach(types.SimpleNamespace(observers=[]), [], env.Overrides()) == []
 
 
 def test_a_group_added_inside_a_scale_loss_block_is_unscaled_too():
-    """The split taken when the block starts is reused at its end only if the param groups
-    are unchanged: a group added inside the block has its grads unscaled with the others."""
+    """The master/own split is taken again at the end of a scale_loss block: a group added
+    inside the block has its grads unscaled with the others."""
     model = nn.Sequential(nn.Linear(4, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
