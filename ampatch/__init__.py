@@ -21,20 +21,20 @@ from typing import Any
 
 import torch
 
-from . import env as _env
-from . import levels
-from .live import current as _current
-from .live import set_current as _set_current
-from .notices import set_verbosity
-from .options import Options, prepare
-from .policyfile import takes_policy
+from .config import env as _env
+from .config import levels
+from .session.current import current as _current
+from .session.current import set_current as _set_current
+from .base.notices import set_verbosity
+from .config.options import Options, prepare
+from .config.policy_file import takes_policy
 from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
 from .patching import disable_casts as _disable_casts
-from .policy import user as _user_policy
-from .scaler import check_loss_id as _check_loss_id
-from .session import Session
-from .settings import SETTINGS as _SETTINGS
-from .telemetry import Report
+from .o1.lists import user as _user_policy
+from .optim.scaler import check_loss_id as _check_loss_id
+from .session.session import Session
+from .config.settings import SETTINGS as _SETTINGS
+from .session.telemetry import Report
 
 __version__ = "0.1.0"
 __all__ = [
@@ -81,7 +81,7 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     `keep_fp32` names modules (names as `named_modules()` gives them, "1.head" with several
     models; classes; callables `(name, module) -> bool`) that run in FP32 with everything
     inside them, at any level. `policy`: a policy file `ampatch tune` wrote (a path, or a
-    dict): its fields set the keywords this call does not give (see `ampatch.policyfile`).
+    dict): its fields set the keywords this call does not give (see `ampatch.config.policy_file`).
     """
     keywords = dict(locals())  # the keywords above, as they came: the one list of them is the signature
     del keywords["models"], keywords["optimizers"]

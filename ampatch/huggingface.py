@@ -29,7 +29,7 @@ import torch
 
 import ampatch as amp
 
-from . import lr_guard
+from .optim import scheduler_guard as lr_guard
 from .patching import Patcher
 
 try:

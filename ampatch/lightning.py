@@ -36,7 +36,7 @@ from torch import nn
 
 import ampatch as amp
 
-from . import lr_guard
+from .optim import scheduler_guard as lr_guard
 from .patching import Patcher
 
 try:

@@ -17,7 +17,7 @@ import time
 import torch
 
 import ampatch as amp
-from ampatch.scaler import unscale_
+from ampatch.optim.scaler import unscale_
 from ampatch.workloads import _common, lm
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ampatch import hardware
+from ampatch.base import hardware
 
 
 def time_matmul(a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.live import current
+from ampatch.session.current import current
 from ampatch.patching import cast_switch
 
 N = 100_000

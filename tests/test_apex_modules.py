@@ -132,7 +132,7 @@ def test_amp_submodules_are_attributes_of_apex_amp_but_never_set_on_ampatch(apex
 def test_the_lists_are_ampatchs_policy(apex_alias) -> None:
     from apex.amp.lists import functional_overrides, tensor_overrides, torch_overrides
 
-    from ampatch.policy import functional, tensor, torch_ops
+    from ampatch.o1.lists import functional, tensor, torch_ops
     assert torch_overrides.MODULE is torch and tensor_overrides.MODULE is torch.Tensor
     assert functional_overrides.MODULE is torch.nn.functional
     assert set(torch_overrides.FP16_FUNCS) == set(torch_ops.HALF) and "mm" in torch_overrides.FP16_FUNCS

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch import env, levels
+from ampatch.config import env, levels
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")

@@ -28,8 +28,8 @@ UPPER = ("ampatch.compat", "ampatch.cli", "ampatch.compare", "ampatch.runs", "am
 # The core modules that may import an upper layer inside a function: the public API's Apex names.
 LAZY_UPWARD_ALLOWED = {("ampatch", "ampatch.compat")}
 # What sits above `ampatch.record` inside the core: the session, its set-up and the public API.
-ABOVE_RECORD = ("ampatch", "ampatch.session", "ampatch.live", "ampatch.observers", "ampatch.options",
-                "ampatch.plain")
+ABOVE_RECORD = ("ampatch", "ampatch.session.session", "ampatch.session.current", "ampatch.session.observers", "ampatch.config.options",
+                "ampatch.session.setup")
 
 
 def _modules(root: Path, base: Path) -> dict[str, Path]:
@@ -217,7 +217,7 @@ def test_scripts_are_checked_too(tmp_path: Path) -> None:
     global SCRIPT_MODULES
     saved = SCRIPT_MODULES
     try:
-        (tmp_path / "tool.py").write_text("from ampatch.scaler import _private\nfrom helper import _x\n")
+        (tmp_path / "tool.py").write_text("from ampatch.optim.scaler import _private\nfrom helper import _x\n")
         (tmp_path / "helper.py").write_text("_x = 1\n")
         SCRIPT_MODULES = {"tool": tmp_path / "tool.py", "helper": tmp_path / "helper.py"}
         with pytest.raises(AssertionError, match="_private") as err:

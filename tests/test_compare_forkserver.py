@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ampatch import env as envvars
+from ampatch.config import env as envvars
 from ampatch.runs import runner
 from ampatch.runs.forkserver import ForkServer, WarmLauncher
 from ampatch.runs.progress import Progress

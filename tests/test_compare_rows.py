@@ -10,7 +10,7 @@ from _reports import REQUIRED, report
 
 from ampatch.compare.rows import Row, common_steps, summarize
 from ampatch.runs.runner import LevelRun
-from ampatch.telemetry import Report
+from ampatch.session.telemetry import Report
 
 
 

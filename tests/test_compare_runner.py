@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from _reports import REQUIRED
 
-from ampatch import env as envvars
+from ampatch.config import env as envvars
 from ampatch.runs import UsageError, runner
 from ampatch.runs.progress import Progress
 

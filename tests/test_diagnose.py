@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch import env
+from ampatch.config import env
 from ampatch.diagnose.analysis import analyse, error_floor
 from ampatch.diagnose.render import render
 from ampatch.record.recorder import Recorder

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ampatch import env
+from ampatch.config import env
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -148,7 +148,7 @@ def test_not_distributed_means_no_collective():
     """Without an initialized process group the verdict is local (no collective attempted)."""
     import torch.distributed as dist
 
-    from ampatch.scaler import distributed, overflowed
+    from ampatch.optim.scaler import distributed, overflowed
     assert not dist.is_initialized()
     assert not distributed()
     assert overflowed(torch.ones(())) is True

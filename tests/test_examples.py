@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from ampatch.policy import user as user_policy
+from ampatch.o1.lists import user as user_policy
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FINAL = re.compile(r"^final .*?(-?\d+\.\d+)", re.MULTILINE)

@@ -1,4 +1,4 @@
-"""ampatch.hardware: device detection, the once-only slow-half warning at initialize, the
+"""ampatch.base.hardware: device detection, the once-only slow-half warning at initialize, the
 device in report(), and the lines `ampatch compare` prints. Fake devices make every branch
 run on any machine; the real-device checks compare with torch's own probes."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ampatch as amp
-from ampatch import hardware
+from ampatch.base import hardware
 
 SLOW = "has no fast path"
 

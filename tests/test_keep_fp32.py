@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch import env, keep
-from ampatch.forwards import forward_casts_bypassed
+from ampatch.session.current import current as live_session
+from ampatch.config import env
+from ampatch.model import keep
+from ampatch.model.forwards import forward_casts_bypassed
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
@@ -140,7 +142,7 @@ def test_initialize_refuses_an_unknown_name_and_changes_nothing():
     net, opt = make()
     with pytest.raises(ValueError, match="Close names: 'head'"):
         init(net, opt, "O2", keep_fp32="heads")
-    assert amp.live.current() is None
+    assert live_session() is None
     assert net.body.weight.dtype == F32 and "forward" not in vars(net.head)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampatch as amp
+from ampatch.session.current import current as live_session
 
 L = pytest.importorskip("lightning.pytorch")
 from ampatch.lightning import AmpatchPrecision  # noqa: E402
@@ -263,7 +264,7 @@ def test_lbfgs_is_refused_at_set_up_before_anything_changes() -> None:
     plugin = AmpatchPrecision("O2")
     with pytest.raises(TypeError, match="cannot drive LBFGS"):
         plugin.connect(model, [torch.optim.LBFGS(model.parameters())], [])
-    assert amp.live.current() is None and model.weight.dtype == torch.float32
+    assert live_session() is None and model.weight.dtype == torch.float32
 
 
 def test_importing_ampatch_imports_neither_lightning_nor_transformers() -> None:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-import ampatch.scaler as scaler_mod
-from ampatch.scaler import LossScaler
+import ampatch.optim.scaler as scaler_mod
+from ampatch.optim.scaler import LossScaler
 
 FP16 = torch.float16
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]

@@ -540,8 +540,8 @@ def test_lr_scheduler_works_and_deinitialize_is_quiet(level, caplog):
 def _standalone(model: nn.Module, opt: torch.optim.Optimizer, **context):
     """What Apex's FP16_Optimizer builds: masters for the model's params, made from its FP32
     weights before the model goes to half; the optimizer patched; no Session anywhere."""
-    from ampatch.handle_context import HandleContext
-    from ampatch.optimizer import OptimizerHandle
+    from ampatch.optim.context import HandleContext
+    from ampatch.optim.handle import OptimizerHandle
     from ampatch.patching import Patcher
     handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
                              context=HandleContext(**context))
@@ -555,8 +555,8 @@ def test_a_handle_trains_and_skips_without_a_session():
     """OptimizerHandle + LossScaler + Verdict, no Session: the scaled backward is unscaled
     into FP32 masters, the step updates them and the half model, an overflow skips the step
     (masters and optimizer state untouched) and halves the scale."""
-    from ampatch.handle_context import OptState
-    from ampatch.scaler import LossScaler, Verdict
+    from ampatch.optim.context import OptState
+    from ampatch.optim.scaler import LossScaler, Verdict
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     fp32 = copy.deepcopy(model)

@@ -178,7 +178,7 @@ def test_rnn_cells_run_in_half(half, cls):
 
 # ----------------------------------------------------------------- the cast cache
 def _cache():
-    from ampatch.live import current
+    from ampatch.session.current import current
     return current().cache
 
 
@@ -269,7 +269,7 @@ def test_register_float_sigmoid_makes_bce_safe(half):
         assert p.dtype == torch.float32
         assert F.binary_cross_entropy(p, torch.ones(4, 1)).dtype == torch.float32
     finally:
-        from ampatch.policy import user
+        from ampatch.o1.lists import user
         user.REGISTERED[:] = [r for r in user.REGISTERED if r[1] != "sigmoid"]
 
 
@@ -287,7 +287,7 @@ class _Ops:
 
 
 def test_register_half_function_persists_across_sessions(half):
-    from ampatch.policy import user
+    from ampatch.o1.lists import user
     amp.register_half_function(_Ops, "mix")
     try:
         original = vars(_Ops)["mix"]
@@ -303,7 +303,7 @@ def test_register_half_function_persists_across_sessions(half):
 
 
 def test_register_after_initialize_applies_now(half):
-    from ampatch.policy import user
+    from ampatch.o1.lists import user
     o1(half)
     try:
         amp.register_promote_function(_Ops, "other")
@@ -477,7 +477,7 @@ def test_promote_casts_tensor_keyword_arguments(half):
 
 
 def test_registration_overrides_the_builtin_policy(half):
-    from ampatch.policy import user
+    from ampatch.o1.lists import user
     amp.register_half_function(torch, "exp")  # a built-in FLOAT op
     try:
         o1(half)

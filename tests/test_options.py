@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch import env, levels, observers, tree
-from ampatch.live import current
-from ampatch.master import Masters
-from ampatch.options import Options
+from ampatch.config import env, levels
+from ampatch.session import observers
+from ampatch.base import tree
+from ampatch.session.current import current
+from ampatch.optim.masters import Masters
+from ampatch.config.options import Options
 
 F16, BF16 = torch.float16, torch.bfloat16
 

@@ -1,4 +1,4 @@
-"""The O1 op policy (ampatch.policy) against the installed torch.
+"""The O1 op policy (ampatch.o1.lists) against the installed torch.
 
 Checks that every listed name exists, that the lists are disjoint, that in-place ops are
 never HALF/FLOAT, and, empirically, that each PROMOTE entry is needed (a mixed-dtype call
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ampatch.patching import resolve_owner
-from ampatch.policy import NAMESPACES, torch_ops, vf
+from ampatch.o1.lists import NAMESPACES, torch_ops, vf
 
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch import env
+from ampatch.config import env
 from ampatch.cli import main
-from ampatch.policyfile import Policy, PolicyError, apply_policy, fingerprint, load, machine_warning, save
+from ampatch.config.policy_file import Policy, PolicyError, apply_policy, fingerprint, load, machine_warning, save
 
 
 def _model():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ampatch import env
+from ampatch.config import env
 from ampatch.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.live import current
+from ampatch.session.current import current
 
 FP16, BF16 = torch.float16, torch.bfloat16
 
@@ -398,7 +398,7 @@ def test_skip_warning_names_non_finite_grads_with_a_finite_loss():
 
 def test_scale_floor_and_ceiling_by_default():
     """D8: halving stops at DEFAULT_MIN_LOSS_SCALE when min_loss_scale is None."""
-    from ampatch.scaler import DEFAULT_MIN_LOSS_SCALE, LossScaler
+    from ampatch.optim.scaler import DEFAULT_MIN_LOSS_SCALE, LossScaler
     s = LossScaler("dynamic")
     for i in range(400):
         s.update(True, i)
@@ -415,7 +415,7 @@ def test_min_loss_scale_above_the_start_never_raises_the_scale_on_overflow():
     with pytest.warns(UserWarning, match="min_loss_scale"):
         model, opt = init(model, opt, "O1", min_loss_scale=2.0 ** 20, verbosity=1)
     assert amp.loss_scale() == 2.0 ** 20
-    from ampatch.scaler import LossScaler
+    from ampatch.optim.scaler import LossScaler
     s = LossScaler("dynamic", min_loss_scale=2.0 ** 20)
     s.scale = 2.0 ** 10  # however it got there: an overflow halves or holds, never raises
     s.update(True, 0)
@@ -687,10 +687,10 @@ def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_pa
     import gc
     import weakref
 
-    import ampatch.telemetry
-    from ampatch.telemetry import exit_report
+    import ampatch.session.telemetry
+    from ampatch.session.telemetry import exit_report
     SERIES_POINTS = 64
-    monkeypatch.setattr(ampatch.telemetry, "SERIES_POINTS", SERIES_POINTS)
+    monkeypatch.setattr(ampatch.session.telemetry, "SERIES_POINTS", SERIES_POINTS)
     monkeypatch.setenv("AMPATCH_REPORT", str(tmp_path / "report.json"))
     monkeypatch.setattr(exit_report, "source", None)
     monkeypatch.setattr(exit_report, "final", None)

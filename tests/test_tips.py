@@ -1,4 +1,4 @@
-"""ampatch.tips: the multiple-of-8 layer listing and the dtype-mismatch hint, checked
+"""ampatch.base.tips: the multiple-of-8 layer listing and the dtype-mismatch hint, checked
 against real torch error messages."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampatch import tips
+from ampatch.base import tips
 
 
 class Net(nn.Module):
@@ -144,7 +144,7 @@ def _notes(exc: BaseException) -> str:
 
 def test_hint_on_dtype_error_in_registered_function():
     import ampatch as amp
-    from ampatch.policy import user
+    from ampatch.o1.lists import user
     amp.register_half_function(_UserOps, "mix")
     try:
         amp.initialize(torch.nn.Linear(2, 2), opt_level="O4", verbosity=0)
@@ -244,7 +244,7 @@ def test_cast_model_hint_names_what_helps_there_not_registrations(level: str) ->
 
 
 def amp_half_for(level: str) -> torch.dtype:
-    from ampatch import levels
+    from ampatch.config import levels
     return levels.resolve(level).half_dtype
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ampatch.cli import main
-from ampatch.policyfile import load
+from ampatch.config.policy_file import load
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "tune.py")
 

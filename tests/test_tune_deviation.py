@@ -1,4 +1,4 @@
-"""The one deviation of a loss curve from O0's (`ampatch.deviation`), and `compare` using it."""
+"""The one deviation of a loss curve from O0's (`ampatch.runs.deviation`), and `compare` using it."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ from _reports import report
 
 from ampatch.compare.rows import summarize
 from ampatch.runs.runner import LevelRun
-from ampatch.deviation import deviation, initial_backoffs
+from ampatch.runs.deviation import deviation, initial_backoffs
 
 
 def _curve(n: int, start: float = 10.0) -> list[float]:

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ampatch import levels as levels_policy
+from ampatch.config import levels as levels_policy
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
@@ -97,7 +97,7 @@ def check_half_dtype(level: str | None, half_dtype: str | None) -> None:
 def policy_path(text: str) -> str:
     """A policy file (``--policy``): read and checked now, so a broken one stops the command
     before any run; its absolute path, for the runs' ``AMPATCH_POLICY``."""
-    from ampatch.policyfile import PolicyError, load  # imports torch: only when the option is given
+    from ampatch.config.policy_file import PolicyError, load  # imports torch: only when the option is given
     try:
         load(text)
     except PolicyError as exc:

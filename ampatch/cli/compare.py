@@ -9,9 +9,8 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, module_names,
-                                opt_levels, policy_path, positive, threads)
-from ampatch import env as envvars
+from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, module_names, opt_levels, policy_path, positive, threads)
+from ampatch.config import env as envvars
 from ampatch.compare.plot import write_plot
 from ampatch.compare.rows import common_steps, summarize
 from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json

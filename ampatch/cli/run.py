@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ampatch import env as envvars
-from ampatch.cli.common import (KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, module_names,
-                                opt_level, policy_path)
+from ampatch.config import env as envvars
+from ampatch.cli.common import (KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, module_names, opt_level, policy_path)
 from ampatch.runs import process, runner
 
 

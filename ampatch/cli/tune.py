@@ -10,7 +10,7 @@ import sys
 from contextlib import nullcontext
 
 from ampatch.cli.common import CliError, budget, check_output_path, opt_levels, positive
-from ampatch.policyfile import DEFAULT_PATH
+from ampatch.config.policy_file import DEFAULT_PATH
 from ampatch.runs import builtin, runner
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
@@ -64,7 +64,7 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     """``ampatch tune``: 0 once a policy is chosen (O0 included), 1 when the reference run
     fails (the script crashes, or never calls scale_loss), 2 for bad input, 130 on Ctrl-C."""
-    from ampatch.policyfile import save
+    from ampatch.config.policy_file import save
     from ampatch.tune import candidates, report
     from ampatch.tune.measure import Job
     from ampatch.tune.search import NoReference, Search

@@ -2,7 +2,7 @@
 
 A `Row` is built once from a `LevelRun` (and the baseline's row) and never changed: median
 step time (warm-up skipped), speed-up over O0, first and final loss, the deviation of the loss
-curve from O0's (`ampatch.deviation`: relative, the loss scaler's initial back-offs shifted
+curve from O0's (`ampatch.runs.deviation`: relative, the loss scaler's initial back-offs shifted
 out), peak memory, skipped steps and the final loss scale.
 """
 
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampatch.deviation import deviation
+from ampatch.runs.deviation import deviation
 from ampatch.runs.runner import LevelRun
-from ampatch.telemetry import Report
+from ampatch.session.telemetry import Report
 
 WARMUP_FRACTION = 0.2    # share of step times skipped before the median
 FINAL_LOSS_WINDOW = 5    # "final loss" is the mean of this many last losses

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ampatch import hardware
+from ampatch.base import hardware
 from ampatch.compare.rows import FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
-from ampatch.deviation import WINDOW
+from ampatch.runs.deviation import WINDOW
 
 # (heading, Row attribute, format)
 COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
@@ -52,7 +52,7 @@ def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
             "of steps skipped as warm-up; speed-up is relative to O0.",
             f"first loss: the first step's; final loss: mean of the last {FINAL_LOSS_WINDOW} losses (all, if fewer); "
             f"max dev: largest relative gap between the loss curve and O0's ({WINDOW}-step means, compared update for update "
-            "after the loss scaler's initial back-offs; see ampatch.deviation).",
+            "after the loss scaler's initial back-offs; see ampatch.runs.deviation).",
             "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS."]
     out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
             for n in notes if n]

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import from_short_name, is_low
+from ..base.dtypes import from_short_name, is_low
 from ..record.stats import headroom
 
 __all__ = ["analyse", "diagnosis", "grow", "Diagnosis", "StepFault", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE",

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from .. import env
+from ..config import env
 from ..compare.rows import Row
 from ..record.child import DEFAULT_STEPS, FORMAT
 from ..runs.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias

@@ -1,8 +1,8 @@
 """The O1 mechanism: wrapt proxies that cast an op's arguments, and a registry that puts
 every patched attribute back exactly as it was.
 
-Policy (which op gets which kind of wrapper) lives in `ampatch.policy`; what to patch and
-when is `ampatch.o1`. Here, by job:
+Policy (which op gets which kind of wrapper) lives in `ampatch.o1.lists`; what to patch and
+when is `ampatch.o1.install`. Here, by job:
 
 - `plans`: a kind and an op become a `CastPlan`, the one place each cast rule is decided;
 - `wrappers`: the eager wrapper of a plan (the hot path, casts through the cast cache);
@@ -11,12 +11,11 @@ when is `ampatch.o1`. Here, by job:
 - `switch`: whether casts run, per thread (`disable_casts`);
 - `registry`: `Patcher`, which sets attributes and restores them.
 
-Arguments are walked by `ampatch.tree.map_tensors`, as the model wrapper's are.
+Arguments are walked by `ampatch.base.tree.map_tensors`, as the model wrapper's are.
 """
 from __future__ import annotations
 
-from .plans import (BANNED, BFLOAT16, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Action, CastPlan, Kind,
-                    plan)
+from .plans import BANNED, BFLOAT16, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Action, CastPlan, Kind, plan
 from .proxies import CastFunctionWrapper, ModuleFunctionWrapper, wrap
 from .registry import Patcher, resolve_owner
 from .switch import cast_switch, disable_casts

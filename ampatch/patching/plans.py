@@ -1,7 +1,7 @@
 """What an O1 wrapper does to one op's arguments, decided once per op: the `CastPlan`.
 
 `plan(kind, op, half_dtype, allow_banned)` turns a policy kind (the lists of
-`ampatch.policy`, a registration, a decorator) into a plan, and both builders read it: the
+`ampatch.o1.lists`, a registration, a decorator) into a plan, and both builders read it: the
 eager wrapper (`wrappers.make_wrapper`) and its `torch.compile` twin (`twins.make_traceable`).
 So bfloat16-as-half, banned ops and `allow_banned`, in-place promotion and the CPU-only
 kinds are each decided here, once. The rules a plan leaves to call time are here too:
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..dtypes import CASTABLE, LOW, short_name
-from ..tree import Leaf, map_tensors
+from ..base.dtypes import CASTABLE, LOW, short_name
+from ..base.tree import Leaf, map_tensors
 
 
 class Kind(str, enum.Enum):

@@ -7,7 +7,7 @@ cast cache (the graph casts a weight once per use; the compiler merges repeated 
 counters, no per-thread switch (the proxy's `_torchdynamo_inline` picks the twin or the
 original when Dynamo traces, and guards on that choice; see `proxies.CastFunctionWrapper`).
 
-The rest of ampatch's O1 code is kept out of compilation (`ampatch.dynamo`); code meant for
+The rest of ampatch's O1 code is kept out of compilation (`ampatch.o1.dynamo`); code meant for
 Dynamo to trace is marked with `traced` and recognised with `is_traced`.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..tree import map_tensors
+from ..base.tree import map_tensors
 from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
 
 _TRACED = "_ampatch_traced"

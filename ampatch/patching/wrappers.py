@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ..dtypes import short_name
-from ..telemetry import Counters
-from ..tips import hint_dtype_error
-from ..tree import ATOMS, CONTAINERS, holds_dtype, map_tensors
+from ..base.dtypes import short_name
+from ..session.telemetry import Counters
+from ..base.tips import hint_dtype_error
+from ..base.tree import ATOMS, CONTAINERS, holds_dtype, map_tensors
 from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
 from .switch import cast_switch
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import fsdp
-from ..dtypes import short_name
-from ..telemetry import ExitJson
+from ..session import fsdp
+from ..base.dtypes import short_name
+from ..session.telemetry import ExitJson
 from .recorder import Recorder
 
 logger = logging.getLogger("ampatch")

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dtypes import short_name
-from ..keep import labelled
+from ..base.dtypes import short_name
+from ..model.keep import labelled
 from .shadow import Masters, RandomState, is_quiet, run_shadow, upcast
 from .stats import floating_tensors, magnitude, relative_error, underflow_fraction
 

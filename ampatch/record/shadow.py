@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..forwards import forward_casts_bypassed
+from ..model.forwards import forward_casts_bypassed
 from ..patching import disable_casts
-from ..tree import map_tensors
+from ..base.tree import map_tensors
 
 __all__ = ["RandomState", "upcast", "run_shadow", "quiet", "is_quiet"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..tree import map_tensors
+from ..base.tree import map_tensors
 
 __all__ = ["floating_tensors", "magnitude", "relative_error", "underflow_fraction", "headroom"]
 

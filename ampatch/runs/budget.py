@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ampatch import hardware
+from ampatch.base import hardware
 from ampatch.workloads.calibrate import step_kinds
 
 DEFAULT_BUDGET_S = 120.0  # built-in workloads: the whole compare, calibration and start-ups included

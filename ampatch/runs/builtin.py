@@ -12,8 +12,8 @@ from typing import Any, ContextManager, TextIO
 
 import torch
 
-from ampatch import env as envvars
-from ampatch import hardware
+from ampatch.config import env as envvars
+from ampatch.base import hardware
 from ampatch.runs import UsageError, sizing
 from ampatch.runs.budget import DEFAULT_BUDGET_S, FIRST_STEP_S, Budget, half_dtypes, step_weights
 from ampatch.runs.forkserver import WarmLauncher

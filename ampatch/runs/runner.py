@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from ampatch import env as envvars
-from ampatch import levels
+from ampatch.config import env as envvars
+from ampatch.config import levels
 from ampatch.runs import UsageError, process
 from ampatch.runs.budget import Budget
 from ampatch.runs.progress import Progress
-from ampatch.telemetry import Report
+from ampatch.session.telemetry import Report
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory that holds ampatch/
 APEX_SITE = str(Path(__file__).resolve().parent / "apex_site")  # its sitecustomize aliases apex to ampatch

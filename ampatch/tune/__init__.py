@@ -6,7 +6,7 @@ One job per module:
   the simplicity order that breaks ties;
 - ``measure``: one candidate's run (as ``ampatch run --policy`` runs it) and its verdict
   against O0's (finite, no step skipped after the loss scaler's initial back-offs, deviation
-  within the tolerance: `ampatch.deviation`);
+  within the tolerance: `ampatch.runs.deviation`);
 - ``repair``: a failed candidate's recorded run, and the candidate its diagnosis suggests
   (or why none: a step fault);
 - ``timing``: interleaved re-timing against O0 and the spread-based "faster" rule;

@@ -5,10 +5,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ampatch import hardware
-from ampatch.dtypes import short_name
-from ampatch.levels import fixed_half_dtype, half_dtype_conflict
-from ampatch.policyfile import Policy
+from ampatch.base import hardware
+from ampatch.base.dtypes import short_name
+from ampatch.config.levels import fixed_half_dtype, half_dtype_conflict
+from ampatch.config.policy_file import Policy
 
 __all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY"]
 

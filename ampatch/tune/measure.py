@@ -2,7 +2,7 @@
 
 A candidate qualifies when its run finished, every loss is finite, no step was skipped after
 the loss scaler's initial back-offs (an initial back-off is the scaler finding its scale),
-and the deviation of its loss curve from O0's (`ampatch.deviation`) is within the tolerance.
+and the deviation of its loss curve from O0's (`ampatch.runs.deviation`) is within the tolerance.
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ampatch import env
+from ampatch.config import env
 from ampatch.runs.progress import Progress
 from ampatch.compare.rows import Row
 from ampatch.runs.runner import Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
-from ampatch.deviation import initial_backoffs
-from ampatch.policyfile import save
+from ampatch.runs.deviation import initial_backoffs
+from ampatch.config.policy_file import save
 from ampatch.tune.candidates import Candidate
 
 __all__ = ["Job", "Measured", "run_candidate", "judge", "measured"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TextIO
 
-from ampatch import env
+from ampatch.config import env
 from ampatch.diagnose.analysis import Diagnosis, diagnosis, grow
 from ampatch.record.child import FORMAT
 from ampatch.tune.candidates import Candidate

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ampatch.deviation import WINDOW
-from ampatch.policyfile import Policy, fingerprint
+from ampatch.runs.deviation import WINDOW
+from ampatch.config.policy_file import Policy, fingerprint
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.search import Result
 

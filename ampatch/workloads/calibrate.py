@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 import ampatch as amp
-from ampatch import levels, workloads
-from ampatch.dtypes import short_name
+from ampatch.config import levels
+from ampatch import workloads
+from ampatch.base.dtypes import short_name
 from ampatch.workloads import _common
 
 TIMED_STEPS = 2  # after one warm-up step, per size and kind

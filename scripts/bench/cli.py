@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ampatch.levels import half_dtype_for
+from ampatch.config.levels import half_dtype_for
 
 from . import __doc__ as USAGE
 from . import registry

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ampatch import hardware
-from ampatch.dtypes import short_name
+from ampatch.base import hardware
+from ampatch.base.dtypes import short_name
 
 # The modes every training section compares: plain FP32, torch.autocast, ampatch's levels.
 MODES = ("fp32", "autocast", "O1", "O2", "O3")
@@ -158,11 +158,11 @@ def scaled(values: dict[str, float], factor: float) -> dict[str, float]:
 
 
 def cpu_name() -> str:
-    """The CPU model and its core count, as ampatch.hardware detected them."""
+    """The CPU model and its core count, as ampatch.base.hardware detected them."""
     cpu = hardware.describe("cpu")
     return f"{cpu.name}, {cpu.cores} cores"
 
 
 def machine_line(env: Env) -> str:
-    """ampatch.hardware's line for the bench's device: name, flags or capability, half native?"""
+    """ampatch.base.hardware's line for the bench's device: name, flags or capability, half native?"""
     return hardware.machine_line(hardware.describe(env.device).to_dict(), [env.half_name])

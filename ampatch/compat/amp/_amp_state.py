@@ -6,7 +6,7 @@ Real Apex scripts read and write a few of its attributes: the starting loss scal
 `scaler.LossScalerView`), `opt_properties`, `handle._deactivate()`, and the flags
 `allow_incoming_model_not_fp32` and `hard_override`.
 Every attribute here reads or writes the live `Session` (no second copy of its state);
-the three flags are Apex's process-wide settings, kept in the core's `ampatch.settings`
+the three flags are Apex's process-wide settings, kept in the core's `ampatch.config.settings`
 (where `initialize` reads them) and read and written through this view. Before `initialize` the view exists and is empty (`loss_scalers == []`).
 
 Under the alias this module is `apex.amp._amp_state`.
@@ -18,12 +18,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ...options import DEFAULT_MAX_LOSS_SCALE
-from ...live import current
-from ...notices import set_verbosity
-from ...optimizer import OptimizerHandle
-from ...scaler import LossScaler
-from ...settings import SETTINGS, Settings
+from ...config.options import DEFAULT_MAX_LOSS_SCALE
+from ...session.current import current
+from ...base.notices import set_verbosity
+from ...optim.handle import OptimizerHandle
+from ...optim.scaler import LossScaler
+from ...config.settings import SETTINGS, Settings
 from .scaler import LossScalerView
 
 logger = logging.getLogger("ampatch")

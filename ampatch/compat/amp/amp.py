@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ... import levels
-from ...live import current as _current
+from ...config import levels
+from ...session.current import current as _current
 from .handle import Handle
 
 logger = logging.getLogger("ampatch")

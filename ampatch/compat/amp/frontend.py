@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import levels
+from ...config import levels
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "Properties", "OptLevel", "opt_levels",
            "O0", "O1", "O2", "O3", "O4", "O5"]

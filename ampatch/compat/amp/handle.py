@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...patching import disable_casts as casts_off
-from ...live import current as _current
+from ...session.current import current as _current
 
 logger = logging.getLogger("ampatch")
 

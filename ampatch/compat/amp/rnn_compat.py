@@ -1,6 +1,6 @@
 """`apex.amp.rnn_compat`: Apex's patching of the RNN cells of old PyTorch builds. Current
 PyTorch has no old RNN backend (`has_old_rnns()` is False) and ampatch casts RNNs itself
-(`ampatch.rnn`), so the patching helpers raise at call time."""
+(`ampatch.o1.rnn`), so the patching helpers raise at call time."""
 from __future__ import annotations
 
 from ..missing import not_provided_class, not_provided_function

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ...dtypes import LOW
-from ...handle_context import OptState
-from ...optimizer import OptimizerHandle
+from ...base.dtypes import LOW
+from ...optim.context import OptState
+from ...optim.handle import OptimizerHandle
 from .scaler import device_of
 
 logger = logging.getLogger("ampatch")

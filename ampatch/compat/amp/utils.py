@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...tree import map_tensors
+from ...base.tree import map_tensors
 from ..missing import not_provided_function
 
 logger = logging.getLogger("ampatch")

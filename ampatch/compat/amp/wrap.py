@@ -1,5 +1,5 @@
 """`apex.amp.wrap`: Apex's wrappers that patched one torch function through its handle. ampatch
-patches torch itself, from its op lists (`ampatch.policy`), and registers a function of your
+patches torch itself, from its op lists (`ampatch.o1.lists`), and registers a function of your
 own through `amp.register_*_function`; so each of these is importable and raises at call time
 naming the registration that does the same."""
 from __future__ import annotations
@@ -15,9 +15,9 @@ _WAYS = {
     "make_promote_wrapper": "amp.register_promote_function(module, name)",
     "promote": "amp.register_promote_function(module, name)",
     "promote_match_arg0": "amp.register_promote_function(module, name)",
-    "make_err_wrapper": "amp.register_float_function(module, name) (ampatch's banned list is ampatch.policy)",
-    "err_if_any_half": "amp.register_float_function(module, name) (ampatch's banned list is ampatch.policy)",
-    "err_if_arg0_half": "amp.register_float_function(module, name) (ampatch's banned list is ampatch.policy)",
+    "make_err_wrapper": "amp.register_float_function(module, name) (ampatch's banned list is ampatch.o1.lists)",
+    "err_if_any_half": "amp.register_float_function(module, name) (ampatch's banned list is ampatch.o1.lists)",
+    "err_if_arg0_half": "amp.register_float_function(module, name) (ampatch's banned list is ampatch.o1.lists)",
     "rnn_cast": "nothing: ampatch casts torch's RNNs itself at O1/O4",
     "new_rnn_cast": "nothing: ampatch casts torch's RNNs itself at O1/O4",
     "disable_casts": "`with amp.disable_casts():` around the call",

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ...options import DEFAULT_MAX_LOSS_SCALE
-from ...handle_context import OptState
-from ...scaler import LossScaler, StateDictKeyError, check_scale_value
+from ...config.options import DEFAULT_MAX_LOSS_SCALE
+from ...optim.context import OptState
+from ...optim.scaler import LossScaler, StateDictKeyError, check_scale_value
 from .master_wrapper import MasterWeightOptimizer, WrapperOwner
 from ..amp.scaler import LossScalerView
 from .loss_scaler import apex_scaler

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ...tree import map_tensors
+from ...base.tree import map_tensors
 from ..missing import not_provided_class
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",

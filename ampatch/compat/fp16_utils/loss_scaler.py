@@ -10,8 +10,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ... import scaler as core
-from ...scaler import USABLE_RANGE, check_scale_value
+from ...optim import scaler as core
+from ...optim.scaler import USABLE_RANGE, check_scale_value
 from ..extensions.kernels import has_inf_or_nan, nonfinite
 from .fp16util import to_python_float
 

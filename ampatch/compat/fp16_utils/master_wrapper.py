@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-from ...dtypes import LOW
-from ...master import MASTERS_KEY
-from ...handle_context import HandleContext, OptState
-from ...optimizer import OptimizerHandle
+from ...base.dtypes import LOW
+from ...optim.masters import MASTERS_KEY
+from ...optim.context import HandleContext, OptState
+from ...optim.handle import OptimizerHandle
 from ...patching import Patcher
-from ...scaler import LossScaler, Verdict, check_scale_value
-from ...live import current as current_session
+from ...optim.scaler import LossScaler, Verdict, check_scale_value
+from ...session.current import current as current_session
 from ..amp.stash import AmpStash
 
 logger = logging.getLogger("ampatch")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.scaler import unscale_ as amp_unscale_
+from ampatch.optim.scaler import unscale_ as amp_unscale_
 
 from ..harness import Env, Log, interleaved, median_difference, quiet_gc, scaled, summarise, time_calls
 from ..targets import Target
@@ -98,7 +98,7 @@ def run_unscale(env: Env, cfg: dict[str, int]) -> dict[str, Any]:
     """Unscale + inf/NaN check of 200 FP32 grads (64 x 64), scale 2**16, like with like:
 
     - "ampatch": grads collected from the optimizer's param_groups, then
-      ampatch.scaler.unscale_ (the fused kernel path scale_loss's exit uses) - against
+      ampatch.optim.scaler.unscale_ (the fused kernel path scale_loss's exit uses) - against
       "GradScaler": torch.amp.GradScaler.unscale_(optimizer) (collects grads, fused kernel;
       no host sync; neither includes the skip decision).
     - "ampatch_exit": the whole amp.scale_loss exit at O1 with a dynamic scale (param walk,
@@ -203,7 +203,7 @@ def render(results: dict[str, Any]) -> list[str]:
                      f"{m['ratios']['O1/autocast']:>14.3f}{m['O1-unpatched_us']:>+13.2f}")
     un = micro["unscale"]
     u = un["us_per_call"]
-    lines.append(f"unscale + inf check, {un['grads']} grads 64x64: ampatch.scaler.unscale_ {u['ampatch']:.1f} us vs "
+    lines.append(f"unscale + inf check, {un['grads']} grads 64x64: ampatch.optim.scaler.unscale_ {u['ampatch']:.1f} us vs "
                  f"GradScaler.unscale_ {u['GradScaler']:.1f} us -> {un['ratios']['ampatch/GradScaler']:.3f}")
     lines.append(f"  whole scale_loss exit (O1, dynamic) {u['ampatch_exit']:.1f} us vs GradScaler unscale_+"
                  f"found_inf read+update {u['GradScaler_full']:.1f} us -> "

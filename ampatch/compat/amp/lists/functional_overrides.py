@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ....policy import functional as policy
+from ....o1.lists import functional as policy
 
 __all__ = ["MODULE", "FP16_FUNCS", "BFLOAT16_FUNCS", "FP32_FUNCS", "BANNED_FUNCS"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ....policy import tensor as policy
+from ....o1.lists import tensor as policy
 
 __all__ = ["MODULE", "FP16_FUNCS", "BFLOAT16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS"]
 

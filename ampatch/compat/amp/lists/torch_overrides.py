@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ....policy import torch_ops as policy
+from ....o1.lists import torch_ops as policy
 
 __all__ = ["MODULE", "FP16_FUNCS", "BFLOAT16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from .optimizer import OptimizerHandle
+    from .handle import OptimizerHandle
 
 __all__ = ["OptState", "StepGuard", "HandleContext"]
 

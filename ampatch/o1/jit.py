@@ -7,7 +7,7 @@
   TorchScript as the builtin op of its original, so scripted code calls the op itself:
   it runs without O1 casts (in FP32, as it would without ampatch), it can be saved, and
   nothing of the session stays in it. Scripting under O1 logs that once per session.
-  (`torch.compile` keeps the casts: see `ampatch.dynamo`.)
+  (`torch.compile` keeps the casts: see `ampatch.o1.dynamo`.)
 - Tracing records the ops that run, casts included, but a cast served from the cache
   was made outside the trace, and TorchScript refuses it as a constant ("Cannot insert a
   Tensor that requires grad as a constant"). `torch.jit.trace` and `trace_module` clear
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import wrapt
 
-from .cache import CastCache
-from .patching import Patcher
+from ..patching.cache import CastCache
+from ..patching import Patcher
 
 logger = logging.getLogger("ampatch")
 

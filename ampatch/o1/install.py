@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from . import dynamo, jit, tips
-from .cache import CastCache, watch_data
-from .patching import (BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, CastFunctionWrapper, Patcher,
-                       WrapContext, resolve_owner, wrap)
+from . import dynamo, jit
+from ..base import tips
+from ..patching.cache import CastCache, watch_data
+from ..patching import (BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, CastFunctionWrapper, Patcher, WrapContext, resolve_owner, wrap)
 from .rnn import patch_rnn_modules
 
 logger = logging.getLogger("ampatch")

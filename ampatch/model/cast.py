@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf_models
-from .dtypes import LOW
+from . import hf_conventions as hf_models
+from ..base.dtypes import LOW
 from .forwards import CastForward, install_forward
 
 logger = logging.getLogger("ampatch")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dtypes import LOW
+from ..base.dtypes import LOW
 from .scaler import distributed, overflowed, unscale_
 
 logger = logging.getLogger("ampatch")

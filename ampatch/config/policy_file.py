@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
-from . import env, hardware
+from . import env
+from ..base import hardware
 from .levels import LEVELS, half_dtype_conflict, parse_loss_scale
-from .notices import warn
+from ..base.notices import warn
 
 __all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "fingerprint", "machine_warning",
            "apply_policy", "takes_policy", "DEFAULT_PATH"]

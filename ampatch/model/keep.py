@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from . import env
-from .env import parse_names
+from ..config import env
+from ..config.env import parse_names
 
 logger = logging.getLogger("ampatch")
 

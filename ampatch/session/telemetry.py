@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .dtypes import short_name
+from ..base.dtypes import short_name
 
 logger = logging.getLogger("ampatch")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .telemetry import count_value
+from ..session.telemetry import count_value
 
 _grad_enabled = torch.is_grad_enabled
 _TensorBase = torch._C.TensorBase

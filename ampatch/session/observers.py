@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .env import MAX_STEPS, Overrides
+from ..config.env import MAX_STEPS, Overrides
 from .telemetry import exit_report
 
 logger = logging.getLogger("ampatch")
@@ -79,7 +79,7 @@ def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides,
     if overrides.report:
         observers.append(ReportAtExit(session, overrides.report))
     if overrides.diagnose:  # per-module statistics for `ampatch diagnose` (loaded only then)
-        from .record.child import attach as attach_recorder
+        from ..record.child import attach as attach_recorder
         observers.append(attach_recorder(session, models, overrides.diagnose, eps_lost=eps_lost))
     if overrides.max_steps is not None:
         observers.append(StopAfter(overrides.max_steps))

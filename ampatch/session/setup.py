@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .forwards import keep_in_fp32, wrap_outputs
-from .keep import Kept, kept_module_ids
-from .levels import Properties
-from .master import check_one_master_each, master_ids
-from .model import ModelHandle, params_to_cast
-from .handle_context import HandleContext
-from .optimizer import OptimizerHandle
+from ..model.forwards import keep_in_fp32, wrap_outputs
+from ..model.keep import Kept, kept_module_ids
+from ..config.levels import Properties
+from ..optim.masters import check_one_master_each, master_ids
+from ..model.cast import ModelHandle, params_to_cast
+from ..optim.context import HandleContext
+from ..optim.handle import OptimizerHandle
 
 __all__ = ["setup", "undo", "keep_forwards", "wrap_model_outputs"]
 

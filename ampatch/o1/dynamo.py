@@ -46,10 +46,12 @@ from typing import Any
 import torch
 import wrapt
 
-from . import cache, rnn, tree
-from .forwards import UncastForward
-from .patching import CastFunctionWrapper, Patcher, disable_casts, is_traced
-from .patching import plans, proxies, registry, switch, wrappers
+from ..patching import cache
+from . import rnn
+from ..base import tree
+from ..model.forwards import UncastForward
+from ..patching import CastFunctionWrapper, Patcher, disable_casts, is_traced
+from ..patching import plans, proxies, registry, switch, wrappers
 
 logger = logging.getLogger("ampatch")
 

@@ -17,20 +17,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fsdp, hardware, keep, observers, plain, policy, tips
-from .cache import CastCache
-from .env import Overrides
-from .levels import Properties
-from .model import ModelHandle
-from .notices import warn
-from .o1 import O1Patches
-from .handle_context import HandleContext, OptState
-from .optimizer import OptimizerHandle
-from .options import Options, Prepared, optimizer_list
+from . import fsdp, observers, setup as plain
+from ..base import hardware, tips
+from ..model import keep
+from ..o1 import lists as policy
+from ..patching.cache import CastCache
+from ..config.env import Overrides
+from ..config.levels import Properties
+from ..model.cast import ModelHandle
+from ..base.notices import warn
+from ..o1.install import O1Patches
+from ..optim.context import HandleContext, OptState
+from ..optim.handle import OptimizerHandle
+from ..config.options import Options, Prepared, optimizer_list
 from .param_guard import ParamGuard
-from .patching import Patcher, WrapContext
-from .policy import user as user_policy
-from .scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
+from ..patching import Patcher, WrapContext
+from ..o1.lists import user as user_policy
+from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
 from .telemetry import Report, Telemetry
 
 logger = logging.getLogger("ampatch")

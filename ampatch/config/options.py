@@ -18,10 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware, hf_models, levels
+from ..base import hardware
+from ..model import hf_conventions as hf_models
+from . import levels
 from .env import Overrides
-from .notices import warn
-from .scaler import INITIAL_LOSS_SCALE, check_scale_value
+from ..base.notices import warn
+from ..optim.scaler import INITIAL_LOSS_SCALE, check_scale_value
 from .settings import SETTINGS
 
 logger = logging.getLogger("ampatch")

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .patching import HALF, CastPlan, ModuleFunctionWrapper, Patcher, cast_switch, plan, traced
-from .tree import map_tensors
+from ..patching import HALF, CastPlan, ModuleFunctionWrapper, Patcher, cast_switch, plan, traced
+from ..base.tree import map_tensors
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
 

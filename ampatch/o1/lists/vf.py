@@ -13,7 +13,7 @@ an entry there and restoring must delete it rather than set it.
 
 The full-sequence functions (``_VF.rnn_tanh``, ``_VF.lstm``, ``_VF.gru``) are not listed:
 ``nn.RNN/LSTM/GRU.forward`` checks input and weight dtypes in Python before calling them,
-so whole RNN modules are handled at the module level (``ampatch.rnn``).
+so whole RNN modules are handled at the module level (``ampatch.o1.rnn``).
 """
 from __future__ import annotations
 

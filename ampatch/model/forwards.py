@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dtypes import LOW
-from .patching import disable_casts
-from .tips import hint_dtype_error
-from .tree import map_tensors
+from ..base.dtypes import LOW
+from ..patching import disable_casts
+from ..base.tips import hint_dtype_error
+from ..base.tree import map_tensors
 
 __all__ = ["CastForward", "KeepForward", "UncastForward", "Replicate", "cast_tree", "wrap_outputs",
            "install_forward", "keep_in_fp32", "forward_casts_bypassed"]

@@ -60,7 +60,7 @@ from __future__ import annotations
 #   SEQUENCE_CASTS cat, stack promote natively on current torch: no wrapper
 #   (NATIVELY_PROMOTING proves it). SEQUENCE_PROMOTE is empty for that reason.
 # - The full-sequence RNN functions (torch.lstm, torch.gru, torch.rnn_tanh, ...) are not
-#   listed: nn.RNN/LSTM/GRU are handled at the module level (ampatch.rnn).
+#   listed: nn.RNN/LSTM/GRU are handled at the module level (ampatch.o1.rnn).
 
 HALF: tuple[str, ...] = (
     # convolutions

@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from .dtypes import LOW
-from .handle_context import HandleContext, OptState, StepGuard
-from .master import MASTERS_KEY, Masters, Pair, add_grads, check_masters
-from .notices import warn
-from .patching import Patcher, disable_casts
+from ..base.dtypes import LOW
+from .context import HandleContext, OptState, StepGuard
+from .masters import MASTERS_KEY, Masters, Pair, add_grads, check_masters
+from ..base.notices import warn
+from ..patching import Patcher, disable_casts
 from .scaler import distributed, unscale_
 
 logger = logging.getLogger("ampatch")

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .dtypes import FLOATS, LOW, short_name
-from .notices import warn
-from .scaler import check_scale_value
+from ..base.dtypes import FLOATS, LOW, short_name
+from ..base.notices import warn
+from ..optim.scaler import check_scale_value
 
 if TYPE_CHECKING:  # env reads the environment with this module's parsers: it imports levels
     from .env import Overrides

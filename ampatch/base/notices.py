@@ -14,7 +14,7 @@ import warnings
 
 logger = logging.getLogger("ampatch")
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # ampatch/, not base/
 _MISSING_FIELD = "-"  # the value of a format field a record lacks
 _MAX_FILLS = 8
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .fsdp import ORDER, ShardedOptimizerHandle
-from .optimizer import OptimizerHandle
+from ..optim.handle import OptimizerHandle
 
 __all__ = ["ParamGuard"]
 

@@ -53,13 +53,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dtypes import LOW
-from .levels import Properties
-from .master import MASTERS_KEY
-from .forwards import wrap_outputs
-from .model import is_batchnorm, modules_to_cast, params_to_cast
-from .handle_context import HandleContext, OptState
-from .optimizer import OptimizerHandle
+from ..base.dtypes import LOW
+from ..config.levels import Properties
+from ..optim.masters import MASTERS_KEY
+from ..model.forwards import wrap_outputs
+from ..model.cast import is_batchnorm, modules_to_cast, params_to_cast
+from ..optim.context import HandleContext, OptState
+from ..optim.handle import OptimizerHandle
 
 logger = logging.getLogger("ampatch")
 
