@@ -143,13 +143,10 @@ def test_the_lists_are_ampatchs_policy(apex_alias) -> None:
 
 def test_names_without_an_equivalent_raise_at_call_time_naming_the_way(apex_alias) -> None:
     from apex.amp.wrap import make_cast_wrapper
-    from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction
     from apex.parallel.multiproc import main
     from apex.parallel.sync_batchnorm_kernel import SyncBatchnormFunction
     with pytest.raises(NotImplementedError, match="register_half_function"):
         make_cast_wrapper(torch, "mm", None)
-    with pytest.raises(NotImplementedError, match="fused_layer_norm_affine"):
-        FusedLayerNormAffineFunction.apply(torch.ones(2))
     with pytest.raises(NotImplementedError, match="torch.nn.SyncBatchNorm"):
         SyncBatchnormFunction()
     with pytest.raises(NotImplementedError, match="torchrun"):
@@ -243,17 +240,6 @@ def test_apex_amp_utils_cached_cast_casts_a_changed_parameter_again() -> None:
     with torch.no_grad():
         p.add_(1)
     assert cached_cast(lambda t: t.half(), p, cache).tolist() == [2.0, 2.0]
-
-
-def test_the_not_provided_norm_functions_name_a_function_that_exists() -> None:
-    import re
-
-    from ampatch.compat.normalization import fused_layer_norm as fln
-    for name in [n for n in dir(fln) if n.startswith("Fused") and n.endswith("Function")]:
-        with pytest.raises(NotImplementedError) as err:
-            getattr(fln, name).apply(None)
-        named = re.search(r"call apex\.normalization\.fused_layer_norm\.(\w+)", str(err.value)).group(1)
-        assert callable(getattr(fln, named)), (name, named)
 
 
 def test_maybe_print_follows_the_sessions_verbosity(caplog) -> None:
