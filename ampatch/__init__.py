@@ -21,20 +21,21 @@ from typing import Any
 
 import torch
 
-from .config import env as _env
-from .config import levels
-from .session.current import current as _current
-from .session.current import set_current as _set_current
 from .base.notices import set_verbosity
+from .config import env as _env
+from .config import policy_file as _policy_file
 from .config.options import Options, prepare
-from .config.policy_file import takes_policy
-from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
-from .patching import disable_casts as _disable_casts
+from .config.settings import SETTINGS as _SETTINGS
+from .config.values import DEFAULT_MAX_LOSS_SCALE
+from .model.checks import check_incoming_dtypes as _check_incoming_dtypes
 from .o1.lists import user as _user_policy
 from .optim.scaler import check_loss_id as _check_loss_id
+from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
+from .patching import disable_casts as _disable_casts
+from .session.current import current as _current
+from .session.current import set_current as _set_current
+from .session.report import Report
 from .session.session import Session
-from .config.settings import SETTINGS as _SETTINGS
-from .session.telemetry import Report
 
 __version__ = "0.1.0"
 __all__ = [
@@ -64,33 +65,40 @@ def _session(what: str) -> Session:
     return s
 
 
-@takes_policy  # policy= and AMPATCH_POLICY: see policyfile.apply_policy
+@_policy_file.takes_policy  # policy=: its fields set the keywords the call does not give
 def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type: Any = None, patch_torch_functions: Any = None, keep_batchnorm_fp32: Any = None,
                master_weights: Any = None, loss_scale: Any = None, cast_model_outputs: Any = None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
-               max_loss_scale: float = 2.0 ** 24, half_dtype: Any = None, allow_banned: bool = False,
+               max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE, half_dtype: Any = None, allow_banned: bool = False,
                patch_torch_functions_type: Any = None, process_group: Any = None, keep_fp32: Any = None,
                policy: Any = None) -> Any:
     """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
 
     Returns the models and optimizers in the shape they came in (only the models when no
     optimizers are given). Calling it again first undoes the previous session. Every keyword
-    is checked (with the environment's overrides, `env.read()`) before anything changes: a
-    call rejected there leaves the previous session and the "ampatch" logger as they were.
+    is checked, with the environment's overrides (`env.read()`, read once per call, with the
+    policy file ``AMPATCH_POLICY`` names merged in), before anything changes: a call rejected
+    there leaves the previous session and the "ampatch" logger as they were.
     `keep_fp32` names modules (names as `named_modules()` gives them, "1.head" with several
     models; classes; callables `(name, module) -> bool`) that run in FP32 with everything
     inside them, at any level. `policy`: a policy file `ampatch tune` wrote (a path, or a
     dict): its fields set the keywords this call does not give (see `ampatch.config.policy_file`).
     """
-    keywords = dict(locals())  # the keywords above, as they came: the one list of them is the signature
-    del keywords["models"], keywords["optimizers"]
-    prepared = prepare(Options(**keywords), models, optimizers, _env.read())
+    options = Options(enabled=enabled, opt_level=opt_level, cast_model_type=cast_model_type,
+                      patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
+                      master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
+                      num_losses=num_losses, verbosity=verbosity, min_loss_scale=min_loss_scale,
+                      max_loss_scale=max_loss_scale, half_dtype=half_dtype, allow_banned=allow_banned,
+                      patch_torch_functions_type=patch_torch_functions_type, process_group=process_group,
+                      keep_fp32=keep_fp32)
+    overrides = _policy_file.from_outside(_env.read(), verbosity if isinstance(verbosity, int) else 1)
+    prepared = prepare(options, models, optimizers, overrides)
     deinitialize()  # first: a model cast by the previous session is back in FP32
     set_verbosity(verbosity)
     prepared.announce()
     if prepared.properties.enabled:
-        levels.check_models(prepared.models, _SETTINGS.allow_incoming_model_not_fp32, _SETTINGS.hard_override)
+        _check_incoming_dtypes(prepared.models, _SETTINGS.allow_incoming_model_not_fp32, _SETTINGS.hard_override)
     _set_current(Session.open(prepared, attributes=_apex_attributes))
     return prepared.returned()
 

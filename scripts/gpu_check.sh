@@ -45,12 +45,13 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 "$PY" - <<'EOF' 2>&1 | tee -a "$REPORT"
 import platform, torch, wrapt
-from ampatch import hardware
+from ampatch.base import hardware
+from ampatch.base.device_text import machine_line
 print(f"python {platform.python_version()}, torch {torch.__version__}, wrapt {wrapt.__version__}, "
       f"CUDA available: {torch.cuda.is_available()}")
-print("cpu  ", hardware.machine_line(hardware.describe("cpu").to_dict(), ["bfloat16", "float16"]))
+print("cpu  ", machine_line(hardware.describe("cpu"), ["bfloat16", "float16"]))
 if torch.cuda.is_available():
-    print("cuda ", hardware.machine_line(hardware.describe("cuda").to_dict(), ["float16", "bfloat16"]))
+    print("cuda ", machine_line(hardware.describe("cuda"), ["float16", "bfloat16"]))
 EOF
 HAS_CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 FAILED=0

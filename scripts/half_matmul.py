@@ -16,6 +16,7 @@ import time
 import torch
 
 from ampatch.base import hardware
+from ampatch.base.device_text import machine_line
 
 
 def time_matmul(a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:
@@ -42,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=1.0, help="time per dtype")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    info = hardware.describe(a.device).to_dict()
-    print(hardware.machine_line(info, ["bfloat16", "float16"]))
+    print(machine_line(hardware.describe(a.device), ["bfloat16", "float16"]))
     x, w = torch.randn(a.m, a.n, device=a.device), torch.randn(a.n, a.n, device=a.device)
     base = None
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

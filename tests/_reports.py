@@ -2,7 +2,7 @@
 `Report` must have, and `report(fields)`, read as a child's report is (`Report.from_dict`)."""
 from __future__ import annotations
 
-from ampatch.session.telemetry import Report
+from ampatch.session.report import Report
 
 REQUIRED = {"opt_level": "O0", "half_dtype": None, "enabled": True, "casts": {}, "cache": {"hits": 0, "misses": 0},
             "steps": 0, "skipped_steps": [], "loss_scale": {}, "loss_scale_history": {},

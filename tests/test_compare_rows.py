@@ -10,7 +10,7 @@ from _reports import REQUIRED, report
 
 from ampatch.compare.rows import Row, common_steps, summarize
 from ampatch.runs.runner import LevelRun
-from ampatch.session.telemetry import Report
+from ampatch.session.report import Report
 
 
 
@@ -93,13 +93,18 @@ def test_a_row_from_a_run_alone() -> None:
 def test_a_report_reads_back_from_its_dict_and_refuses_what_it_cannot_read() -> None:
     """`Report.from_dict` is the one reading of a child's report: fields with a default may be
     missing (an older report), anything else it cannot vouch for is refused with its name."""
-    full = report({"losses": [1.0], "device": {"type": "cpu"}})
+    full = report({"losses": [1.0], "device": {"type": "cpu", "name": "a CPU", "native": {"bfloat16": True},
+                                                "half_dtype": "bfloat16"}})
+    assert full.device.half_native is True and full.device.info.name == "a CPU"   # typed, not a dict
     assert Report.from_dict(full.to_dict()) == full
     assert report({}).losses == [] and report({}).losses_every == 1
     for bad, match in [({**REQUIRED, "steps": "3"}, "'steps' is a str, not int"),
                        ({**REQUIRED, "losses": {}}, "'losses' is a dict"),
                        ({**REQUIRED, "surprise": 1}, "unknown report field.*'surprise'"),
-                       ({k: v for k, v in REQUIRED.items() if k != "time_s"}, "lacks 'time_s'")]:
+                       ({k: v for k, v in REQUIRED.items() if k != "time_s"}, "lacks 'time_s'"),
+                       ({**REQUIRED, "device": {"type": "cpu"}}, "'device': .*needs type and name"),
+                       ({**REQUIRED, "device": {"type": "cpu", "name": "x", "half_dtype": "int8"}}, "'device': .*int8"),
+                       ({**REQUIRED, "device": [1]}, "'device' is a list")]:
         with pytest.raises(ValueError, match=match):
             Report.from_dict(bad)
     with pytest.raises(ValueError, match="JSON object, not list"):

@@ -34,6 +34,7 @@ from torch import nn
 import _fsdp_worker as worker
 from _ranks import run_ranks
 import ampatch as amp
+from ampatch.config.levels import LEVELS
 
 pytestmark = pytest.mark.distributed
 
@@ -96,7 +97,7 @@ def test_each_level_trains_and_ranks_agree(ranks, level):
         assert r["sharded_dtypes"] == [exp["sharded"]]
         assert r["master_types"] == [f"DTensor:{exp['sharded']}"]  # amp.master_params: the sharded params
         assert r["state_dtypes"] == [exp["sharded"]]
-        if amp.levels.LEVELS[level]["cast_model_type"] not in (None, torch.float32):
+        if LEVELS[level].cast_model_type not in (None, torch.float32):
             assert r["output_dtype"] == F32          # outputs leave the half model in FP32
             assert r["state_dict_dtypes"] == [F32]   # model.state_dict() is FP32
         rep = r["report"]

@@ -12,6 +12,8 @@ import torch
 
 import ampatch as amp
 from ampatch.base import hardware
+from ampatch.base.device_text import machine_line, slow_half_note
+from ampatch.session.report import Report
 
 SLOW = "has no fast path"
 
@@ -106,7 +108,9 @@ def test_report_records_the_device(monkeypatch) -> None:
     assert json.loads(json.dumps(rep.to_dict()))["device"] == dev
     assert "device: cpu: " in str(rep) and real.name in str(rep)
     amp.initialize(torch.nn.Linear(8, 8), opt_level="O0", verbosity=0)
-    assert amp.report().device["half_dtype"] is None and amp.report().device["half_native"] is None
+    assert amp.report().device.half_dtype is None and amp.report().device.half_native is None
+    back = Report.from_dict(json.loads(json.dumps(rep.to_dict())))   # typed again after JSON
+    assert back.device == rep.device and back.device.info.native == real.native
 
 
 def test_model_device() -> None:
@@ -115,19 +119,19 @@ def test_model_device() -> None:
 
 
 def test_machine_line_and_note() -> None:
-    d = fake().to_dict()
-    line = hardware.machine_line(d, ["bfloat16"])
+    d = fake()
+    line = machine_line(d, ["bfloat16"])
     assert line.startswith("cpu: Test CPU, 2 cores (flags: avx2; no avx512_bf16)")
     assert f"torch {torch.__version__}" in line and "bfloat16 not native (basis-bf16)" in line
-    assert "bfloat16 native" in hardware.machine_line(fake(bf16=True).to_dict(), ["bfloat16"])
-    note = hardware.slow_half_note(d, ["bfloat16"])
+    assert "bfloat16 native" in machine_line(fake(bf16=True), ["bfloat16"])
+    note = slow_half_note(d, ["bfloat16"])
     assert note.startswith("note: bfloat16 is emulated on this CPU") and "use O0" in note
-    assert hardware.slow_half_note(fake(bf16=True).to_dict(), ["bfloat16"]) is None
-    assert hardware.slow_half_note(d, []) is None
-    gpu = fake("cuda", bf16=False, fp16=True, capability="7.5", name="Tesla T4").to_dict()
-    assert "compute capability 7.5" in hardware.machine_line(gpu, ["float16", "bfloat16"])
-    assert hardware.slow_half_note(gpu, ["float16"]) is None
-    assert "Tesla T4" in hardware.slow_half_note(gpu, ["float16", "bfloat16"])
+    assert slow_half_note(fake(bf16=True), ["bfloat16"]) is None
+    assert slow_half_note(d, []) is None
+    gpu = fake("cuda", bf16=False, fp16=True, capability="7.5", name="Tesla T4")
+    assert "compute capability 7.5" in machine_line(gpu, ["float16", "bfloat16"])
+    assert slow_half_note(gpu, ["float16"]) is None
+    assert "Tesla T4" in slow_half_note(gpu, ["float16", "bfloat16"])
 
 
 @pytest.mark.cuda
@@ -138,4 +142,4 @@ def test_real_cuda_device() -> None:
     assert info.native["float16"] is (major >= 7 or bool(torch.version.hip))
     model = torch.nn.Linear(8, 8).cuda()
     amp.initialize(model, opt_level="O1", verbosity=0)
-    assert amp.report().device["type"] == "cuda" and amp.report().device["half_dtype"] == "float16"
+    assert amp.report().device.info.type == "cuda" and amp.report().device.half_dtype == "float16"

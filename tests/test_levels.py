@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import levels
+from ampatch.config import levels, properties
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
@@ -39,7 +39,7 @@ def expected_row(level: str, half: torch.dtype) -> dict:
     }[level]
 
 
-def row_of(props: levels.Properties) -> dict:
+def row_of(props: properties.Properties) -> dict:
     return {k: getattr(props, k) for k in ("cast_model_type", "patch_torch_functions",
                                            "keep_batchnorm_fp32", "master_weights", "loss_scale")}
 
@@ -56,7 +56,7 @@ def bn_model() -> nn.Module:
     if not (half == F16 and level in ("O4", "O5"))  # a contradiction, tested below
 ])
 def test_table_without_overrides(level, half):
-    props = levels.resolve(level, device=torch.device("cpu"), half_dtype=half)
+    props = properties.resolve(level, device=torch.device("cpu"), half_dtype=half)
     resolved_half = half or BF16  # auto on CPU is bfloat16
     if level in ("O4", "O5"):
         resolved_half = BF16
@@ -71,10 +71,10 @@ def test_auto_half_dtype_follows_device():
     assert levels.default_half_dtype(torch.device("cpu")) == BF16
     assert levels.default_half_dtype(None) == BF16
     assert levels.default_half_dtype(torch.device("cuda")) == F16
-    props = levels.resolve("O2", device=torch.device("cuda"))
+    props = properties.resolve("O2", device=torch.device("cuda"))
     assert props.half_dtype == F16 and props.cast_model_type == F16 and props.loss_scale == "dynamic"
     # O5 stays bfloat16 with scale 1.0 even where float16 is the default
-    props = levels.resolve("O5", device=torch.device("cuda"))
+    props = properties.resolve("O5", device=torch.device("cuda"))
     assert props.half_dtype == BF16 and props.loss_scale == 1.0
 
 
@@ -89,16 +89,16 @@ def test_cpu_default_loss_scale_is_one_for_bfloat16():
 
 
 def test_bfloat16_with_explicit_loss_scale_keeps_it():
-    assert levels.resolve("O2", loss_scale="dynamic").loss_scale == "dynamic"
-    assert levels.resolve("O5", loss_scale=128).loss_scale == 128.0
-    assert levels.resolve("O1", half_dtype=F16, loss_scale=1.0).loss_scale == 1.0
+    assert properties.resolve("O2", loss_scale="dynamic").loss_scale == "dynamic"
+    assert properties.resolve("O5", loss_scale=128).loss_scale == 128.0
+    assert properties.resolve("O1", half_dtype=F16, loss_scale=1.0).loss_scale == 1.0
 
 
 @pytest.mark.parametrize("level", ["O4", "O5"])
 @pytest.mark.parametrize("spelling", [F16, "float16", "torch.float16", "half"])
 def test_bfloat16_levels_refuse_float16(level, spelling):
     with pytest.raises(ValueError, match="bfloat16") as err:
-        levels.resolve(level, half_dtype=spelling)
+        properties.resolve(level, half_dtype=spelling)
     assert ("O1" if level == "O4" else "O2") in str(err.value)  # names the level to use instead
     with pytest.raises(ValueError):
         amp.initialize(bn_model(), opt_level=level, half_dtype=spelling)
@@ -122,20 +122,20 @@ def test_patch_torch_functions_type_is_an_alias_of_half_dtype():
 
 
 def test_level_names_are_case_and_space_tolerant():
-    assert levels.resolve(" o2 ").opt_level == "O2"
+    assert properties.resolve(" o2 ").opt_level == "O2"
 
 
 # ------------------------------------------------------------------ overrides
 def test_string_forms_of_overrides():
-    assert levels.resolve("O2", keep_batchnorm_fp32="False").keep_batchnorm_fp32 is False
-    assert levels.resolve("O3", keep_batchnorm_fp32="True").keep_batchnorm_fp32 is True
-    assert levels.resolve("O2", master_weights="False").master_weights is False
-    assert levels.resolve("O2", half_dtype=F16, loss_scale="128.0").loss_scale == 128.0
-    assert levels.resolve("O2", loss_scale="dynamic").loss_scale == "dynamic"
-    assert levels.resolve("O2", loss_scale=512).loss_scale == 512.0
-    assert isinstance(levels.resolve("O2", loss_scale=512).loss_scale, float)
-    assert levels.resolve("O2", cast_model_type="float16").cast_model_type == F16
-    assert levels.resolve("O2", cast_model_type="torch.bfloat16").half_dtype == BF16
+    assert properties.resolve("O2", keep_batchnorm_fp32="False").keep_batchnorm_fp32 is False
+    assert properties.resolve("O3", keep_batchnorm_fp32="True").keep_batchnorm_fp32 is True
+    assert properties.resolve("O2", master_weights="False").master_weights is False
+    assert properties.resolve("O2", half_dtype=F16, loss_scale="128.0").loss_scale == 128.0
+    assert properties.resolve("O2", loss_scale="dynamic").loss_scale == "dynamic"
+    assert properties.resolve("O2", loss_scale=512).loss_scale == 512.0
+    assert isinstance(properties.resolve("O2", loss_scale=512).loss_scale, float)
+    assert properties.resolve("O2", cast_model_type="float16").cast_model_type == F16
+    assert properties.resolve("O2", cast_model_type="torch.bfloat16").half_dtype == BF16
 
 
 def test_string_overrides_through_initialize():
@@ -152,15 +152,15 @@ def test_string_overrides_through_initialize():
 
 
 def test_overrides_replace_level_defaults():
-    p = levels.resolve("O2", half_dtype=F16, keep_batchnorm_fp32=False, master_weights=False, loss_scale=8.0)
+    p = properties.resolve("O2", half_dtype=F16, keep_batchnorm_fp32=False, master_weights=False, loss_scale=8.0)
     assert (p.keep_batchnorm_fp32, p.master_weights, p.loss_scale) == (False, False, 8.0)
-    p = levels.resolve("O3", master_weights=True)
+    p = properties.resolve("O3", master_weights=True)
     assert p.master_weights is True
-    p = levels.resolve("O1", cast_model_type=F32)  # allowed: a no-op, as in Apex
+    p = properties.resolve("O1", cast_model_type=F32)  # allowed: a no-op, as in Apex
     assert p.cast_model_type == F32 and p.master_weights is None and p.patch_torch_functions
-    p = levels.resolve("O2", patch_torch_functions=False)
+    p = properties.resolve("O2", patch_torch_functions=False)
     assert p.patch_torch_functions is False
-    p = levels.resolve("O0", cast_model_outputs="float16")
+    p = properties.resolve("O0", cast_model_outputs="float16")
     assert p.cast_model_outputs == F16
 
 
@@ -169,21 +169,21 @@ def test_overrides_replace_level_defaults():
 def test_patching_level_with_master_weights(level, value):
     # Apex refused any master_weights other than None at O1 (its warn_or_err), False included
     with pytest.raises(ValueError, match="master_weights") as err:
-        levels.resolve(level, master_weights=value)
+        properties.resolve(level, master_weights=value)
     assert "O2" in str(err.value)
 
 
 @pytest.mark.parametrize("half", [F16, BF16])
 def test_o1_with_half_cast_model_type(half):
     with pytest.raises(ValueError, match="cast_model_type") as err:
-        levels.resolve("O1", cast_model_type=half)
+        properties.resolve("O1", cast_model_type=half)
     assert "O2" in str(err.value)
 
 
 @pytest.mark.parametrize("level", ["O0", "O2", "O3", "O5"])
 def test_patch_torch_functions_outside_o1_o4(level):
     with pytest.raises(ValueError, match="patch_torch_functions") as err:
-        levels.resolve(level, patch_torch_functions=True)
+        properties.resolve(level, patch_torch_functions=True)
     assert "O1" in str(err.value)
 
 
@@ -191,26 +191,26 @@ def test_patch_torch_functions_outside_o1_o4(level):
 @pytest.mark.parametrize("level", ["O1", "O4"])
 def test_keep_batchnorm_fp32_at_a_patching_level(level, value):
     with pytest.raises(ValueError, match="keep_batchnorm_fp32"):
-        levels.resolve(level, keep_batchnorm_fp32=value)
+        properties.resolve(level, keep_batchnorm_fp32=value)
 
 
 def test_overrides_apex_accepted_at_o0_are_accepted():
     # Apex checked these only at O1; at O0 they are accepted and change nothing for an FP32 model
-    p = levels.resolve("O0", master_weights=True, keep_batchnorm_fp32="True")
+    p = properties.resolve("O0", master_weights=True, keep_batchnorm_fp32="True")
     assert p.master_weights is True and p.keep_batchnorm_fp32 is True and not p.casts_model
 
 
 def test_other_contradictions():
     with pytest.raises(ValueError, match="conflicts"):
-        levels.resolve("O2", half_dtype=F16, cast_model_type=BF16)
+        properties.resolve("O2", half_dtype=F16, cast_model_type=BF16)
     with pytest.raises(ValueError, match="O0"):
-        levels.resolve("O2", half_dtype=F32)
+        properties.resolve("O2", half_dtype=F32)
 
 
 @pytest.mark.parametrize("bad", ["O6", "O", "fp16", ""])
 def test_unknown_level_names_the_valid_ones(bad):
     with pytest.raises(ValueError) as err:
-        levels.resolve(bad)
+        properties.resolve(bad)
     for name in LEVELS:
         assert name in str(err.value)
     with pytest.raises(ValueError):
@@ -220,7 +220,7 @@ def test_unknown_level_names_the_valid_ones(bad):
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 0, -1.0, "abc", "-2"])
 def test_bad_loss_scale_values(value):
     with pytest.raises(ValueError, match="loss_scale"):
-        levels.resolve("O2", loss_scale=value)
+        properties.resolve("O2", loss_scale=value)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -253,9 +253,9 @@ def test_wrong_types_raise_type_error(kwargs):  # ids without object addresses: 
 
 def test_non_float_dtypes_are_value_errors():
     with pytest.raises(ValueError, match="half_dtype"):
-        levels.resolve("O2", half_dtype=torch.int32)
+        properties.resolve("O2", half_dtype=torch.int32)
     with pytest.raises(ValueError, match="half_dtype"):
-        levels.resolve("O2", half_dtype="int8")
+        properties.resolve("O2", half_dtype="int8")
 
 
 def test_wrong_model_and_optimizer_types():
@@ -271,7 +271,7 @@ def test_wrong_model_and_optimizer_types():
     with pytest.raises(ValueError, match="num_losses"):
         amp.initialize(model, num_losses=0)
     with pytest.raises(TypeError, match="Unknown property"):
-        levels.resolve("O2", not_a_property=1)
+        properties.resolve("O2", not_a_property=1)
 
 
 # ------------------------------------------------------------------ forced level

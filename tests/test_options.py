@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import env, levels
+from ampatch.config import env, levels, properties
 from ampatch.session import observers
 from ampatch.base import tree
 from ampatch.session.current import current
@@ -26,13 +26,16 @@ F16, BF16 = torch.float16, torch.bfloat16
 
 
 def test_initialize_signature_is_the_options_object():
-    """The keywords are written once, as the signature; `Options` has the same names, order
-    and defaults (models and optimizers are not options)."""
+    """`Options` has the signature's names, order and defaults (models and optimizers are not
+    options; nor is `policy`, applied to the keywords before they become options), so that
+    the explicit construction in `initialize` cannot drift from the signature."""
     params = list(inspect.signature(amp.initialize).parameters.values())[2:]
     fields = dataclasses.fields(Options)
-    assert [p.name for p in params] == [f.name for f in fields]
-    assert [p.default for p in params] == [f.default for f in fields]
     assert params[-1].name == "policy"
+    assert [p.name for p in params[:-1]] == [f.name for f in fields]
+    assert [p.default for p in params[:-1]] == [f.default for f in fields]
+    source = inspect.getsource(amp.initialize)   # every keyword reaches Options, by name
+    assert all(f"{f.name}={f.name}" in source for f in fields)
 
 
 def test_options_are_frozen_and_normalised():
@@ -111,7 +114,7 @@ def test_the_bfloat16_rule(level):
     if conflict:
         assert level in conflict and "bfloat16" in conflict
         with pytest.raises(ValueError, match="contradicts"):
-            levels.resolve(level, half_dtype=F16)
+            properties.resolve(level, half_dtype=F16)
         assert levels.half_dtype_for(level, "cuda", F16) == BF16
 
 

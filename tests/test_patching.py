@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pack_sequence
 from ampatch.o1 import install as o1
 from ampatch.patching import (BANNED, BFLOAT16, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Action, CastFunctionWrapper, Kind, ModuleFunctionWrapper, WrapContext, is_traced, plan, traced, wrap)
 from ampatch.patching.proxies import MethodWrapper, check_builtin_binding
-from ampatch.session.telemetry import Counters
+from ampatch.base.counters import Counters
 from ampatch.base.tree import map_tensors
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import env
+from ampatch.config import env, properties
 from ampatch.cli import main
-from ampatch.config.policy_file import Policy, PolicyError, apply_policy, fingerprint, load, machine_warning, save
+from ampatch.base.hardware import Machine
+from ampatch.config.policy_file import Policy, PolicyError, fingerprint, from_outside, load, machine_warning, save
 
 
 def _model():
@@ -21,7 +22,7 @@ def _model():
 
 
 def test_save_then_load_gives_the_same_policy(tmp_path):
-    pol = Policy("O2", "bfloat16", ("head", "body.0"), "dynamic", {"tolerance": 0.02, "machine": fingerprint()})
+    pol = Policy("O2", "bfloat16", ("head", "body.0"), "dynamic", {"tolerance": 0.02, "machine": fingerprint().to_dict()})
     save(pol, tmp_path / "p.json")
     back = load(tmp_path / "p.json")
     assert back == pol and back.measured["tolerance"] == 0.02
@@ -67,15 +68,24 @@ def test_initialize_takes_a_policy_and_explicit_keywords_win_with_a_warning(tmp_
     amp.deinitialize()
 
 
-def test_apply_policy_from_outside_overrides_the_script():
-    script = {"opt_level": "O2", "master_weights": True, "keep_fp32": ["a"], "half_dtype": "float16"}
-    with pytest.warns(UserWarning) as caught:
-        out = apply_policy(script, {"opt_level": "O4", "keep_fp32": ["b"]}, set(script), forced=True)
-    said = " ".join(str(w.message) for w in caught)
-    assert "dropping the script's master_weights" in said and "overrides the script's opt_level='O2'" in said
-    assert out["opt_level"] == "O4" and "master_weights" not in out and out["half_dtype"] is None
-    assert out["keep_fp32"] == ["a", "b"]                    # added to the script's, as tune measured it
-    assert apply_policy(script, None, set(script), forced=True) == script
+def test_a_policy_from_outside_acts_as_the_forced_variables(tmp_path):
+    """One rule for settings from outside: the file's fields act as AMPATCH_OPT_LEVEL & co.,
+    so the script's keywords that conflict with its level are dropped one by one, with a note."""
+    save(Policy("O4", keep_fp32=("b",)), tmp_path / "p.json")
+    over = from_outside(env.read({env.POLICY: str(tmp_path / "p.json"), env.KEEP_FP32: "a"}))
+    assert over.opt_level == "O4" and over.keep_fp32 == ("a", "b")   # added to the names given from outside
+    notes: list[str] = []
+    props = properties.resolve("O2", overrides=over, notes=notes, master_weights=True, half_dtype="float16",
+                               loss_scale=128)
+    said = " ".join(notes)
+    assert props.opt_level == "O4" and props.master_weights is None and props.half_dtype == torch.bfloat16
+    assert props.loss_scale == 128.0                                  # does not conflict: kept
+    assert "dropping master_weights=True" in said and "dropping half_dtype=torch.float16" in said
+    assert f"AMPATCH_POLICY={tmp_path / 'p.json'} (opt_level O4) overrides the script's opt_level=O2" in said
+    # the variables, set as well, still win over the file
+    both = from_outside(env.read({env.POLICY: str(tmp_path / "p.json"), env.OPT_LEVEL: "O1"}))
+    assert both.opt_level == "O1"
+    assert from_outside(env.read({})) == env.read({})
 
 
 def test_AMPATCH_POLICY_overrides_the_scripts_level(tmp_path, monkeypatch):
@@ -91,11 +101,11 @@ def test_AMPATCH_POLICY_overrides_the_scripts_level(tmp_path, monkeypatch):
 
 
 def test_a_policy_measured_on_another_kind_of_machine_warns():
-    here = {"type": "cpu", "name": "this CPU", "native": {"bfloat16": False, "float16": False}}
+    here = Machine("cpu", "this CPU", {"bfloat16": False, "float16": False})
     there = Policy("O4", "bfloat16", measured={"machine": {"type": "cpu", "name": "that CPU",
                                                             "native": {"bfloat16": True, "float16": False}}})
     assert "native; here (this CPU) it is emulated" in machine_warning(there, here)
-    assert machine_warning(there, {**here, "native": {"bfloat16": True}}) is None
+    assert machine_warning(there, Machine("cpu", "this CPU", {"bfloat16": True})) is None
     assert "measured on cuda" in machine_warning(Policy("O1", "float16", measured={"machine": {"type": "cuda"}}),
                                                  here)
     assert machine_warning(Policy("O1")) is None    # written by hand: nothing to compare

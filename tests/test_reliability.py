@@ -398,7 +398,8 @@ def test_skip_warning_names_non_finite_grads_with_a_finite_loss():
 
 def test_scale_floor_and_ceiling_by_default():
     """D8: halving stops at DEFAULT_MIN_LOSS_SCALE when min_loss_scale is None."""
-    from ampatch.optim.scaler import DEFAULT_MIN_LOSS_SCALE, LossScaler
+    from ampatch.config.values import DEFAULT_MIN_LOSS_SCALE
+    from ampatch.optim.scaler import LossScaler
     s = LossScaler("dynamic")
     for i in range(400):
         s.update(True, i)
@@ -688,7 +689,7 @@ def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_pa
     import weakref
 
     import ampatch.session.telemetry
-    from ampatch.session.telemetry import exit_report
+    from ampatch.session.exit_json import exit_report
     SERIES_POINTS = 64
     monkeypatch.setattr(ampatch.session.telemetry, "SERIES_POINTS", SERIES_POINTS)
     monkeypatch.setenv("AMPATCH_REPORT", str(tmp_path / "report.json"))

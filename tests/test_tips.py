@@ -40,7 +40,6 @@ def test_log_dims_tip_logs_once_at_info(caplog) -> None:
     model = nn.Linear(13, 8)  # a listing no other test logs
     with caplog.at_level(logging.INFO, logger="ampatch"):
         assert tips.log_dims_tip(model, verbosity=0) == []
-        assert tips.log_dims_tip(model, opt_level="O0") == []
         assert not caplog.records
         assert tips.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
         assert tips.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
@@ -244,8 +243,8 @@ def test_cast_model_hint_names_what_helps_there_not_registrations(level: str) ->
 
 
 def amp_half_for(level: str) -> torch.dtype:
-    from ampatch.config import levels
-    return levels.resolve(level).half_dtype
+    from ampatch.config import levels, properties
+    return properties.resolve(level).half_dtype
 
 
 @pytest.mark.parametrize("level", ["O2", "O3", "O5"])

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOW", "CASTABLE", "FLOATS", "is_low", "short_name", "from_short_name"]
+__all__ = ["LOW", "CASTABLE", "FLOATS", "HALF_NAMES", "is_low", "short_name", "from_short_name", "half_key"]
 
 LOW: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 CASTABLE: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 FLOATS = CASTABLE  # the dtypes a session's properties may name
+HALF_NAMES: tuple[str, ...] = ("bfloat16", "float16")  # the half dtypes by name, as reports and the command write them
 
 
 def is_low(dtype: torch.dtype) -> bool:
@@ -29,3 +30,12 @@ def from_short_name(name: str | None) -> torch.dtype | None:
     """The inverse of `short_name` for `FLOATS` ("bfloat16" -> torch.bfloat16); None for
     anything else (a report written without a half dtype)."""
     return next((d for d in FLOATS if short_name(d) == name), None)
+
+
+def half_key(dtype: torch.dtype | str | None) -> str | None:
+    """The name of a half dtype ("bfloat16" for torch.bfloat16 or "bfloat16"), None for anything
+    else (FP32, None): the key of per-dtype tables (`DeviceInfo.native`)."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return name if name in HALF_NAMES else None

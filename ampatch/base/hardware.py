@@ -6,13 +6,15 @@ on GPUs with tensor cores (7.0+) and on CPUs with AVX512-FP16 or AMX-FP16. Elsew
 emulates it, and every half level runs *slower* than FP32 (bfloat16 matmul measured 4-5x
 slower than FP32 on an AVX-512 CPU without BF16; float16 on CPU is 75x slower and worse).
 
-- `describe(device)`: what the device is and which half dtypes are native (cached: the
-  detection reads /proc/cpuinfo or the CUDA device properties once per device).
-- `check_half(models, properties, verbosity)`: used by `initialize`; logs once per process
-  and device when the session's half dtype has no fast path there, with what to expect and
-  what to do instead, and returns the JSON-ready dict `report()` carries as ``device``.
-- `machine_line(device_dict)` and `slow_half_note(device_dict, dtypes)`: the lines
-  `ampatch compare` prints above and under its table.
+- `describe(device)` -> `DeviceInfo`: what the device is and which half dtypes are native
+  (cached: the detection reads /proc/cpuinfo or the CUDA device properties once per device);
+- `SessionDevice`: that, with the half dtype a session runs in (what `report()` carries as
+  ``device``, and what crosses to the `ampatch` command in a run's report);
+- `Machine`: what a policy's speed depends on (`DeviceInfo.machine()`, in policy files);
+- `check_half(models, half_dtype, verbosity)`: used by `initialize`; logs once per process
+  and device when the session's half dtype has no fast path there (`device_text.half_advice`).
+
+The wording for people (advice, the machine line, the note under a table) is `device_text`.
 """
 from __future__ import annotations
 
@@ -20,19 +22,20 @@ import functools
 import logging
 import os
 import platform
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .device_text import half_advice, machine_line
+from .dtypes import HALF_NAMES, half_key
+
 logger = logging.getLogger("ampatch")
 
-__all__ = ["DeviceInfo", "describe", "model_device", "check_half", "half_advice", "machine_line",
-           "slow_half_note"]
+__all__ = ["DeviceInfo", "SessionDevice", "Machine", "describe", "model_device", "check_half"]
 
-HALF_NAMES = ("bfloat16", "float16")
 # CPU flags (as /proc/cpuinfo spells them) that decide the half-precision paths on x86 / Arm.
 _X86_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
               "amx_fp16")
@@ -55,20 +58,87 @@ class DeviceInfo:
 
     def is_native(self, dtype: torch.dtype | str | None) -> bool | None:
         """True/False for a half dtype on this device; None for FP32, None or unknown."""
-        key = _name(dtype)
+        key = half_key(dtype)
         return self.native.get(key) if key else None
+
+    def machine(self) -> "Machine":
+        """What a policy measured here depends on."""
+        return Machine(self.type, self.name, dict(self.native))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["features"], d["lacks"] = list(self.features), list(self.lacks)
         return d
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
+        """`to_dict`'s JSON read back; a missing or mistyped field raises ValueError naming it."""
+        try:
+            return cls(str(data["type"]), str(data["name"]), _opt_int(data.get("cores")),
+                       None if data.get("capability") is None else str(data["capability"]),
+                       tuple(data.get("features") or ()), tuple(data.get("lacks") or ()),
+                       {k: _opt_bool(v) for k, v in dict(data.get("native") or {}).items()},
+                       {k: str(v) for k, v in dict(data.get("basis") or {}).items()}, str(data.get("torch", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a device description needs type and name ({exc})") from None
 
-def _name(dtype: torch.dtype | str | None) -> str | None:
-    if dtype is None:
-        return None
-    name = str(dtype).removeprefix("torch.")
-    return name if name in HALF_NAMES else None
+
+def _opt_int(value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"not a count: {value!r}")
+    return value
+
+
+def _opt_bool(value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"not true/false/null: {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a precision policy's speed depends on: the device type and name, and which half
+    dtypes are native there (a policy file's ``measured.machine``)."""
+
+    type: str
+    name: str
+    native: dict[str, bool | None]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "name": self.name, "native": dict(self.native)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Machine | None":
+        """A policy's ``machine`` read back; None when it has none (written by hand)."""
+        if not isinstance(data, Mapping) or not data.get("type"):
+            return None
+        native = data.get("native") if isinstance(data.get("native"), Mapping) else {}
+        return cls(str(data["type"]), str(data.get("name") or ""), {k: v for k, v in native.items()})
+
+
+@dataclass(frozen=True)
+class SessionDevice:
+    """The device a session's models are on and the half dtype it runs in there (None at O0
+    or when disabled): `report()`'s ``device``."""
+
+    info: DeviceInfo
+    half_dtype: str | None = None
+
+    @property
+    def half_native(self) -> bool | None:
+        return self.info.is_native(self.half_dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of a report: the device's fields, the half dtype, whether it is native."""
+        return {**self.info.to_dict(), "half_dtype": self.half_dtype, "half_native": self.half_native,
+                "summary": machine_line(self.info, [self.half_dtype] if self.half_dtype else [])}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SessionDevice":
+        half = data.get("half_dtype")
+        if half is not None and half not in HALF_NAMES:
+            raise ValueError(f"half_dtype {half!r} is not one of {', '.join(HALF_NAMES)}")
+        return cls(DeviceInfo.from_dict(data), half)
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
@@ -173,91 +243,19 @@ def model_device(models: Iterable[nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
-def half_advice(info: DeviceInfo, dtype: torch.dtype | str) -> str | None:
-    """What to expect and what to do when `dtype` has no fast path on `info`; None when it has."""
-    key = _name(dtype)
-    if key is None or info.is_native(key) is not False:
-        return None
-    where = f"{info.name}" + (f", compute capability {info.capability}" if info.capability else "")
-    if info.type == "cpu":
-        if key == "bfloat16":
-            return (f"ampatch: bfloat16 has no fast path on this CPU ({where}; {info.basis[key]}), so the "
-                    "half levels run SLOWER than O0 here, not faster (bfloat16 matmul is several times slower "
-                    "than FP32 on such CPUs). O2/O3/O5 still save memory. For speed on this machine use O0; "
-                    "bfloat16 pays off on CPUs with AVX512-BF16 or AMX (Intel Cooper Lake, Sapphire Rapids "
-                    "and later; AMD Zen 4 and later) and on CUDA GPUs. verbosity=0 silences this.")
-        other = ("half_dtype=torch.bfloat16, which this CPU runs natively" if info.native["bfloat16"]
-                 else "O0: bfloat16 is emulated on this CPU too")
-        return (f"ampatch: float16 has no fast path on this CPU ({where}; {info.basis[key]}): float16 matmul "
-                f"runs tens of times slower than FP32 here. Use {other}. verbosity=0 silences this.")
-    if info.type == "cuda":
-        if key == "bfloat16":
-            return (f"ampatch: bfloat16 has no tensor-core path on {where} ({info.basis[key]}): expect it to be "
-                    "slower than float16. Use half_dtype=torch.float16 (the default on CUDA; O1/O2 with dynamic "
-                    "loss scaling) instead of O4/O5. verbosity=0 silences this.")
-        return (f"ampatch: float16 has no tensor cores on {where} ({info.basis[key]}): expect little or no "
-                "speed-up over O0; O2/O3 still save memory. verbosity=0 silences this.")
-    return None
-
-
 _logged: set[tuple[str, str, str]] = set()
 
 
-def check_half(models: Iterable[nn.Module], properties: Any, verbosity: int = 1) -> dict[str, Any]:
-    """The device dict for `report()`; logs `half_advice` once per process, device and dtype
-    (a warning, at verbosity >= 1, for enabled sessions at a level that uses a half type)."""
-    device = model_device(models)
-    info = describe(device)
-    uses_half = properties.enabled and properties.opt_level != "O0"
-    half = _name(properties.half_dtype) if uses_half else None
-    out = {**info.to_dict(), "half_dtype": half, "half_native": info.is_native(half)}
-    out["summary"] = machine_line(out)
+def check_half(models: Iterable[nn.Module], half_dtype: torch.dtype | None, verbosity: int = 1) -> SessionDevice:
+    """The device of `models` and the session's half dtype there (`half_dtype`: None where the
+    session runs nothing in half: O0, or disabled); logs `device_text.half_advice` once per
+    process, device and dtype (a warning, at verbosity >= 1) when it has no fast path there."""
+    info = describe(model_device(models))
+    half = half_key(half_dtype)
     if half and verbosity >= 1:
         key = (info.type, info.name, half)
         advice = half_advice(info, half)
         if advice and key not in _logged:
             _logged.add(key)
             logger.warning(advice)
-    return out
-
-
-def _cpu_flags_text(d: dict[str, Any]) -> str:
-    has = " ".join(d.get("features") or []) or "none of note"
-    lacks = d.get("lacks") or []
-    return f"flags: {has}" + (f"; no {', '.join(lacks)}" if lacks else "")
-
-
-def machine_line(d: dict[str, Any], dtypes: Iterable[str] | None = None) -> str:
-    """One line: device name, cores or capability, CPU flags, torch, and for each half dtype
-    (default: the session's) whether it is native. `d` is `DeviceInfo.to_dict()`-shaped."""
-    if d.get("type") == "cpu":
-        what = f"{d.get('name')}, {d.get('cores')} cores ({_cpu_flags_text(d)})"
-    elif d.get("type") == "cuda":
-        what = f"{d.get('name')} (compute capability {d.get('capability')})"
-    else:
-        what = str(d.get("name") or d.get("type"))
-    names = list(dtypes) if dtypes is not None else [n for n in [d.get("half_dtype")] if n]
-    native, basis = d.get("native") or {}, d.get("basis") or {}
-    halves = []
-    for n in names:
-        state = {True: "native", False: "not native", None: "native: unknown"}[native.get(n)]
-        halves.append(f"{n} {state}" + (f" ({basis[n]})" if n in basis else ""))
-    return f"{d.get('type', '?')}: {what}; torch {d.get('torch')}" + (f"; {', '.join(halves)}" if halves else "")
-
-
-def slow_half_note(d: dict[str, Any], dtypes: Iterable[str]) -> str | None:
-    """The note under a comparison table when a half dtype it used is emulated on the device."""
-    slow = [n for n in dtypes if (d.get("native") or {}).get(n) is False]
-    if not slow:
-        return None
-    what = " and ".join(slow)
-    verb = "is" if len(slow) == 1 else "are"
-    if d.get("type") == "cpu":
-        need = " / ".join(("AVX512-BF16 or AMX" if n == "bfloat16" else "AVX512-FP16 or AMX-FP16") for n in slow)
-        return (f"note: {what} {verb} emulated on this CPU (no {need} instructions), so the half levels are "
-                "expected to be slower than O0 here: their speed-up shows the cost of emulation, not what mixed "
-                f"precision gives where {what} {verb} native (CPUs with those instructions, CUDA GPUs). The loss "
-                "columns and the memory of O2/O3/O5 still hold. For speed on this machine, use O0.")
-    basis = "; ".join((d.get("basis") or {}).get(n, "") for n in slow)
-    return (f"note: {what} {verb} not native on {d.get('name')} ({basis}), so the half levels are expected "
-            "to be no faster than O0 here.")
+    return SessionDevice(info, half)

@@ -65,11 +65,11 @@ def dims_not_multiple_of_8(models: nn.Module | Iterable[nn.Module]) -> list[str]
 _logged: set[tuple[str, ...]] = set()
 
 
-def log_dims_tip(models: nn.Module | Iterable[nn.Module], verbosity: int = 1, opt_level: str = "O1",
-                 limit: int = 10) -> list[str]:
+def log_dims_tip(models: nn.Module | Iterable[nn.Module], verbosity: int = 1, limit: int = 10) -> list[str]:
     """Log (info, once per process for a given list) the layers `dims_not_multiple_of_8`
-    finds; nothing under O0 or at verbosity 0. Returns what it found."""
-    if verbosity < 1 or opt_level == "O0":
+    finds; nothing at verbosity 0 (the session asks only at the levels that run in half).
+    Returns what it found."""
+    if verbosity < 1:
         return []
     found = dims_not_multiple_of_8(models)
     key = tuple(found)

@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import levels as levels_policy
+from ampatch.config.values import parse_loss_scale, parse_names
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
@@ -16,16 +18,16 @@ __all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level"
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
-HALF_OPTION: dict[str, Any] = dict(choices=("auto", "bfloat16", "float16"), default=None,
+HALF_OPTION: dict[str, Any] = dict(choices=("auto", *HALF_NAMES), default=None,
                                    help="half type for O1-O3 (default and 'auto': float16 on CUDA, bfloat16 "
                                         "elsewhere; O4/O5 always use bfloat16)")
 
 
 def opt_level(text: str) -> str:
-    level = text.strip().upper()
-    if level not in LEVELS:
-        raise argparse.ArgumentTypeError(f"unknown opt level {text!r} (choose from {', '.join(LEVELS)})")
-    return level
+    try:
+        return levels_policy.normalize(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"unknown opt level {text!r} (choose from {', '.join(LEVELS)})") from None
 
 
 def opt_levels(text: str) -> list[str]:
@@ -62,7 +64,7 @@ KEEP_FP32_HELP = ("comma-separated module names, as model.named_modules() gives 
 def loss_scale(text: str) -> str:
     """A loss scale as `initialize` takes it: a number or "dynamic" (checked here, passed on as text)."""
     try:
-        levels_policy.parse_loss_scale(text.strip())
+        parse_loss_scale(text.strip())
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text.strip()
@@ -70,7 +72,7 @@ def loss_scale(text: str) -> str:
 
 def module_names(text: str) -> str:
     """"a, b" -> "a,b": module names as `named_modules()` gives them, for AMPATCH_KEEP_FP32."""
-    found = [t.strip() for t in text.split(",") if t.strip()]
+    found = parse_names(text)
     if not found:
         raise argparse.ArgumentTypeError("--keep-fp32 needs module names, e.g. --keep-fp32 head,blocks.0.attn")
     return ",".join(found)

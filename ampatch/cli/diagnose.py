@@ -12,7 +12,7 @@ from ampatch.diagnose import command as diagnosis
 from ampatch.record.child import DEFAULT_STEPS as DIAGNOSE_STEPS
 from ampatch.diagnose.render import render
 from ampatch.diagnose.render import write_plot as write_diagnosis_plot
-from ampatch.model.keep import parse_names
+from ampatch.config.values import parse_names
 from ampatch.runs import runner
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 

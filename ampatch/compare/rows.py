@@ -17,7 +17,7 @@ from typing import Any
 
 from ampatch.runs.deviation import deviation
 from ampatch.runs.runner import LevelRun
-from ampatch.session.telemetry import Report
+from ampatch.session.report import Report
 
 WARMUP_FRACTION = 0.2    # share of step times skipped before the median
 FINAL_LOSS_WINDOW = 5    # "final loss" is the mean of this many last losses
@@ -95,8 +95,10 @@ class Row(LevelRun):
             max_loss_dev_vs_O0=dev)
 
     def to_dict(self) -> dict[str, Any]:
-        """The row as ``--json`` writes it."""
-        return dataclasses.asdict(self)
+        """The row as ``--json`` writes it (its report as `Report.to_dict` gives it)."""
+        out = dataclasses.asdict(dataclasses.replace(self, report=None))
+        out["report"] = self.report.to_dict() if self.report is not None else None
+        return out
 
 
 def summarize(runs: Sequence[LevelRun], upto: int | None = None) -> list[Row]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ampatch.base import hardware
+from ampatch.base.device_text import machine_line, slow_half_note
 from ampatch.compare.rows import FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
 from ampatch.runs.deviation import WINDOW
 
@@ -69,10 +70,9 @@ def machine_of(rows: Sequence[Row], fallback: str = "cpu") -> tuple[str, str | N
     """The machine line and the slow-half note for the table, from the runs' reports (the
     device each script trained on); from ``fallback`` here when no report says."""
     device = next((r.report.device for r in rows if r.ok and r.report is not None and r.report.device), None)
-    if device is None:
-        device = hardware.describe(fallback).to_dict()
+    info = device.info if device is not None else hardware.describe(fallback)
     dtypes = list(dict.fromkeys(r.half_dtype for r in rows if r.ok and r.half_dtype))
-    return hardware.machine_line(device, dtypes), hardware.slow_half_note(device, dtypes)
+    return machine_line(info, dtypes), slow_half_note(info, dtypes)
 
 
 def write_json(path: str, header: dict[str, Any], rows: Sequence[Row]) -> None:

@@ -15,10 +15,11 @@ from typing import ClassVar
 
 import torch
 
-from .levels import LEVELS, parse_dtype, parse_loss_scale
+from . import levels
+from .values import parse_dtype, parse_loss_scale, parse_names
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MAX_STEPS", "REPORT", "PROGRESS",
-           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "ALL", "Overrides", "read", "parse_names", "without_ampatch"]
+           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "ALL", "Overrides", "read", "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)
@@ -33,11 +34,6 @@ POLICY = "AMPATCH_POLICY"                # apply this policy file (ampatch tune'
 
 ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE, POLICY)
 PREFIX = "AMPATCH_"
-
-
-def parse_names(text: str) -> list[str]:
-    """"a, b,c" -> ["a", "b", "c"] (empty items dropped): AMPATCH_KEEP_FP32's format."""
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 @dataclass(frozen=True)
@@ -55,8 +51,10 @@ class Overrides:
     progress: str | None = None              # AMPATCH_PROGRESS (only while recording a report)
     time_wrappers: bool = False              # AMPATCH_TIME_WRAPPERS
     diagnose: str | None = None              # AMPATCH_DIAGNOSE
-    policy: str | None = None                # AMPATCH_POLICY: a policy file's path (read by policyfile)
+    policy: str | None = None                # AMPATCH_POLICY: a policy file's path (see policy_file.from_outside)
     raw: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # field -> how messages name where its value came from, when not its own variable (a policy file)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     VARIABLES: ClassVar[dict[str, str]] = {
         "opt_level": OPT_LEVEL, "half_dtype": HALF_DTYPE, "keep_fp32": KEEP_FP32, "loss_scale": LOSS_SCALE,
@@ -65,6 +63,8 @@ class Overrides:
 
     def given(self, field_name: str) -> str:
         """"AMPATCH_X=value" for a field, as the user set it: what messages quote."""
+        if field_name in self.sources:
+            return self.sources[field_name]
         name = self.VARIABLES[field_name]
         return f"{name}={self.raw.get(name, '')}"
 
@@ -92,10 +92,10 @@ def _checked(name: str, value: str | None, parse):
 
 
 def _level(value: str) -> str:
-    level = value.strip().upper()
-    if level not in LEVELS:
-        raise ValueError(f"not an opt level; use one of {', '.join(LEVELS)}.")
-    return level
+    try:
+        return levels.normalize(value)
+    except ValueError:
+        raise ValueError(f"not an opt level; use one of {', '.join(levels.LEVELS)}.") from None
 
 
 def _half(value: str | None) -> torch.dtype | None:

@@ -3,7 +3,7 @@ session starts.
 
 `Options` holds the keywords (like minGPT's config: one object, handed on whole) and checks
 each when it is made, so an `Options` is always valid. `prepare` adds what needs the models
-and the environment (the models and optimizers as lists, the resolved `levels.Properties`)
+and the environment (the models and optimizers as lists, the resolved `properties.Properties`)
 and still changes nothing: a call it rejects leaves the previous session, the models and
 the "ampatch" logger as they were. `Prepared.announce` then says what the checks found, at
 the new session's verbosity.
@@ -19,26 +19,24 @@ import torch
 from torch import nn
 
 from ..base import hardware
-from ..model import hf_conventions as hf_models
-from . import levels
-from .env import Overrides
 from ..base.notices import warn
-from ..optim.scaler import INITIAL_LOSS_SCALE, check_scale_value
+from ..model import hf_conventions
+from . import properties
+from .env import Overrides
 from .settings import SETTINGS
+from .values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE, check_scale_value, parse_dtype
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Options", "Prepared", "prepare", "as_list", "optimizer_list"]
-
-DEFAULT_MAX_LOSS_SCALE = 2.0 ** 24
+__all__ = ["Options", "Prepared", "prepare", "as_list", "optimizer_list", "DEFAULT_MAX_LOSS_SCALE"]
 
 
 @dataclass(frozen=True)
 class Options:
     """The keywords of `ampatch.initialize` (same names, same defaults, same order), checked
     on creation; `half_dtype` also takes `patch_torch_functions_type` (its ROCm Apex alias),
-    and the loss-scale bounds are floats. `policy` (a policy file of `ampatch tune`) has been
-    applied to the other fields by `policyfile.takes_policy` before they get here."""
+    and the loss-scale bounds are floats. `policy` is not one: a policy file of `ampatch tune`
+    has been applied to the other fields (`policy_file.takes_policy`) before they get here."""
 
     enabled: bool = True
     opt_level: str = "O1"
@@ -57,12 +55,11 @@ class Options:
     patch_torch_functions_type: Any = None
     process_group: Any = None
     keep_fp32: Any = None
-    policy: Any = None
 
     def __post_init__(self) -> None:
         alias = self.patch_torch_functions_type
         if alias is not None:
-            if self.half_dtype is not None and levels.parse_dtype(self.half_dtype, "half_dtype") != levels.parse_dtype(
+            if self.half_dtype is not None and parse_dtype(self.half_dtype, "half_dtype") != parse_dtype(
                     alias, "patch_torch_functions_type"):
                 raise ValueError("half_dtype and patch_torch_functions_type (its ROCm Apex alias) disagree; pass one.")
             object.__setattr__(self, "half_dtype", alias)
@@ -80,14 +77,17 @@ class Options:
             raise TypeError(f"allow_banned must be True or False, got {self.allow_banned!r}.")
         _check_process_group(self.process_group)
 
-    def properties(self, device: torch.device | None, overrides: Overrides) -> tuple[levels.Properties, list[str]]:
+    def properties(self, device: torch.device | None, overrides: Overrides) -> tuple[properties.Properties, list[str]]:
         """The session's properties on `device` under `overrides`, and the warnings to log
-        about them (`levels.resolve_with_notes`)."""
-        props = {f: getattr(self, f) for f in ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
-                                               "master_weights", "loss_scale")}
-        return levels.resolve_with_notes(self.opt_level, device=device, enabled=self.enabled,
-                                         half_dtype=self.half_dtype, cast_model_outputs=self.cast_model_outputs,
-                                         hard_override=SETTINGS.hard_override, overrides=overrides, **props)
+        about them (`properties.resolve`)."""
+        notes: list[str] = []
+        props = properties.resolve(
+            self.opt_level, device=device, enabled=self.enabled, half_dtype=self.half_dtype,
+            cast_model_outputs=self.cast_model_outputs, hard_override=SETTINGS.hard_override, overrides=overrides,
+            notes=notes, cast_model_type=self.cast_model_type, patch_torch_functions=self.patch_torch_functions,
+            keep_batchnorm_fp32=self.keep_batchnorm_fp32, master_weights=self.master_weights,
+            loss_scale=self.loss_scale)
+        return props, notes
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Prepared:
     """A checked `initialize` call: what the session is made from, and how to hand back."""
 
     options: Options
-    properties: levels.Properties
+    properties: properties.Properties
     overrides: Overrides
     models: list[nn.Module]
     optimizers: list[torch.optim.Optimizer]
@@ -110,7 +110,7 @@ class Prepared:
         for note in self.notes:
             logger.warning(note)
         o, scale = self.options, self.properties.loss_scale
-        if scale != levels.DYNAMIC:
+        if scale != DYNAMIC:
             if o.min_loss_scale is not None or o.max_loss_scale != DEFAULT_MAX_LOSS_SCALE:
                 logger.info("ampatch: min_loss_scale/max_loss_scale bound a dynamic loss scale; this session's is "
                             "static (%g), so they do not apply.", scale)
@@ -134,7 +134,7 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
         opt_list, single_opt = [], True
     else:
         opt_list, single_opt = as_list(optimizers, "optimizers", torch.optim.Optimizer)
-    hf_models.check_not_accelerated(model_list, opt_list)
+    hf_conventions.check_not_accelerated(model_list, opt_list)
     device = hardware.model_device(model_list)  # the same device hardware.check_half describes
     props, notes = options.properties(device, overrides)
     return Prepared(options, props, overrides, model_list, opt_list, single_model, single_opt, optimizers is None,

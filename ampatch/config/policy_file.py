@@ -10,24 +10,24 @@ measured on::
                   "torch": "2.13.0", "what": "built-in workload lm (small)", "date": "..."}}
 
 ``half_dtype`` is null at O0 (FP32); ``loss_scale`` null means the level's default (or the
-script's own loss scale). It is applied three ways, all through `apply_policy`:
+script's own loss scale). It is applied two ways:
 
-- in code, ``amp.initialize(..., policy="ampatch-policy.json")`` (a path or a dict): a
-  keyword the call gives explicitly beats the file's field, with a warning when they disagree;
+- in code, ``amp.initialize(..., policy="ampatch-policy.json")`` (a path or a dict;
+  `takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
+  field, with a warning when they disagree;
 - from outside, ``AMPATCH_POLICY=path`` (what ``ampatch run --policy`` and ``ampatch compare
-  --policy`` set) for an unmodified script: the file overrides the script's keywords, as
-  ``AMPATCH_OPT_LEVEL`` does. Its ``keep_fp32`` is added to the script's own (as ``tune``
-  measured it), and when it changes the level, the script's level-specific keywords
-  (``cast_model_type``, ``patch_torch_functions``, ``keep_batchnorm_fp32``,
-  ``master_weights``) are dropped with a warning: they were written for the script's level.
-
-``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_KEEP_FP32`` and
-``AMPATCH_LOSS_SCALE`` still apply on top. A policy measured on another kind of machine
+  --policy`` set) for an unmodified script (`from_outside`): the file's fields act as
+  ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
+  ``AMPATCH_KEEP_FP32`` would, by the one rule of settings from outside
+  (`properties.resolve`): its level wins, and each of the script's keywords that conflicts
+  with it is dropped, with a warning. Its ``keep_fp32`` is added to the script's own (as
+  ``tune`` measured it); those variables, when set as well, still win. A policy measured on another kind of machine
 (another device type, or its half dtype native there and emulated here) warns: its
 speed-up will not hold here.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -39,20 +39,19 @@ from typing import Any
 
 import torch
 
-from . import env
 from ..base import hardware
-from .levels import LEVELS, half_dtype_conflict, parse_loss_scale
+from ..base.dtypes import HALF_NAMES
 from ..base.notices import warn
+from . import env, levels
+from .values import parse_dtype, parse_loss_scale, parse_names
 
 __all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "fingerprint", "machine_warning",
-           "apply_policy", "takes_policy", "DEFAULT_PATH"]
+           "apply_in_code", "from_outside", "takes_policy", "DEFAULT_PATH"]
 
 FORMAT = 1
 DEFAULT_PATH = "ampatch-policy.json"
 FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale")   # the initialize keywords a policy sets
 KEYS = ("format", *FIELDS, "measured")                             # every key a policy file may have
-# initialize keywords that only make sense for the level they were written for
-LEVEL_KEYWORDS = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights")
 
 
 class PolicyError(ValueError):
@@ -74,7 +73,7 @@ class Policy:
     def keywords(self) -> dict[str, Any]:
         """The `initialize` keywords this policy sets (a field left null sets nothing)."""
         out: dict[str, Any] = {"opt_level": self.opt_level}
-        if self.half_dtype is not None and self.opt_level != "O0":
+        if levels.half_name(self.opt_level, self.half_dtype) is not None:
             out["half_dtype"] = self.half_dtype
         if self.keep_fp32:
             out["keep_fp32"] = list(self.keep_fp32)
@@ -90,7 +89,8 @@ class Policy:
 
     def describe(self) -> str:
         """One short line: "O1 bfloat16, keep_fp32=['head'], loss_scale='dynamic'"."""
-        text = self.opt_level + (f" {self.half_dtype}" if self.half_dtype and self.opt_level != "O0" else "")
+        half = levels.half_name(self.opt_level, self.half_dtype)
+        text = self.opt_level + (f" {half}" if half else "")
         if self.keep_fp32:
             text += f", keep_fp32={list(self.keep_fp32)}"
         if self.loss_scale is not None:
@@ -108,19 +108,21 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
                           f"{', '.join(KEYS)}.")
     if data.get("format", FORMAT) != FORMAT:
         raise PolicyError(f"{where}: format {data.get('format')!r}; this ampatch reads format {FORMAT}.")
-    level = data.get("opt_level")
-    if not isinstance(level, str) or level.strip().upper() not in LEVELS:
-        raise PolicyError(f"{where}: opt_level must be one of {', '.join(LEVELS)}, got {level!r}.")
-    level = level.strip().upper()
+    try:
+        level = levels.normalize(data.get("opt_level"))
+    except (TypeError, ValueError):
+        raise PolicyError(f"{where}: opt_level must be one of {', '.join(levels.LEVELS)}, got "
+                          f"{data.get('opt_level')!r}.") from None
     half = data.get("half_dtype")
-    if half is not None and half not in hardware.HALF_NAMES:
-        raise PolicyError(f"{where}: half_dtype must be null, \"bfloat16\" or \"float16\", got {half!r}.")
-    conflict = half_dtype_conflict(level, half)
+    if half is not None and half not in HALF_NAMES:
+        raise PolicyError(f"{where}: half_dtype must be null or one of {', '.join(map(repr, HALF_NAMES))}, got "
+                          f"{half!r}.")
+    conflict = levels.half_dtype_conflict(level, half)
     if conflict:
         raise PolicyError(f"{where}: {conflict}")
     keep = data.get("keep_fp32") or []
     if isinstance(keep, str):
-        keep = [k for k in (s.strip() for s in keep.split(",")) if k]
+        keep = parse_names(keep)
     if not isinstance(keep, list) or not all(isinstance(k, str) and k.strip() for k in keep):
         raise PolicyError(f"{where}: keep_fp32 must be a list of module names (as named_modules() gives them), "
                           f"got {keep!r}.")
@@ -133,7 +135,7 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
     measured = data.get("measured")
     if measured is not None and not isinstance(measured, Mapping):
         raise PolicyError(f"{where}: measured must be an object (or null), got {type(measured).__name__}.")
-    return Policy(level, half if level != "O0" else None, tuple(k.strip() for k in keep), scale,
+    return Policy(level, levels.half_name(level, half), tuple(k.strip() for k in keep), scale,
                   dict(measured) if measured is not None else None)
 
 
@@ -163,45 +165,41 @@ def save(policy: Policy, path: str | os.PathLike) -> None:
     Path(path).write_text(json.dumps(policy.to_dict(), indent=1) + "\n")
 
 
-def fingerprint(device: str = "cpu") -> dict[str, Any]:
-    """What a policy's speed depends on: the device type and name, and which half dtypes
-    are native there."""
-    info = hardware.describe(device)
-    return {"type": info.type, "name": info.name, "native": dict(info.native)}
+def fingerprint(device: str = "cpu") -> hardware.Machine:
+    """What a policy's speed depends on, on `device`: its type and name, and which half dtypes
+    are native there (written as the policy's ``measured.machine``)."""
+    return hardware.describe(device).machine()
 
 
-def machine_warning(policy: Policy, here: Mapping[str, Any] | None = None) -> str | None:
+def machine_warning(policy: Policy, here: hardware.Machine | None = None) -> str | None:
     """Why `policy`'s measurements may not hold on this machine (`here`: its `fingerprint`,
     default: of the device the policy was measured on), or None."""
-    there = (policy.measured or {}).get("machine")
-    if not isinstance(there, Mapping) or not there.get("type"):
+    there = hardware.Machine.from_dict((policy.measured or {}).get("machine"))
+    if there is None:
         return None
     if here is None:
-        if there["type"] == "cuda" and not torch.cuda.is_available():
-            return (f"the policy was measured on {there.get('name') or 'a CUDA GPU'}; this machine has no CUDA: "
+        if there.type == "cuda" and not torch.cuda.is_available():
+            return (f"the policy was measured on {there.name or 'a CUDA GPU'}; this machine has no CUDA: "
                     "its speed-up will not hold here (run `ampatch tune` here).")
-        here = fingerprint("cuda" if there["type"] == "cuda" else "cpu")
-    if here.get("type") != there["type"]:
-        return (f"the policy was measured on {there['type']}, this run is on {here.get('type')}: its speed-up "
+        here = fingerprint("cuda" if there.type == "cuda" else "cpu")
+    if here.type != there.type:
+        return (f"the policy was measured on {there.type}, this run is on {here.type}: its speed-up "
                 "will not hold here (run `ampatch tune` here).")
-    half = policy.half_dtype if policy.opt_level != "O0" else None
-    native_there = (there.get("native") or {}).get(half) if half else None
-    native_here = (here.get("native") or {}).get(half) if half else None
+    half = levels.half_name(policy.opt_level, policy.half_dtype)
+    native_there = there.native.get(half) if half else None
+    native_here = here.native.get(half) if half else None
     if half and native_there is not None and native_here is not None and native_there != native_here:
         how = {True: "native", False: "emulated"}
-        return (f"the policy was measured on {there.get('name')}, where {half} is {how[native_there]}; here "
-                f"({here.get('name')}) it is {how[native_here]}: its speed-up will not hold here (run "
+        return (f"the policy was measured on {there.name}, where {half} is {how[native_there]}; here "
+                f"({here.name}) it is {how[native_here]}: its speed-up will not hold here (run "
                 "`ampatch tune` here).")
     return None
 
 
-def apply_policy(keywords: dict[str, Any], policy: Any, explicit: Collection[str], forced: bool) -> dict[str, Any]:
-    """`initialize`'s keywords with `policy` (a path, a dict, a `Policy`; None: none) applied.
-
-    `explicit`: the keywords the call gave. In code (``forced=False``) an explicit keyword
-    beats the policy's field, with a warning when they disagree; from outside
-    (``forced=True``: ``AMPATCH_POLICY``) the policy overrides them (see the module
-    docstring). Returns a new dict; raises `PolicyError` for a bad policy."""
+def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[str]) -> dict[str, Any]:
+    """`initialize`'s keywords with `policy=` (a path, a dict, a `Policy`; None: none) applied
+    in code: a keyword the call gave (`explicit`) beats the policy's field, with a warning when
+    they disagree. Returns a new dict; raises `PolicyError` for a bad policy."""
     if policy is None:
         return dict(keywords)
     pol = load(policy)
@@ -210,29 +208,7 @@ def apply_policy(keywords: dict[str, Any], policy: Any, explicit: Collection[str
     if why:
         warn(f"ampatch: {why}", verbosity)
     out = dict(keywords)
-    wanted = pol.keywords()
-    if forced:
-        source = env.POLICY
-        if out.get("opt_level", "O1").strip().upper() != pol.opt_level:
-            dropped = [k for k in LEVEL_KEYWORDS if out.get(k) is not None]
-            if dropped:
-                warn(f"ampatch: {source} sets {pol.opt_level}: dropping the script's "
-                     f"{', '.join(f'{k}={out[k]!r}' for k in dropped)}, written for its opt_level="
-                     f"{out.get('opt_level', 'O1')}.", verbosity)
-            for k in dropped:
-                out.pop(k)
-        for name in ("opt_level", "half_dtype", "loss_scale"):
-            if name in wanted or name == "half_dtype":
-                value = wanted.get(name)
-                if name in explicit and out.get(name) is not None and out.get(name) != value and value is not None:
-                    warn(f"ampatch: {source} overrides the script's {name}={out[name]!r} with {value!r}.", verbosity)
-                out[name] = value
-        if pol.keep_fp32:
-            mine = out.get("keep_fp32")
-            mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
-            out["keep_fp32"] = mine + [k for k in pol.keep_fp32 if k not in mine]
-        return out
-    for name, value in wanted.items():
+    for name, value in pol.keywords().items():
         if name in explicit:
             if out.get(name) != value:
                 warn(f"ampatch: initialize's {name}={out.get(name)!r} beats the policy's {name}={value!r}.",
@@ -242,20 +218,46 @@ def apply_policy(keywords: dict[str, Any], policy: Any, explicit: Collection[str
     return out
 
 
+def from_outside(overrides: env.Overrides, verbosity: int = 1) -> env.Overrides:
+    """`overrides` with the policy file ``AMPATCH_POLICY`` names merged in, as if its fields
+    were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
+    ``AMPATCH_KEEP_FP32`` (which, when set too, still win; its ``keep_fp32`` is added to
+    theirs): from outside, a policy beats the script by the same rule as those variables
+    (`properties.resolve`). Raises `PolicyError` for a missing or bad file."""
+    if overrides.policy is None:
+        return overrides
+    pol = load(overrides.policy)
+    why = machine_warning(pol)
+    if why:
+        warn(f"ampatch: {why}", verbosity)
+    given = f"{env.POLICY}={overrides.policy}"
+    fields: dict[str, Any] = {}
+    sources = dict(overrides.sources)
+    if overrides.opt_level is None:
+        fields["opt_level"] = pol.opt_level
+        sources["opt_level"] = f"{given} (opt_level {pol.opt_level})"
+    if overrides.half_dtype is None and pol.half_dtype is not None and levels.uses_half(pol.opt_level):
+        fields["half_dtype"] = parse_dtype(pol.half_dtype, "half_dtype")
+        sources["half_dtype"] = f"{given} (half_dtype {pol.half_dtype})"
+    if overrides.loss_scale is None and pol.loss_scale is not None:
+        fields["loss_scale"] = pol.loss_scale
+        sources["loss_scale"] = f"{given} (loss_scale {pol.loss_scale!r})"
+    fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
+    return dataclasses.replace(overrides, **fields, sources=sources)
+
+
 def takes_policy(initialize: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate `initialize` so that its ``policy=`` keyword, then ``AMPATCH_POLICY``, are
-    applied (`apply_policy`) to the keywords the call gave before it runs."""
+    """Decorate `initialize` so that its ``policy=`` keyword is applied (`apply_in_code`) to
+    the keywords the call did not give before it runs (``AMPATCH_POLICY``, from outside, is
+    read with the rest of the environment: `from_outside`)."""
     signature = inspect.signature(initialize)
 
     @functools.wraps(initialize)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        given = dict(signature.bind(*args, **kwargs).arguments)
-        policy = given.pop("policy", None)
-        outside = env.read().policy
-        if policy is None and outside is None:
+        if kwargs.get("policy") is None:
             return initialize(*args, **kwargs)
+        given = dict(signature.bind(*args, **kwargs).arguments)
+        policy = given.pop("policy")
         explicit = set(given) - {"models", "optimizers"}
-        given = apply_policy(given, policy, explicit, forced=False)
-        given = apply_policy(given, outside, explicit, forced=True)
-        return initialize(**given)
+        return initialize(**apply_in_code(given, policy, explicit))
     return wrapper

@@ -18,11 +18,11 @@ from typing import Any
 from torch import nn
 
 from ..config import env
-from ..config.env import parse_names
+from ..config.values import parse_names
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Kept", "labelled", "resolve", "select", "outermost", "parse_names", "kept_module_ids", "with_tied"]
+__all__ = ["Kept", "labelled", "resolve", "select", "outermost", "kept_module_ids", "with_tied"]
 
 
 @dataclass(frozen=True)

@@ -12,36 +12,19 @@ and stops there (Apex halved on into denormals, then failed).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..config.values import DEFAULT_MAX_LOSS_SCALE, DEFAULT_MIN_LOSS_SCALE, INITIAL_LOSS_SCALE, check_scale_value
+
 logger = logging.getLogger("ampatch")
 
 _unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
-INITIAL_LOSS_SCALE = 2.0 ** 16  # where a dynamic scale starts (Apex's value)
-DEFAULT_MIN_LOSS_SCALE = 2.0 ** -16  # the floor of a dynamic scale when min_loss_scale is None
-# Any scale (a static one, min_loss_scale, max_loss_scale) lies in this range: the scale and
-# its inverse are finite, normal FP32 numbers.
-USABLE_RANGE = (2.0 ** -126, 2.0 ** 126)
 HISTORY_POINTS = 1000  # a scale history longer than this is thinned (a long run stays bounded)
-
-
-def check_scale_value(value: object, name: str) -> float:
-    """`value` as a float if it is a usable scale; else a ValueError/TypeError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}.")
-    value = float(value)
-    low, high = USABLE_RANGE
-    if not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} is not a usable loss scale: use a finite number between 2**-126 and "
-                         "2**126 (the scale and its inverse must be finite FP32 numbers); typical values are "
-                         "1.0 to 2**24.")
-    return value
 
 
 def downsample(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -76,7 +59,7 @@ class LossScaler:
     """One loss scale and its update rule."""
 
     def __init__(self, loss_scale: float | str, min_loss_scale: float | None = None,
-                 max_loss_scale: float = 2.0 ** 24, growth_interval: int = 2000,
+                 max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE, growth_interval: int = 2000,
                  init_scale: float = INITIAL_LOSS_SCALE, growth_factor: float = 2.0) -> None:
         if isinstance(growth_factor, bool) or not isinstance(growth_factor, (int, float)) or not growth_factor > 1:
             raise ValueError(f"growth_factor must be a number above 1 (the scale is divided by it on overflow and "

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..session.telemetry import count_value
+from ..base.counters import count_value
 
 _grad_enabled = torch.is_grad_enabled
 _TensorBase = torch._C.TensorBase

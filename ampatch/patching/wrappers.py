@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..base.dtypes import short_name
-from ..session.telemetry import Counters
+from ..base.counters import Counters
 from ..base.tips import hint_dtype_error
 from ..base.tree import ATOMS, CONTAINERS, holds_dtype, map_tensors
 from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from ..session import fsdp
-from ..base.dtypes import short_name
-from ..session.telemetry import ExitJson
+from ..session.exit_json import ExitJson
 from .recorder import Recorder
 
 logger = logging.getLogger("ampatch")
@@ -62,8 +61,7 @@ def attach(session: Any, models: Sequence[nn.Module], path: str, eps_lost: Seque
     if sharded:
         notes.append("FSDP-sharded model: no FP32 shadows (local errors are not measured); inf/NaN and "
                      "underflow are.")
-    meta = {"opt_level": props.opt_level, "half_dtype": short_name(props.half_dtype) if props.opt_level != "O0"
-            else None, "loss_scale": props.loss_scale, "notes": notes,
+    meta = {"opt_level": props.opt_level, "half_dtype": props.half_name, "loss_scale": props.loss_scale, "notes": notes,
             "keep_fp32": [k.label for k in session.kept]}
     tracked = (recorder, meta)
     _output.track(tracked, path)

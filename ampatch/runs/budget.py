@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ampatch.base import hardware
+from ampatch.config.levels import uses_half
 from ampatch.workloads.calibrate import step_kinds
 
 DEFAULT_BUDGET_S = 120.0  # built-in workloads: the whole compare, calibration and start-ups included
@@ -104,7 +105,7 @@ class Budget:
 
 def half_dtypes(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, str]:
     """The half dtype each level will use on ``device`` (O0: none)."""
-    return {lv: kind for lv, kind in step_kinds(levels, device, half_dtype).items() if lv != "O0"}
+    return {lv: kind for lv, kind in step_kinds(levels, device, half_dtype).items() if uses_half(lv)}
 
 
 def step_weights(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, float]:

@@ -14,6 +14,7 @@ import torch
 
 from ampatch.config import env as envvars
 from ampatch.base import hardware
+from ampatch.base.device_text import machine_line
 from ampatch.runs import UsageError, sizing
 from ampatch.runs.budget import DEFAULT_BUDGET_S, FIRST_STEP_S, Budget, half_dtypes, step_weights
 from ampatch.runs.forkserver import WarmLauncher
@@ -54,12 +55,12 @@ def machine_notice(device: str, levels: Sequence[str], half_dtype: str | None) -
     """What to say before the runs: the machine line, and a warning when a half dtype they use
     is emulated. Raises `UsageError` for a device this machine does not have."""
     try:
-        info = hardware.describe(device).to_dict()
+        info = hardware.describe(device)
     except (RuntimeError, AssertionError) as exc:  # e.g. cuda asked for on a machine without it
         raise UsageError(f"--device {device}: {exc}") from None
     dtypes = list(dict.fromkeys(half_dtypes(device, levels, half_dtype).values()))
-    lines = [f"machine: {hardware.machine_line(info, dtypes)}"]
-    slow = [d for d in dtypes if info["native"].get(d) is False]
+    lines = [f"machine: {machine_line(info, dtypes)}"]
+    slow = [d for d in dtypes if info.native.get(d) is False]
     if slow:
         lines.append(f"note: {' and '.join(slow)} {'has' if len(slow) == 1 else 'have'} no fast path here: "
                      "expect the half levels to be slower than O0 (see the note under the table)")

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import env as envvars
 from ampatch.config import levels
 from ampatch.runs import UsageError, process
 from ampatch.runs.budget import Budget
 from ampatch.runs.progress import Progress
-from ampatch.session.telemetry import Report
+from ampatch.session.report import Report
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory that holds ampatch/
 APEX_SITE = str(Path(__file__).resolve().parent / "apex_site")  # its sitecustomize aliases apex to ampatch
@@ -102,7 +103,7 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
     if report:
         env[envvars.REPORT] = report
     # O0 has no half type and O4/O5 are bfloat16 by definition
-    if half_dtype in ("bfloat16", "float16") and level != "O0" and levels.fixed_half_dtype(level) is None:
+    if half_dtype in HALF_NAMES and level is not None and levels.uses_half(level) and levels.fixed_half_dtype(level) is None:
         env[envvars.HALF_DTYPE] = half_dtype
     elif half_dtype is not None:
         env.pop(envvars.HALF_DTYPE, None)

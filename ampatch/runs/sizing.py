@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import env as envvars
 from ampatch import workloads
 from ampatch.runs.budget import EXIT_S, MARGIN, TARGET_STEPS
@@ -123,7 +124,7 @@ def calibrate(workload: str, device: str, threads: int, half_dtype: str | None, 
         cmd = [sys.executable, "-m", "ampatch.workloads.calibrate", workload, "--levels", ",".join(goal.levels),
                "--device", device, "--threads", str(threads), "--stop-above", f"{stop_above:.4f}",
                "--time-limit", str(CALIBRATION_LIMIT_S), "--out", str(out)]
-        if half_dtype in ("bfloat16", "float16"):
+        if half_dtype in HALF_NAMES:
             cmd += ["--half-dtype", half_dtype]
         done = run_child(cmd, child_env(None, None, base=envvars.without_ampatch()), launch=launch)
         data, unreadable = read_json(out)

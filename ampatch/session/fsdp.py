@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from ..base.dtypes import LOW
-from ..config.levels import Properties
+from ..config.properties import Properties
 from ..optim.masters import MASTERS_KEY
 from ..model.forwards import wrap_outputs
 from ..model.cast import is_batchnorm, modules_to_cast, params_to_cast

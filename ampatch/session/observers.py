@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config.env import MAX_STEPS, Overrides
-from .telemetry import exit_report
+from .exit_json import exit_report
 
 logger = logging.getLogger("ampatch")
 

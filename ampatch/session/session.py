@@ -22,8 +22,9 @@ from ..base import hardware, tips
 from ..model import keep
 from ..o1 import lists as policy
 from ..patching.cache import CastCache
+from ..config import levels
 from ..config.env import Overrides
-from ..config.levels import Properties
+from ..config.properties import Properties
 from ..model.cast import ModelHandle
 from ..base.notices import warn
 from ..o1.install import O1Patches
@@ -34,7 +35,8 @@ from .param_guard import ParamGuard
 from ..patching import Patcher, WrapContext
 from ..o1.lists import user as user_policy
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
-from .telemetry import Report, Telemetry
+from .report import Report
+from .telemetry import Telemetry
 
 logger = logging.getLogger("ampatch")
 
@@ -57,7 +59,7 @@ class Session:
         self.kept: list[keep.Kept] = []  # the modules kept in FP32 (keep_fp32, AMPATCH_KEEP_FP32)
         self.observers: list[observers.Observer] = []
         self.guard: ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
-        self.device: dict[str, Any] = {}  # hardware.check_half: the device and its half-precision paths
+        self.device: hardware.SessionDevice | None = None  # hardware.check_half: the device, its half dtype
         self.closed = False
         self._last_loss: torch.Tensor | None = None
 
@@ -79,12 +81,14 @@ class Session:
     def setup(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         """Cast models, make masters, patch optimizers and (O1/O4) torch itself."""
         props = self.properties
-        self.device = hardware.check_half(models, props, self.verbosity)
+        self.device = hardware.check_half(models, props.half_dtype if props.enabled and props.half_name else None,
+                                          self.verbosity)
         self.kept = keep.select(models, self.options.keep_fp32, self.overrides.keep_fp32,
                                 props.enabled and props.casts_model, self.warn)
         if not props.enabled:
             return
-        tips.log_dims_tip(models, self.verbosity, props.opt_level)
+        if levels.uses_half(props.opt_level):
+            tips.log_dims_tip(models, self.verbosity)
         kept = plain.keep_forwards(self.kept, props, self.patcher)
         build = fsdp.setup if fsdp.is_sharded(models) else plain.setup
         self.models, self.optimizers = build(props, models, optimizers, self.patcher, self._handle_context(), kept)

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..model.forwards import keep_in_fp32, wrap_outputs
 from ..model.keep import Kept, kept_module_ids
-from ..config.levels import Properties
+from ..config.properties import Properties
 from ..optim.masters import check_one_master_each, master_ids
 from ..model.cast import ModelHandle, params_to_cast
 from ..optim.context import HandleContext

@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ampatch.base import hardware
-from ampatch.base.dtypes import short_name
-from ampatch.config.levels import fixed_half_dtype, half_dtype_conflict
+from ampatch.base.dtypes import HALF_NAMES, short_name
+from ampatch.config.levels import fixed_half_dtype, half_dtype_conflict, uses_half
 from ampatch.config.policy_file import Policy
 
 __all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY"]
@@ -52,13 +52,13 @@ def initial(levels: Sequence[str], device: str, half_dtype: str | None) -> list[
     `half_dtype` when given; else bfloat16, and float16 too where it is native (on a CPU
     without native float16, only when asked). O4/O5 are bfloat16 by definition."""
     native = hardware.describe(device).native
-    if half_dtype in ("bfloat16", "float16"):
+    if half_dtype in HALF_NAMES:
         dtypes = [half_dtype]
     else:
         dtypes = ["bfloat16"] + (["float16"] if native.get("float16") else [])
     out = []
     for level in levels:
-        if level == "O0":
+        if not uses_half(level):
             continue
         if half_dtype_conflict(level, half_dtype):  # --half-dtype float16 asks nothing of O4/O5
             continue

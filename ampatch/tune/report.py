@@ -58,7 +58,7 @@ def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
     c = result.chosen or REFERENCE
     m = result.measured_of(c)
     return c.policy({"tolerance": result.tolerance, "steps": steps, "speedup": _speedup(result, c),
-                     "deviation": m.deviation if m is not None else None, "machine": fingerprint(device),
+                     "deviation": m.deviation if m is not None else None, "machine": fingerprint(device).to_dict(),
                      "torch": torch.__version__, "what": what,
                      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
 

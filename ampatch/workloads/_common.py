@@ -13,6 +13,7 @@ import torch
 
 import ampatch as amp
 from ampatch import workloads
+from ampatch.base.dtypes import HALF_NAMES
 
 log = logging.getLogger("ampatch.workloads")
 
@@ -30,7 +31,7 @@ def parse_args(name: str, argv: Sequence[str] | None, default_steps: int) -> arg
     p.add_argument("--size", choices=workloads.SIZES, default=workloads.DEFAULT_SIZE,
                    help="model and batch size (this module's SIZES table; default %(default)s)")
     p.add_argument("--opt-level", default="O1", help="amp opt level (O0-O5)")
-    p.add_argument("--half-dtype", choices=("bfloat16", "float16"), default=None,
+    p.add_argument("--half-dtype", choices=HALF_NAMES, default=None,
                    help="half type (default: ampatch's auto choice)")
     p.add_argument("--log-every", type=int, default=0, help="log the loss every N steps")
     p.add_argument("--device", default="auto",

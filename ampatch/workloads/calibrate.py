@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 import ampatch as amp
+from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import levels
+from ampatch.config.values import parse_names
 from ampatch import workloads
-from ampatch.base.dtypes import short_name
 from ampatch.workloads import _common
 
 TIMED_STEPS = 2  # after one warm-up step, per size and kind
@@ -39,8 +40,7 @@ FP32 = "float32"
 
 def step_kinds(level_names: Sequence[str], device: str, half_dtype: str | None) -> dict[str, str]:
     """Level -> its step kind: ``float32`` for O0, else the name of the half dtype it runs in."""
-    return {lv: FP32 if lv == "O0" else short_name(levels.half_dtype_for(lv, device, half_dtype))
-            for lv in level_names}
+    return {lv: levels.half_name(lv, levels.half_dtype_for(lv, device, half_dtype)) or FP32 for lv in level_names}
 
 
 def time_kind(module: Any, size: str, level: str, args: argparse.Namespace) -> dict[str, float]:
@@ -51,7 +51,7 @@ def time_kind(module: Any, size: str, level: str, args: argparse.Namespace) -> d
                                                   "--device", args.device, "--seed", "0"], TIMED_STEPS + 1)
     torch.manual_seed(run_args.seed)
     model, optimizer, batches, loss_fn = module.build(run_args)
-    half = None if level == "O0" else levels.half_dtype_for(level, args.device, args.half_dtype)
+    half = levels.half_dtype_for(level, args.device, args.half_dtype) if levels.uses_half(level) else None
     model, optimizer = amp.initialize(model, optimizer, opt_level=level, half_dtype=half, verbosity=0)
     model.train()
     times = []
@@ -104,7 +104,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 description="Time steps of a built-in workload per size and step kind.")
     p.add_argument("workload", choices=workloads.WORKLOADS)
     p.add_argument("--levels", default="O0,O1", help="comma-separated opt levels whose step kinds to time")
-    p.add_argument("--half-dtype", choices=("bfloat16", "float16"), default=None)
+    p.add_argument("--half-dtype", choices=HALF_NAMES, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     p.add_argument("--sizes", default=",".join(workloads.SIZES), help="sizes to try, smallest first")
@@ -114,8 +114,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="do not start a size whose measuring would end past this many seconds")
     p.add_argument("--out", required=True, metavar="PATH", help="write the measurements here (JSON)")
     args = p.parse_args(argv)
-    args.levels = [lv.strip().upper() for lv in args.levels.split(",") if lv.strip()]
-    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    args.levels = [levels.normalize(lv, "--levels") for lv in parse_names(args.levels)]
+    args.sizes = parse_names(args.sizes)
     bad = [s for s in args.sizes if s not in workloads.SIZES]
     if bad or not args.sizes:
         p.error(f"--sizes: expected some of {', '.join(workloads.SIZES)}, got {args.sizes}")

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ...config.options import DEFAULT_MAX_LOSS_SCALE
+from ...config.values import DEFAULT_MAX_LOSS_SCALE
 from ...session.current import current
 from ...base.notices import set_verbosity
 from ...optim.handle import OptimizerHandle

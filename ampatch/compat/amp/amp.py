@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...config import levels
+from ...config import values
 from ...session.current import current as _current
 from .handle import Handle
 
@@ -35,7 +35,7 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     if not enable_caching:
         logger.info("ampatch: amp.init(enable_caching=False): the cast cache stays on (it never serves a stale "
                     "or no_grad cast); results are the same as without it.")
-    half = levels.parse_dtype(patch_type, "patch_type")
+    half = values.parse_dtype(patch_type, "patch_type")
     level = "O4" if half == torch.bfloat16 else "O1"
     from ... import initialize  # the public API, above this module
     initialize([], opt_level=level, loss_scale=loss_scale, allow_banned=allow_banned,

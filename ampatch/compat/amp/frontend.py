@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import levels
+import dataclasses
+
+from ...config import levels, properties
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "Properties", "OptLevel", "opt_levels",
            "O0", "O1", "O2", "O3", "O4", "O5"]
 
-Properties = levels.Properties
+Properties = properties.Properties
 
 _BRIEF = {"O0": "everything in FP32 (a baseline).",
           "O1": "FP32 model; torch functions cast per op list to float16.",
@@ -32,7 +34,7 @@ class OptLevel:
 
     @property
     def options(self) -> dict[str, Any]:
-        return dict(levels.LEVELS[self.name])
+        return dataclasses.asdict(levels.LEVELS[self.name])
 
     def __call__(self, properties: Any) -> Any:
         """Apex applied a level to a Properties object; ampatch resolves levels in `initialize`."""

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ...config.options import DEFAULT_MAX_LOSS_SCALE
+from ...config.values import DEFAULT_MAX_LOSS_SCALE, check_scale_value
 from ...optim.context import OptState
-from ...optim.scaler import LossScaler, StateDictKeyError, check_scale_value
+from ...optim.scaler import LossScaler, StateDictKeyError
 from .master_wrapper import MasterWeightOptimizer, WrapperOwner
 from ..amp.scaler import LossScalerView
 from .loss_scaler import apex_scaler

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...optim import scaler as core
-from ...optim.scaler import USABLE_RANGE, check_scale_value
+from ...config.values import USABLE_RANGE, check_scale_value
 from ..extensions.kernels import has_inf_or_nan, nonfinite
 from .fp16util import to_python_float
 

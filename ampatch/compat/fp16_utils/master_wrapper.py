@@ -24,7 +24,8 @@ from ...optim.masters import MASTERS_KEY
 from ...optim.context import HandleContext, OptState
 from ...optim.handle import OptimizerHandle
 from ...patching import Patcher
-from ...optim.scaler import LossScaler, Verdict, check_scale_value
+from ...config.values import check_scale_value
+from ...optim.scaler import LossScaler, Verdict
 from ...session.current import current as current_session
 from ..amp.stash import AmpStash
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from ...optim.scaler import StateDictKeyError, check_scale_value
+from ...config.values import check_scale_value
+from ...optim.scaler import StateDictKeyError
 from ..fp16_utils.loss_scaler import apex_scaler
 from ..fp16_utils.master_wrapper import MasterWeightOptimizer
 

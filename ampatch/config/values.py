@@ -1,0 +1,135 @@
+"""The values a setting may take, each parsed by one function: dtypes and their names, flags,
+loss scales (with their range and defaults), master-weight modes and comma-separated names.
+
+`initialize`'s keywords, the ``AMPATCH_*`` variables, policy files and the command line all
+parse through here, so "bfloat16", "True" or "dynamic" mean the same wherever they are
+written, and a bad value fails with the same message naming the fix.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import torch
+
+from ..base.dtypes import FLOATS
+
+__all__ = ["DYNAMIC", "USABLE_RANGE", "INITIAL_LOSS_SCALE", "DEFAULT_MIN_LOSS_SCALE", "DEFAULT_MAX_LOSS_SCALE",
+           "BadFlagString", "MasterMode", "parse_dtype", "parse_bool", "parse_loss_scale", "check_scale_value",
+           "parse_master_weights", "parse_names"]
+
+DYNAMIC = "dynamic"
+INITIAL_LOSS_SCALE = 2.0 ** 16       # where a dynamic scale starts (Apex's value)
+DEFAULT_MIN_LOSS_SCALE = 2.0 ** -16  # the floor of a dynamic scale when min_loss_scale is None
+DEFAULT_MAX_LOSS_SCALE = 2.0 ** 24   # the ceiling of a dynamic scale (initialize's max_loss_scale)
+# Any scale (a static one, min_loss_scale, max_loss_scale) lies in this range: the scale and
+# its inverse are finite, normal FP32 numbers.
+USABLE_RANGE = (2.0 ** -126, 2.0 ** 126)
+
+_DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+                "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(value: Any, what: str) -> torch.dtype | None:
+    """Accept a torch float dtype or its name ("bfloat16", "torch.float16"); None passes."""
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and value not in FLOATS:
+            raise ValueError(f"{what} must be torch.float32, torch.float16 or torch.bfloat16, got {value}.")
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+        raise ValueError(f"{what}={value!r} is not a float dtype; use 'float32', 'float16' or 'bfloat16'.")
+    raise TypeError(f"{what} must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(value).__name__}.")
+
+
+class BadFlagString(ValueError, TypeError):
+    """A flag given as a string other than "True"/"False": a bad value of an accepted type,
+    or the wrong type for a flag; both exception types catch it."""
+
+
+def parse_bool(value: Any, what: str) -> bool | None:
+    """True/False/None, or Apex's string forms "True"/"False"."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if value in ("True", "False"):
+            return value == "True"
+        raise BadFlagString(f"{what}={value!r}: use True or False (or the strings 'True' / 'False').")
+    raise TypeError(f"{what} must be True, False, 'True', 'False' or None, got {value!r}.")
+
+
+def check_scale_value(value: object, name: str) -> float:
+    """`value` as a float if it is a usable scale; else a ValueError/TypeError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}.")
+    value = float(value)
+    low, high = USABLE_RANGE
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} is not a usable loss scale: use a finite number between 2**-126 and "
+                         "2**126 (the scale and its inverse must be finite FP32 numbers); typical values are "
+                         "1.0 to 2**24.")
+    return value
+
+
+def parse_loss_scale(value: Any) -> float | str | None:
+    """A usable scale given as a number (numpy scalars and 0-dim tensors too, as float() took
+    them in Apex) or a numeric string, or "dynamic"; None passes."""
+    if value is None or value == DYNAMIC:
+        return value
+    if isinstance(value, bool):
+        raise TypeError("loss_scale must be a number, a numeric string or 'dynamic', not a bool.")
+    if isinstance(value, str):
+        if value.strip() == DYNAMIC:
+            return DYNAMIC
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"loss_scale={value!r}: use a number such as 128.0, or 'dynamic'.") from None
+    else:
+        try:
+            value = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"loss_scale must be a number or 'dynamic', got {type(value).__name__}.") from None
+    return check_scale_value(value, "loss_scale")
+
+
+class MasterMode(enum.Enum):
+    """What keeps the exact weights a half model is stepped from (`master_weights`)."""
+
+    NONE = "none"              # no masters: the half weights are stepped as they are (O3)
+    FP32 = "fp32"              # FP32 master copies (O2, O5): +4 bytes per parameter
+    STOCHASTIC = "stochastic"  # the bfloat16 weight alone, updates rounded stochastically: +0 bytes
+    KAHAN = "kahan"            # the bfloat16 weight plus a bfloat16 compensation: +2 bytes
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes per parameter this mode keeps besides the half weight."""
+        return {MasterMode.NONE: 0, MasterMode.FP32: 4, MasterMode.STOCHASTIC: 0, MasterMode.KAHAN: 2}[self]
+
+    @property
+    def low_memory(self) -> bool:
+        """The modes that keep no FP32 copy but still learn (stochastic, kahan)."""
+        return self in (MasterMode.STOCHASTIC, MasterMode.KAHAN)
+
+
+LOW_MEMORY_MODES = tuple(m.value for m in MasterMode if m.low_memory)  # the string values
+
+
+def parse_master_weights(value: Any) -> bool | str | None:
+    """`master_weights`: True/False/None ("True"/"False" too, as Apex took them), or one of the
+    low-memory modes "stochastic" / "kahan" (a bfloat16 model without FP32 masters)."""
+    if isinstance(value, str) and value.strip().lower() in LOW_MEMORY_MODES:
+        return value.strip().lower()
+    if isinstance(value, str) and value not in ("True", "False"):
+        raise BadFlagString(f"master_weights={value!r}: use True, False, 'stochastic' or 'kahan' (the last two "
+                            "keep no FP32 copy of a bfloat16 model: O2/O3/O5 only).")
+    return parse_bool(value, "master_weights")
+
+
+def parse_names(text: str) -> list[str]:
+    """"a, b,c" -> ["a", "b", "c"] (empty items dropped): the format of every comma-separated
+    list (AMPATCH_KEEP_FP32, --keep-fp32, --levels, a policy file's keep_fp32 as a string)."""
+    return [t.strip() for t in text.split(",") if t.strip()]

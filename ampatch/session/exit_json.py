@@ -1,0 +1,77 @@
+"""JSON written about a session at interpreter exit (or earlier, when its job is done): the
+report ``AMPATCH_REPORT`` asks for (`exit_report`), and the diagnose recording
+(`ampatch.record.child` makes its own `ExitJson`). Under torchrun only rank 0 writes.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("ampatch")
+
+__all__ = ["ExitJson", "exit_report", "process_rank"]
+
+
+class ExitJson:
+    """Writes JSON about the newest tracked source to its path at interpreter exit, or
+    earlier through `write(source)`; at most once per tracking.
+
+    One hook per process and kind: a script that calls `initialize` several times writes
+    about its last session (one exit hook per session would run newest-first and leave the
+    oldest). Under torchrun every rank inherits the same path: only rank 0 writes it.
+    """
+
+    def __init__(self, produce: Callable[[Any], dict[str, Any]], what: str) -> None:
+        self.produce, self.what = produce, what
+        self.source: Any = None
+        self.final: dict[str, Any] | None = None  # what a released source would have written
+        self.path = ""
+        self.written = False
+        self.registered = False
+
+    def track(self, source: Any, path: str) -> None:
+        self.source, self.final, self.path, self.written = source, None, path, False
+        if not self.registered:
+            atexit.register(self.write)
+            self.registered = True
+
+    def release(self, source: Any) -> None:
+        """`source` is closing: keep what it would write (small, bounded), not the source with
+        its models and optimizers."""
+        if self.source is source:
+            try:
+                self.final = self.produce(source)
+            except Exception:
+                logger.exception("ampatch: could not take the %s of the closing session", self.what)
+            self.source = None
+
+    def write(self, source: Any = None) -> None:
+        """Write the tracked source's JSON now (given `source`: only if it is the tracked one)."""
+        if self.written or (source is not None and source is not self.source) or process_rank() != 0:
+            return
+        try:
+            data = self.produce(self.source) if self.source is not None else self.final
+            if data is not None:
+                with open(self.path, "w") as f:
+                    json.dump(data, f)
+                self.written = True
+        except Exception:  # at exit or inside a step: say why, never fail the run for it
+            logger.exception("ampatch: could not write the %s to %s", self.what, self.path)
+
+
+exit_report = ExitJson(lambda session: session.report().to_dict(), "report")
+
+
+def process_rank() -> int:
+    """This process's rank: torchrun's RANK, else torch.distributed's (0 outside distributed runs).
+    Read at exit, when the process group may be gone already."""
+    if os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
