@@ -22,7 +22,8 @@ def _model():
 
 
 def test_save_then_load_gives_the_same_policy(tmp_path):
-    pol = Policy("O2", "bfloat16", ("head", "body.0"), "dynamic", {"tolerance": 0.02, "machine": fingerprint().to_dict()})
+    pol = Policy("O2", "bfloat16", ("head", "body.0"), "dynamic", "kahan",
+                 measured={"tolerance": 0.02, "machine": fingerprint().to_dict()})
     save(pol, tmp_path / "p.json")
     back = load(tmp_path / "p.json")
     assert back == pol and back.measured["tolerance"] == 0.02
@@ -39,6 +40,7 @@ def test_save_then_load_gives_the_same_policy(tmp_path):
     ({"opt_level": "O1", "loss_scale": "huge"}, "loss_scale"),
     ({"opt_level": "O1", "keep_fp32": [3]}, "keep_fp32 must be a list of module names"),
     ({"opt_level": "O1", "format": 9}, "format 9"),
+    ({"opt_level": "O5", "master_weights": "fp8"}, "master_weights='fp8'"),
 ])
 def test_a_bad_policy_names_what_is_wrong(data, words):
     with pytest.raises(PolicyError, match=None) as err:

@@ -2,11 +2,13 @@
 between repeats, ties to the simpler policy), and the choice, on hand-made measurements."""
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
 from _reports import report
 
+from ampatch.base import hardware
 from ampatch.cli.tune import tolerance
 from ampatch.compare.rows import Row
 from ampatch.runs.runner import LevelRun
@@ -41,7 +43,10 @@ def _search(timings: dict[Candidate, list[float]], deviations: dict[Candidate, f
     return s
 
 
-def test_the_candidates_on_a_cpu_without_native_float16_are_bfloat16_only():
+def test_the_candidates_on_a_cpu_without_native_float16_are_bfloat16_only(monkeypatch):
+    # a CPU like most: bfloat16 native or not, no float16 path (this test must not depend on the machine)
+    no_fp16 = dataclasses.replace(hardware.describe("cpu"), native={"bfloat16": True, "float16": False})
+    monkeypatch.setattr(hardware, "describe", lambda device="cpu": no_fp16)
     cands = initial(["O1", "O2", "O3", "O4", "O5"], "cpu", None)
     assert [(c.opt_level, c.half_dtype) for c in cands] == [("O1", "bfloat16"), ("O2", "bfloat16"), ("O3", "bfloat16"),
                                                              ("O4", "bfloat16"), ("O5", "bfloat16")]

@@ -16,15 +16,16 @@ from typing import ClassVar
 import torch
 
 from . import levels
-from .values import parse_dtype, parse_loss_scale, parse_names
+from .values import parse_dtype, parse_loss_scale, parse_master_weights, parse_names
 
-__all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MAX_STEPS", "REPORT", "PROGRESS",
+__all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MASTER_WEIGHTS", "MAX_STEPS", "REPORT", "PROGRESS",
            "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "ALL", "Overrides", "read", "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)
 KEEP_FP32 = "AMPATCH_KEEP_FP32"          # modules to keep in FP32, comma-separated names
 LOSS_SCALE = "AMPATCH_LOSS_SCALE"        # force the loss scale: a number or "dynamic"
+MASTER_WEIGHTS = "AMPATCH_MASTER_WEIGHTS"  # force master_weights: True/False/stochastic/kahan
 MAX_STEPS = "AMPATCH_MAX_STEPS"          # end the process after this many optimizer steps
 REPORT = "AMPATCH_REPORT"                # write the session's report() as JSON here at exit
 PROGRESS = "AMPATCH_PROGRESS"            # append "step loss" lines here while recording
@@ -32,7 +33,7 @@ TIME_WRAPPERS = "AMPATCH_TIME_WRAPPERS"  # "1": time every O1 wrapper's own work
 DIAGNOSE = "AMPATCH_DIAGNOSE"            # write per-module precision statistics here at exit
 POLICY = "AMPATCH_POLICY"                # apply this policy file (ampatch tune's) to every initialize
 
-ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE, POLICY)
+ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MASTER_WEIGHTS, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE, POLICY)
 PREFIX = "AMPATCH_"
 
 
@@ -46,6 +47,7 @@ class Overrides:
     half_dtype: torch.dtype | None = None    # AMPATCH_HALF_DTYPE
     keep_fp32: tuple[str, ...] = ()          # AMPATCH_KEEP_FP32
     loss_scale: float | str | None = None    # AMPATCH_LOSS_SCALE: a scale or "dynamic"
+    master_weights: bool | str | None = None  # AMPATCH_MASTER_WEIGHTS: True/False, "stochastic", "kahan"
     max_steps: int | None = None             # AMPATCH_MAX_STEPS
     report: str | None = None                # AMPATCH_REPORT
     progress: str | None = None              # AMPATCH_PROGRESS (only while recording a report)
@@ -58,6 +60,7 @@ class Overrides:
 
     VARIABLES: ClassVar[dict[str, str]] = {
         "opt_level": OPT_LEVEL, "half_dtype": HALF_DTYPE, "keep_fp32": KEEP_FP32, "loss_scale": LOSS_SCALE,
+        "master_weights": MASTER_WEIGHTS,
         "max_steps": MAX_STEPS, "report": REPORT, "progress": PROGRESS, "time_wrappers": TIME_WRAPPERS,
         "diagnose": DIAGNOSE, "policy": POLICY}
 
@@ -116,6 +119,7 @@ def read(environ: Mapping[str, str] | None = None) -> Overrides:
         half_dtype=_half(v[HALF_DTYPE]),
         keep_fp32=tuple(parse_names(v[KEEP_FP32] or "")),
         loss_scale=_checked(LOSS_SCALE, v[LOSS_SCALE], lambda s: parse_loss_scale(s.strip())),
+        master_weights=_checked(MASTER_WEIGHTS, v[MASTER_WEIGHTS], lambda s: parse_master_weights(s.strip())),
         max_steps=_positive_int(MAX_STEPS, v[MAX_STEPS]),
         report=v[REPORT],
         progress=v[PROGRESS] if v[REPORT] else None,

@@ -1,16 +1,16 @@
 """A precision policy as a file: what `ampatch tune` chose, in a form training code reads.
 
-A policy file is JSON with four fields that `amp.initialize` takes, and what they were
-measured on::
+A policy file is JSON with the fields of `amp.initialize` that a policy decides, and what
+they were measured on::
 
     {"format": 1, "opt_level": "O1", "half_dtype": "bfloat16", "keep_fp32": ["head"],
-     "loss_scale": null,
+     "loss_scale": null, "master_weights": null,
      "measured": {"tolerance": 0.02, "steps": 60, "speedup": 1.41, "deviation": 0.004,
                   "machine": {"type": "cpu", "name": "...", "native": {"bfloat16": true, ...}},
                   "torch": "2.13.0", "what": "built-in workload lm (small)", "date": "..."}}
 
-``half_dtype`` is null at O0 (FP32); ``loss_scale`` null means the level's default (or the
-script's own loss scale). It is applied two ways:
+``half_dtype`` is null at O0 (FP32); ``loss_scale`` and ``master_weights`` null mean the
+level's default (or the script's own). It is applied two ways:
 
 - in code, ``amp.initialize(..., policy="ampatch-policy.json")`` (a path or a dict;
   `takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
@@ -43,14 +43,14 @@ from ..base import hardware
 from ..base.dtypes import HALF_NAMES
 from ..base.notices import warn
 from . import env, levels
-from .values import parse_dtype, parse_loss_scale, parse_names
+from .values import parse_dtype, parse_loss_scale, parse_master_weights, parse_names
 
 __all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "fingerprint", "machine_warning",
            "apply_in_code", "from_outside", "takes_policy", "DEFAULT_PATH"]
 
 FORMAT = 1
 DEFAULT_PATH = "ampatch-policy.json"
-FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale")   # the initialize keywords a policy sets
+FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale", "master_weights")  # the initialize keywords it sets
 KEYS = ("format", *FIELDS, "measured")                             # every key a policy file may have
 
 
@@ -68,7 +68,8 @@ class Policy:
     half_dtype: str | None = None
     keep_fp32: tuple[str, ...] = ()
     loss_scale: float | str | None = None
-    measured: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    master_weights: bool | str | None = None  # None: the level's own (True at O2/O5); "stochastic"/"kahan"
+    measured: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, kw_only=True)
 
     def keywords(self) -> dict[str, Any]:
         """The `initialize` keywords this policy sets (a field left null sets nothing)."""
@@ -79,13 +80,15 @@ class Policy:
             out["keep_fp32"] = list(self.keep_fp32)
         if self.loss_scale is not None:
             out["loss_scale"] = self.loss_scale
+        if self.master_weights is not None:
+            out["master_weights"] = self.master_weights
         return out
 
     def to_dict(self) -> dict[str, Any]:
         """The file's JSON."""
         return {"format": FORMAT, "opt_level": self.opt_level, "half_dtype": self.half_dtype,
                 "keep_fp32": list(self.keep_fp32), "loss_scale": self.loss_scale,
-                "measured": dict(self.measured) if self.measured is not None else None}
+                "master_weights": self.master_weights, "measured": dict(self.measured) if self.measured is not None else None}
 
     def describe(self) -> str:
         """One short line: "O1 bfloat16, keep_fp32=['head'], loss_scale='dynamic'"."""
@@ -95,6 +98,8 @@ class Policy:
             text += f", keep_fp32={list(self.keep_fp32)}"
         if self.loss_scale is not None:
             text += f", loss_scale={self.loss_scale!r}"
+        if self.master_weights is not None:
+            text += f", master_weights={self.master_weights!r}"
         return text
 
 
@@ -132,11 +137,15 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
             scale = parse_loss_scale(scale)
         except (TypeError, ValueError) as exc:
             raise PolicyError(f"{where}: loss_scale: {exc}") from None
+    try:
+        masters = parse_master_weights(data.get("master_weights"))
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"{where}: {exc}") from None
     measured = data.get("measured")
     if measured is not None and not isinstance(measured, Mapping):
         raise PolicyError(f"{where}: measured must be an object (or null), got {type(measured).__name__}.")
-    return Policy(level, levels.half_name(level, half), tuple(k.strip() for k in keep), scale,
-                  dict(measured) if measured is not None else None)
+    return Policy(level, levels.half_name(level, half), tuple(k.strip() for k in keep), scale, masters,
+                  measured=dict(measured) if measured is not None else None)
 
 
 def load(source: str | os.PathLike | Mapping[str, Any] | Policy) -> Policy:
@@ -221,7 +230,7 @@ def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[st
 def from_outside(overrides: env.Overrides, verbosity: int = 1) -> env.Overrides:
     """`overrides` with the policy file ``AMPATCH_POLICY`` names merged in, as if its fields
     were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
-    ``AMPATCH_KEEP_FP32`` (which, when set too, still win; its ``keep_fp32`` is added to
+    ``AMPATCH_KEEP_FP32``, ``AMPATCH_MASTER_WEIGHTS`` (which, when set too, still win; its ``keep_fp32`` is added to
     theirs): from outside, a policy beats the script by the same rule as those variables
     (`properties.resolve`). Raises `PolicyError` for a missing or bad file."""
     if overrides.policy is None:
@@ -242,6 +251,9 @@ def from_outside(overrides: env.Overrides, verbosity: int = 1) -> env.Overrides:
     if overrides.loss_scale is None and pol.loss_scale is not None:
         fields["loss_scale"] = pol.loss_scale
         sources["loss_scale"] = f"{given} (loss_scale {pol.loss_scale!r})"
+    if overrides.master_weights is None and pol.master_weights is not None:
+        fields["master_weights"] = pol.master_weights
+        sources["master_weights"] = f"{given} (master_weights {pol.master_weights!r})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
     return dataclasses.replace(overrides, **fields, sources=sources)
 

@@ -67,11 +67,13 @@ class Properties:
 
     @property
     def master_mode(self) -> MasterMode:
-        """What keeps the exact weights of the cast model (`MasterMode.NONE` where there is none
-        or the model is not cast: at O0/O1/O4 the FP32 model is its own master)."""
-        if not self.casts_model or not self.master_weights:
-            return MasterMode.NONE
-        return MasterMode.FP32 if self.master_weights is True else MasterMode(self.master_weights)
+        """What keeps the exact weights of half parameters: FP32 copies (`master_weights=True`:
+        of the params the cast makes half, and of half params passed in with Apex's
+        `allow_incoming_model_not_fp32`), a low-memory mode, or none (O0/O1/O4: the FP32 model
+        is its own master; O3)."""
+        if self.master_weights is True:
+            return MasterMode.FP32
+        return MasterMode(self.master_weights) if isinstance(self.master_weights, str) else MasterMode.NONE
 
     @property
     def half_name(self) -> str | None:
@@ -139,6 +141,11 @@ def resolve(opt_level: str = "O1", *, device: torch.device | None = None, enable
                 said.append(f"ampatch: {overrides.given('loss_scale')} overrides the script's "
                             f"loss_scale={requested.loss_scale}.")
             requested = dataclasses.replace(requested, loss_scale=overrides.loss_scale)
+        if overrides.master_weights is not None:  # tune's low-memory candidates run this way
+            if requested.master_weights is not None and requested.master_weights != overrides.master_weights:
+                said.append(f"ampatch: {overrides.given('master_weights')} overrides the script's "
+                            f"master_weights={requested.master_weights!r}.")
+            requested = dataclasses.replace(requested, master_weights=overrides.master_weights)
         if overrides.half_dtype is not None:
             if levels.half_dtype_conflict(forced or level, overrides.half_dtype):  # ignored, and said
                 said.append(f"ampatch: {overrides.given('half_dtype')} does not apply to {forced or level}, "

@@ -80,7 +80,7 @@ def prepend_path(env: dict[str, str], directory: str) -> None:
 
 
 # what a policy file decides: a run given one does not inherit these from the caller's shell
-POLICY_DECIDES = (envvars.OPT_LEVEL, envvars.HALF_DTYPE, envvars.LOSS_SCALE, envvars.KEEP_FP32)
+POLICY_DECIDES = (envvars.OPT_LEVEL, envvars.HALF_DTYPE, envvars.LOSS_SCALE, envvars.KEEP_FP32, envvars.MASTER_WEIGHTS)
 
 
 def child_env(level: str | None, half_dtype: str | None, report: str | None = None,
@@ -103,7 +103,7 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
     if report:
         env[envvars.REPORT] = report
     # O0 has no half type and O4/O5 are bfloat16 by definition
-    if half_dtype in HALF_NAMES and level is not None and levels.uses_half(level) and levels.fixed_half_dtype(level) is None:
+    if half_dtype in HALF_NAMES and (level is None or levels.uses_half(level)) and levels.fixed_half_dtype(level) is None:
         env[envvars.HALF_DTYPE] = half_dtype
     elif half_dtype is not None:
         env.pop(envvars.HALF_DTYPE, None)

@@ -55,6 +55,7 @@ from torch import nn
 
 from ..base.dtypes import LOW
 from ..config.properties import Properties
+from ..config.values import MasterMode
 from ..optim.masters import MASTERS_KEY
 from ..model.forwards import wrap_outputs
 from ..model.cast import is_batchnorm, modules_to_cast, params_to_cast
@@ -205,7 +206,7 @@ class ShardedModel:
         self.units = units
         model = units.model
         half, keep_bn = props.cast_model_type, props.keep_batchnorm_fp32
-        masters = bool(props.master_weights)
+        masters = props.casts_model and props.master_mode is MasterMode.FP32
         fp32_units = self._check(keep_bn, masters, kept)  # everything checked before anything changes
         self._policies = units.policies()
         self._cast: list[tuple[nn.Parameter, torch.dtype]] = []
@@ -366,7 +367,7 @@ def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
         raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
                          "of them.")
     _check_order(models, optimizers)
-    masters = props.casts_model and bool(props.master_weights)
+    masters = props.master_mode is MasterMode.FP32
     handles = [ShardedOptimizerHandle(opt, i, masters, units, context) for i, opt in enumerate(optimizers)]
     sharded: list[ShardedModel] = []
     if props.casts_model:

@@ -16,6 +16,7 @@ from torch import nn
 from ..model.forwards import keep_in_fp32, wrap_outputs
 from ..model.keep import Kept, kept_module_ids
 from ..config.properties import Properties
+from ..config.values import MasterMode
 from ..optim.masters import check_one_master_each, master_ids
 from ..model.cast import ModelHandle, params_to_cast
 from ..optim.context import HandleContext
@@ -35,8 +36,9 @@ def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
     keep_bn = props.keep_batchnorm_fp32
     cast_ids = ({id(p) for m in models for p in params_to_cast(m, keep_bn, kept)} if props.casts_model
                 else set())
-    ids = [master_ids(opt, cast_ids) if props.master_weights else None for opt in optimizers]
-    if props.master_weights:
+    fp32_masters = props.master_mode is MasterMode.FP32
+    ids = [master_ids(opt, cast_ids) if fp32_masters else None for opt in optimizers]
+    if fp32_masters:
         check_one_master_each(optimizers, set().union(*ids) if ids else set())
     handles: list[OptimizerHandle] = []
     model_handles: list[ModelHandle] = []
@@ -44,7 +46,7 @@ def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
         for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
             handles.append(OptimizerHandle(opt, first_index + i, ids[i], context))
         if props.casts_model:
-            mastered = {pid for h in handles for pid in h.masters.master_of} if props.master_weights else None
+            mastered = {pid for h in handles for pid in h.masters.master_of} if fp32_masters else None
             seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
             for m in models:
                 handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, patcher,

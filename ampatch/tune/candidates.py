@@ -27,7 +27,7 @@ class Candidate:
     repairs: str | None = None
 
     def policy(self, measured: dict[str, Any] | None = None) -> Policy:
-        return Policy(self.opt_level, self.half_dtype, self.keep_fp32, self.loss_scale, measured)
+        return Policy(self.opt_level, self.half_dtype, self.keep_fp32, self.loss_scale, measured=measured)
 
     @property
     def label(self) -> str:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from ampatch.base import hardware
+from ampatch.base.device_text import machine_line as describe_machine
 from ampatch.base.dtypes import short_name
 
 # The modes every training section compares: plain FP32, torch.autocast, ampatch's levels.
@@ -165,4 +166,4 @@ def cpu_name() -> str:
 
 def machine_line(env: Env) -> str:
     """ampatch.base.hardware's line for the bench's device: name, flags or capability, half native?"""
-    return hardware.machine_line(hardware.describe(env.device).to_dict(), [env.half_name])
+    return describe_machine(hardware.describe(env.device), [env.half_name])
