@@ -6,9 +6,10 @@
     optimizer.step()
 
 This module is the public API and nothing else: `initialize` turns its keywords into one
-checked `options.Options`, and each function delegates to the live `Session` (see
-session.py, live.py). Apex's compatibility names (`_amp_state`, `init`) come from
-`ampatch.compat`, imported only when first used.
+checked `config.options.Options` (with the environment read once, `config.env`), and each
+function delegates to the live `Session` (`session.session`, held by `session.current`).
+Apex's compatibility names (`_amp_state`, `init`, the optimizers' `_amp_stash`) come from
+`ampatch.compat`, imported only when first used; no framework is imported here either.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import wrapt
 
 from .base.notices import set_verbosity
 from .config import env as _env
@@ -49,12 +51,22 @@ logger = logging.getLogger("ampatch")
 logger.addHandler(logging.NullHandler())
 
 
+# What Apex hung on each optimizer it patched; True: the attribute is a method (called, not read).
+_APEX_OPTIMIZER_ATTRIBUTES = {"_amp_stash": False, "_lazy_init_maybe_master_weights": True, "_amp_lazy_init": True,
+                              "_master_params_to_model_params": True}
+
+
 def _apex_attributes(handle: Any) -> dict[str, Any]:
-    """What Apex hung on an optimizer (`_amp_stash`), made by ampatch.compat: every patched
-    optimizer carries it, whether or not compat was imported before (the session calls this
-    for each optimizer it patches; the core never imports compat itself)."""
-    from .compat.amp.stash import attributes
-    return attributes(handle)
+    """What Apex hung on an optimizer (`_amp_stash`, ...), for every optimizer a session patches:
+    each a lazy proxy that ampatch.compat fills on first use, so the attributes are there
+    whatever was imported before, and compat is imported only by a script that uses them."""
+    def maker(name: str) -> Callable[[], Any]:
+        def make() -> Any:
+            from .compat.amp.stash import ATTRIBUTES
+            return ATTRIBUTES[name](handle)
+        return make
+    return {name: wrapt.LazyObjectProxy(maker(name), **({"interface": Callable} if method else {}))
+            for name, method in _APEX_OPTIMIZER_ATTRIBUTES.items()}
 
 
 def _session(what: str) -> Session:

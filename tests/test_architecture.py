@@ -15,6 +15,9 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -225,3 +228,39 @@ def test_scripts_are_checked_too(tmp_path: Path) -> None:
         assert "_x from helper" in str(err.value)
     finally:
         SCRIPT_MODULES = saved
+
+
+def test_ls_ampatch_shows_the_architecture() -> None:
+    """A handful of modules at the top (the public API, __main__, one per framework); every
+    other module lives in a subpackage named for its job (DESIGN.md, "Layout")."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, top
+    assert {"__init__.py", "__main__.py"} <= set(top)
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert {"base", "config", "o1", "patching", "model", "optim", "session", "record", "runs", "compare", "diagnose",
+            "tune", "cli", "compat"} <= packages
+    for name in packages:  # each says what its job is
+        doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
+        assert doc, f"ampatch/{name}/__init__.py has no docstring saying what the package is for"
+
+
+def test_import_and_initialize_load_neither_compat_nor_a_framework() -> None:
+    """`import ampatch` and an initialize with an optimizer import no `ampatch.compat` and no
+    framework; the optimizer still has Apex's `_amp_stash`, made by compat when first read."""
+    code = textwrap.dedent("""
+        import sys, torch
+        import ampatch as amp
+        m = torch.nn.Linear(4, 4); o = torch.optim.SGD(m.parameters(), lr=0.1)
+        m, o = amp.initialize(m, o, opt_level="O2", verbosity=0)
+        heavy = ("ampatch.compat", "lightning", "pytorch_lightning", "transformers", "accelerate")
+        print(sorted(k for k in sys.modules if k.startswith(heavy)))
+        print(len(o._amp_stash.all_fp32_from_fp16_params), o._amp_stash.lazy_init_called,
+              "ampatch.compat" in sys.modules)
+        o._lazy_init_maybe_master_weights()
+        amp.deinitialize()
+        print(hasattr(o, "_amp_stash"))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["[]", "2 True True", "False"]
