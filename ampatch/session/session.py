@@ -1,9 +1,9 @@
 """One object holding everything an `initialize` call set up; its one job: set up, step, close.
 
-Made from a checked call (`options.Prepared`). The set-up proper is `plain.setup` or
+Made from a checked call (`options.Prepared`). The set-up proper is `setup.setup` or
 `fsdp.setup` (each returns what it built); what watches from outside (report at exit,
 diagnose recorder, end after N steps) is a list of `observers`; `telemetry` assembles the
-report and `tips` words the warnings. The live session is held in `live`.
+report and `tips` words the warnings. The live session is held in `current`.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fsdp, observers, setup as plain
+from . import fsdp, observers, setup
 from ..base import hardware, tips
 from ..model import keep
-from ..o1 import lists as policy
+from ..o1 import lists
 from ..patching.cache import CastCache
 from ..config import levels
 from ..config.env import Overrides
@@ -89,10 +89,10 @@ class Session:
             return
         if levels.uses_half(props.opt_level):
             tips.log_dims_tip(models, self.verbosity)
-        kept = plain.keep_forwards(self.kept, props, self.patcher)
-        build = fsdp.setup if fsdp.is_sharded(models) else plain.setup
+        kept = setup.keep_forwards(self.kept, props, self.patcher)
+        build = fsdp.setup if fsdp.is_sharded(models) else setup.setup
         self.models, self.optimizers = build(props, models, optimizers, self.patcher, self._handle_context(), kept)
-        plain.wrap_model_outputs(models, props, self.patcher, kept)
+        setup.wrap_model_outputs(models, props, self.patcher, kept)
         self.guard = ParamGuard(models, self.optimizers)
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
@@ -100,7 +100,7 @@ class Session:
         if lost:
             self.warn(tips.eps_lost_warning(lost, props.opt_level))
         if props.patch_torch_functions:
-            self.o1.install(user_policy.REGISTERED, policy.NAMESPACES)
+            self.o1.install(user_policy.REGISTERED, lists.NAMESPACES)
         observers.attach(self, models, self.overrides, lost)
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
@@ -122,7 +122,7 @@ class Session:
         (Apex's `amp.init()` handle takes its optimizers after the session started)."""
         h = next((h for h in self.optimizers if h.optimizer is optimizer), None)
         if h is None:
-            _, (h,) = plain.setup(self.properties, [], [optimizer], self.patcher, self._handle_context(),
+            _, (h,) = setup.setup(self.properties, [], [optimizer], self.patcher, self._handle_context(),
                                   first_index=len(self.optimizers))
             h.install(self.patcher)
             self.optimizers.append(h)
@@ -273,7 +273,7 @@ class Session:
             self.closed = True
             self._last_loss = None
             try:
-                plain.undo(self.models, self.optimizers)
+                setup.undo(self.models, self.optimizers)
             finally:  # whatever failed above, torch itself is restored
                 self.patcher.restore_all()
                 self.cache.clear()
