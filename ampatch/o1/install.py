@@ -1,9 +1,10 @@
-"""Installing O1 in a session: find what to patch, build each wrapper, apply it (the three
-steps wrapt's patching takes), then the parts that are not one wrapper per op: RNN modules,
+"""Installing O1 (and O4, which is O1 in bfloat16: the wrappers cast to the session's half
+dtype) in a session: find what to patch, build each wrapper, apply it (the three steps
+wrapt's patching takes), then the parts that are not one wrapper per op: RNN modules,
 `Tensor.data`, TorchScript and torch.compile.
 
-`find` reads the policy (the built-in lists and the user's registrations) against this
-torch; `build` makes one proxy (`ampatch.patching.wrap`); `O1Patches` applies them through
+`find` reads the cast lists (`o1.lists`: the built-in ones and the user's registrations)
+against this torch; `build` makes one proxy (`ampatch.patching.wrap`); `O1Patches` applies them through
 the session's `Patcher`, which restores everything on `deinitialize`.
 """
 from __future__ import annotations
