@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ....o1.lists import tensor as policy
+from ....o1.lists import tensor as core_lists
 
 __all__ = ["MODULE", "FP16_FUNCS", "BFLOAT16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS"]
 
 MODULE = torch.Tensor
-FP16_FUNCS = list(policy.HALF)
-BFLOAT16_FUNCS = list(policy.HALF)
-FP32_FUNCS = list(policy.FLOAT)
-CASTS = list(policy.PROMOTE)
-SEQUENCE_CASTS = list(policy.SEQUENCE_PROMOTE)
+FP16_FUNCS = list(core_lists.HALF)
+BFLOAT16_FUNCS = list(core_lists.HALF)
+FP32_FUNCS = list(core_lists.FLOAT)
+CASTS = list(core_lists.PROMOTE)
+SEQUENCE_CASTS = list(core_lists.SEQUENCE_PROMOTE)
