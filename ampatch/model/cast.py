@@ -134,7 +134,8 @@ class ModelHandle:
     def restore(self, masters: dict[int, torch.Tensor]) -> None:
         """Back to the original dtypes: from the FP32 masters (by id of model param) where they
         exist, else from the values kept at the cast if the tensor still holds them rounded,
-        else the current values converted."""
+        else the current values converted; each onto the device the tensor is on now (a model
+        moved after the cast, e.g. to the CPU before Lightning's teardown, stays there)."""
         for h in self._hooks:
             h.remove()
         with torch.no_grad():
@@ -145,8 +146,8 @@ class ModelHandle:
                     if t is None or t.dtype != self.dtype:  # replaced by the user, or restored already
                         continue
                     master = masters.get(id(t)) if c.is_param else None
-                    if master is not None:
-                        value = master.detach().to(c.dtype)
+                    if master is not None:  # onto the param's device now (moved since: Lightning's teardown)
+                        value = master.detach().to(t.device, c.dtype)
                     elif c.shadow is not None and _rounds_to(c.shadow, t):
                         value = c.shadow.to(t.device)
                     else:

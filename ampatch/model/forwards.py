@@ -1,9 +1,12 @@
 """The forward wrappers ampatch puts on models, and the one switch that silences them.
 
 - `CastForward`: a cast model's (O2/O3/O5) `forward`: floating inputs to half, half outputs to
-  FP32 (or `cast_model_outputs`); `wrap_outputs` puts one on a model that is not cast;
+  FP32 (or `cast_model_outputs`), and the half dtype as torch's default dtype while it runs
+  (tensors the model creates inside are half: `default_dtype.py`); `wrap_outputs` puts one
+  on a model that is not cast (outputs only);
 - `KeepForward` / `UncastForward`: the forward of a module `keep_fp32` keeps in FP32 (inputs
-  to FP32 at entry; at O2/O3/O5 FP32 outputs back to half at exit, at O1/O4 casts off inside);
+  to FP32 at entry, FP32 default dtype inside a cast model; at O2/O3/O5 FP32 outputs back to
+  half at exit, at O1/O4 casts off inside);
 - `Replicate`: rebinds these wrappers to each `nn.DataParallel` replica;
 - `forward_casts_bypassed()`: inside it, in this thread, they all pass everything through
   untouched (a module run as its own FP32 shadow, ampatch.diagnose).
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from ..base.dtypes import LOW
+from .default_dtype import DEFAULT_DTYPE
 from ..patching import disable_casts
 from ..base.tips import hint_dtype_error
 from ..base.tree import map_tensors
@@ -40,13 +44,21 @@ _bypass = _Bypass()
 
 @contextlib.contextmanager
 def forward_casts_bypassed() -> Iterator[None]:
-    """Inside the block, in this thread, the forward wrappers ampatch put on models pass inputs and outputs through untouched: a module can run as its own FP32 shadow (ampatch.diagnose), with FP32 parameters swapped in, exactly as its code is written."""
+    """Inside the block, in this thread, the forward wrappers ampatch put on models pass inputs
+    and outputs through untouched: a module can run as its own FP32 shadow (ampatch.diagnose),
+    with FP32 parameters swapped in, exactly as its code is written (inside a cast model's
+    forward, with FP32 as the default dtype again)."""
     previous = _bypass.active
     _bypass.active = True
+    fp32 = DEFAULT_DTYPE.active()
+    if fp32:
+        DEFAULT_DTYPE.enter(torch.float32, weak=True)
     try:
         yield
     finally:
         _bypass.active = previous
+        if fp32:
+            DEFAULT_DTYPE.leave()
 
 
 def cast_tree(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
@@ -84,7 +96,9 @@ _nesting = threading.local()  # per thread: how many wrapped forwards are runnin
 
 class CastForward:
     """`model.forward` under O2/O3/O5: floating inputs to half, half outputs to FP32 (or
-    `cast_model_outputs`); with `dtype=None` (see `wrap_outputs`) only the outputs are cast.
+    `cast_model_outputs`), the half dtype torch's default while it runs (one
+    `default_dtype` request per forward); with `dtype=None` (see `wrap_outputs`) only the
+    outputs are cast.
 
     A plain object rather than a closure so the model stays copyable and picklable:
     `copy.deepcopy(model)` (EMA copies) rebinds `__wrapped__`, a bound method, to the copy,
@@ -110,16 +124,28 @@ class CastForward:
         nesting = _nesting.__dict__
         depth = nesting.get("depth", 0)
         nesting["depth"] = depth + 1 if self.nests else depth
+        dtype, compiling = self.dtype, torch.compiler.is_compiling()
+        before = None
+        if dtype is not None:  # tensors made inside are half (see default_dtype.py)
+            if compiling:  # Dynamo traces set_default_dtype, not the lock of the process-wide owner
+                before = torch.get_default_dtype()
+                torch.set_default_dtype(dtype)
+            else:
+                DEFAULT_DTYPE.enter(dtype)
         try:
             out = self.__wrapped__(*args, **kwargs)
         except BaseException as exc:
             if isinstance(exc, (RuntimeError, TypeError, ValueError)):  # e.g. an FP32 constant meets half
                 hint_dtype_error(exc, model_dtype=self.dtype)
-            if not depth and not torch.compiler.is_compiling() and _kept_outputs.by_id:
+            if not depth and not compiling and _kept_outputs.by_id:
                 _kept_outputs.by_id = {}  # a forward that raised: drop what kept modules noted
             raise
         finally:
             nesting["depth"] = depth
+            if before is not None:
+                torch.set_default_dtype(before)
+            elif dtype is not None:
+                DEFAULT_DTYPE.leave()
         if depth:  # a model passed to initialize called inside another one: part of its half graph
             return out
         # an output of a module kept in FP32 is the model's own: its FP32 values (never noted
@@ -187,7 +213,8 @@ _F32 = torch.float32
 class KeepForward:
     """`forward` of a module that `keep_fp32` keeps in FP32, where the session does not patch
     torch (O2/O3/O5): its parameters and buffers were left FP32; floating half inputs go to
-    FP32 at entry, and with `output_dtype` FP32 outputs go to it at exit (the model's half
+    FP32 at entry, tensors it creates are FP32 (inside a cast model, whose default dtype is
+    half, it asks `default_dtype` for FP32 back), and with `output_dtype` FP32 outputs go to it at exit (the model's half
     dtype, as an FP32 batch norm returns its input's dtype). Dynamo traces it, so under
     torch.compile the casts are nodes of the graph. A plain object, copyable and picklable
     like `CastForward`."""
@@ -199,7 +226,22 @@ class KeepForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _bypass.active:
             return self.__wrapped__(*args, **kwargs)
-        out = self.__wrapped__(*cast_tree(args, _F32, True), **cast_tree(kwargs, _F32, True))
+        args, kwargs = cast_tree(args, _F32, True), cast_tree(kwargs, _F32, True)
+        if torch.compiler.is_compiling():  # traced: plain set and restore (see default_dtype.py)
+            before = torch.get_default_dtype()
+            torch.set_default_dtype(_F32)
+            try:
+                out = self.__wrapped__(*args, **kwargs)
+            finally:
+                torch.set_default_dtype(before)
+        elif DEFAULT_DTYPE.active():  # inside a cast model: tensors the kept module makes are FP32 too
+            DEFAULT_DTYPE.enter(_F32, weak=True)
+            try:
+                out = self.__wrapped__(*args, **kwargs)
+            finally:
+                DEFAULT_DTYPE.leave()
+        else:
+            out = self.__wrapped__(*args, **kwargs)
         return out if self.output_dtype is None else self.leave(out)
 
     def leave(self, out: Any) -> Any:

@@ -41,6 +41,10 @@ class ExitJson:
             atexit.register(self.write)
             self.registered = True
 
+    def holds_source(self) -> bool:
+        """Whether a source is tracked, or what a released one would write is kept."""
+        return self.source is not None or self.final is not None
+
     def release(self, source: Any) -> None:
         """`source` is closing: keep what it would write (small, bounded), not the source with
         its models and optimizers."""

@@ -54,17 +54,27 @@ class StopAfter:
 
 class ReportAtExit:
     """The session's `report()` written as JSON to `path` at exit (`telemetry.exit_report`:
-    the newest session of the process writes; a closed one leaves what it would write)."""
+    the newest session of the process writes; a closed one leaves what it would write).
+
+    A session opened without optimizers (evaluation after training: a framework's
+    validate/test stage, a model initialized again for inference) does not take the report
+    over from an earlier session of the process, whose steps are what `ampatch run/compare/
+    tune` measure; it takes it over at its first optimizer step (`amp.init()` adds them later)."""
 
     def __init__(self, session: Any, path: str) -> None:
-        self.session = session
-        exit_report.track(session, path)
+        self.session, self.path = session, path
+        trains = bool(session.optimizers) if hasattr(session, "optimizers") else True
+        self.tracking = trains or not exit_report.holds_source()
+        if self.tracking:
+            exit_report.track(session, path)
 
     def on_loss(self, loss: torch.Tensor, scale: float) -> None:
         pass
 
     def on_step(self, skipped: bool) -> None:
-        pass
+        if not self.tracking:
+            self.tracking = True
+            exit_report.track(self.session, self.path)
 
     def close(self) -> None:
         exit_report.release(self.session)

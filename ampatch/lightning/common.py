@@ -1,0 +1,159 @@
+"""What the Trainer plugin and the Fabric plugin share: the level they initialize at, what
+the running session does to batches and step code, and the FP32 masters seen from the
+model's side (grads for hooks, `requires_grad` for toggling).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from ..model.default_dtype import default_dtype
+from ..model.forwards import cast_tree
+from ..session.current import current
+
+__all__ = ["DEFAULT_LEVEL", "RESERVED", "PluginState", "LevelChoice", "Facts", "pairs_of", "HookGrads",
+           "sync_requires_grad"]
+
+DEFAULT_LEVEL = "O2"  # no level and no policy: half weights, FP32 masters, dynamic loss scale
+# Keywords the plugins decide themselves: the model and optimizers come from the framework.
+RESERVED = ("models", "optimizers")
+
+
+class PluginState(Enum):
+    """Where a plugin is: nothing done yet, an ampatch session running, undone again."""
+    IDLE = "idle"
+    CONNECTED = "connected"
+    TORN_DOWN = "torn down"
+
+
+class LevelChoice:
+    """The `amp.initialize` keywords of a plugin: `opt_level` when given; with only `policy=`,
+    the policy's level (the policy's fields fill what is not given explicitly); with
+    neither, `DEFAULT_LEVEL`."""
+
+    def __init__(self, who: str, opt_level: str | None, policy: Any, initialize_kwargs: dict[str, Any]) -> None:
+        if opt_level is not None and not isinstance(opt_level, str):
+            raise TypeError(f"{who}(opt_level) takes a level name such as 'O2' (or None: the policy's level, else "
+                            f"{DEFAULT_LEVEL}), got {opt_level!r}.")
+        for name in RESERVED:
+            if name in initialize_kwargs:
+                raise TypeError(f"{who} got {name}=: the framework passes the model and optimizers to the plugin; "
+                                "give only amp.initialize's other keywords.")
+        self.opt_level, self.policy = opt_level, policy
+        self.extra = dict(initialize_kwargs)
+
+    def keywords(self) -> dict[str, Any]:
+        """The keywords for `amp.initialize` (besides the models and optimizers)."""
+        out = dict(self.extra)
+        if self.opt_level is not None:
+            out["opt_level"] = self.opt_level
+        elif self.policy is None:
+            out["opt_level"] = DEFAULT_LEVEL
+        if self.policy is not None:
+            out["policy"] = self.policy
+        return out
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the running session does, as the plugins need it: its level, whether it casts
+    the models (O2/O3/O5) and to what, and the dtype its matmuls run in."""
+
+    opt_level: str | None = None
+    cast_dtype: torch.dtype | None = None       # the models' half dtype where they are cast
+    compute_dtype: torch.dtype = torch.float32  # the matmuls' dtype (half at O1-O5)
+
+    @classmethod
+    def of_session(cls) -> "Facts":
+        """The facts of the live session (`Facts()` where none is live or it is disabled)."""
+        session = current()
+        if session is None or not session.properties.enabled:
+            return cls(session.properties.opt_level if session is not None else None)
+        props = session.properties
+        cast = props.cast_model_type if props.casts_model else None
+        half = props.half_dtype if (props.casts_model or props.patch_torch_functions) else torch.float32
+        return cls(props.opt_level, cast, half)
+
+    @property
+    def precision(self) -> str:
+        """Lightning's name for what the weights are: "bf16-true"/"16-true" where the models are
+        cast, else "32-true" (what ModelSummary sizes the model by)."""
+        if self.cast_dtype is None:
+            return "32-true"
+        return "bf16-true" if self.cast_dtype == torch.bfloat16 else "16-true"
+
+    def convert_input(self, data: Any) -> Any:
+        """The batch's floating tensors in the models' half dtype where they are cast (as
+        Lightning's `bf16-true` does); untouched otherwise."""
+        return data if self.cast_dtype is None else cast_tree(data, self.cast_dtype)
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """Around a step (training_step, validation_step, ... or Fabric's forward): tensors
+        made inside are in the models' half dtype where they are cast (the default dtype)."""
+        return contextlib.nullcontext() if self.cast_dtype is None else default_dtype(self.cast_dtype)
+
+
+def pairs_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(model param, FP32 master) of every half param the optimizers step through a master
+    (none without master weights, or without a live session)."""
+    session = current()
+    if session is None or not session.properties.enabled:
+        return []
+    return [pair for opt in optimizers for pair in session.handle(opt, "ampatch.lightning").pairs()]
+
+
+def sync_requires_grad(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], to_model: bool) -> None:
+    """Make `requires_grad` agree between each model param and its master: the model's onto the
+    master (`to_model=False`: before Lightning's `toggle_optimizer` reads the masters), or the
+    master's onto the model (after it set them: the backward must skip the model's half params)."""
+    for model_param, master in pairs:
+        if to_model:
+            model_param.requires_grad_(master.requires_grad)
+        else:
+            master.requires_grad_(model_param.requires_grad)
+
+
+class HookGrads:
+    """While framework hooks run (on_after_backward, on_before_optimizer_step), the model's
+    half params hold half copies of their masters' grads, so code that reads the model's
+    grads (`lightning.pytorch.utilities.grad_norm(self)`, a logger) sees them rather than
+    None; a copy changed in place there (or replaced) is written back into the master's grad
+    when `close` runs, and the copies are dropped. Nothing is copied without masters."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.lent: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        with torch.no_grad():
+            for model_param, master in pairs:
+                if master.grad is None or model_param.grad is not None:
+                    continue
+                copy = master.grad.to(model_param.dtype)
+                model_param.grad = copy
+                self.lent.append((model_param, master, copy, copy._version))
+
+    def close(self) -> None:
+        """Write changed copies back into the masters' grads; the model's grads are None again."""
+        lent, self.lent = self.lent, []
+        with torch.no_grad():
+            for model_param, master, copy, version in lent:
+                grad = model_param.grad
+                if grad is not copy or copy._version != version:
+                    if grad is None:
+                        master.grad = None
+                    else:
+                        master.grad.copy_(grad)
+                model_param.grad = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def lent_for(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator["HookGrads"]:
+        """A `HookGrads` closed when the block ends (whether or not it raised)."""
+        grads = cls(pairs)
+        try:
+            yield grads
+        finally:
+            grads.close()

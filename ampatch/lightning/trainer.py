@@ -1,0 +1,288 @@
+"""`AmpatchPrecision`: ampatch's opt levels as a precision plugin of Lightning's `Trainer`.
+
+    trainer = lightning.Trainer(plugins=[AmpatchPrecision("O2")], ...)
+
+The plugin drives `amp.initialize` + `amp.scale_loss` from Lightning's hooks:
+
+- `convert_module`: refuses the strategies that own precision (DeepSpeed, FSDP,
+  ModelParallel, XLA); the module stays FP32 until `connect`;
+- `connect` (once the strategy made the optimizers): `amp.initialize` on the bare
+  LightningModule and, when fitting, the optimizers (an evaluation stage initializes the
+  model alone: the report at exit keeps the training steps). Under DDP the module arrives
+  wrapped; it is initialized bare and wrapped again with the same settings. Where master
+  weights exist, `toggle_optimizer`/`untoggle_optimizer` are made to act on the model's
+  params too (they set `requires_grad` on the optimizers' params, the masters);
+- `convert_input`, `train_step_context`/`forward_context` (O2/O3/O5): the batch's floats in
+  the half dtype, and tensors made inside the step half (the default dtype);
+- `backward`: the loss scaled (`amp.scale_loss`) around Lightning's backward, for the
+  optimizer being stepped (automatic optimization) or all of them (`manual_backward`);
+- `optimizer_step`: the closure, the hooks (the model's grads there are copies of the
+  masters', `common.HookGrads`), Lightning's clipping on the masters (`main_params`), then
+  the step, skipped after an overflow; the schedulers of a skipped step hold still;
+- `state_dict`/`load_state_dict`: the loss scaler in Lightning's checkpoints;
+- `teardown`: `amp.deinitialize()`, the model FP32 again on the device it is on now.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import ampatch as amp
+
+from ..optim import scheduler_guard as lr_guard
+from ..patching import Patcher
+from . import framework
+from .common import Facts, HookGrads, LevelChoice, PluginState, pairs_of, sync_requires_grad
+
+logger = logging.getLogger("ampatch")
+
+__all__ = ["AmpatchPrecision"]
+
+# DistributedDataParallel settings carried over when the module is wrapped again.
+DDP_SETTINGS = ("broadcast_buffers", "find_unused_parameters", "gradient_as_bucket_view", "static_graph")
+# Hooks that see the model's grads between backward and step (HookGrads lends them copies).
+GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+
+
+def _rewrap(ddp: nn.parallel.DistributedDataParallel, module: nn.Module) -> nn.parallel.DistributedDataParallel:
+    """A new DDP wrapper around `module` (now initialized) with the settings of `ddp`."""
+    settings = {name: getattr(ddp, name) for name in DDP_SETTINGS if hasattr(ddp, name)}
+    if "bucket_bytes_cap" in vars(ddp):
+        settings["bucket_cap_mb"] = ddp.bucket_bytes_cap / (1024 * 1024)
+    return nn.parallel.DistributedDataParallel(module, device_ids=ddp.device_ids, output_device=ddp.output_device,
+                                               process_group=ddp.process_group, **settings)
+
+
+def _fitting(module: nn.Module) -> bool:
+    """Whether the Trainer attached to `module` is fitting (else: validate, test, predict)."""
+    try:
+        return module.trainer.state.fn == framework.TrainerFn.FITTING
+    except (AttributeError, RuntimeError):  # not a LightningModule, or no Trainer attached
+        return True
+
+
+class AmpatchPrecision(framework.TrainerHalfPrecision):
+    """ampatch at `opt_level` (O0-O5) for a Lightning `Trainer`: `plugins=[AmpatchPrecision("O2")]`.
+
+    `policy` (the file `ampatch tune` writes) and any other `amp.initialize` keyword
+    (`half_dtype`, `loss_scale`, `keep_fp32`, ...) are passed on to `amp.initialize`. With
+    `policy=` and no `opt_level`, the policy's level runs; with neither, O2. One plugin runs
+    one ampatch session at a time (ampatch has one current session).
+
+    A `HalfPrecision` to Lightning only so that its ThroughputMonitor asks it the compute
+    dtype; `precision` says what the weights are once the session runs ("32-true" before).
+    """
+
+    precision = "32-true"
+
+    def __init__(self, opt_level: str | None = None, policy: Any = None, **initialize_kwargs: Any) -> None:
+        # (not HalfPrecision.__init__: the dtype is known once the session resolved it)
+        self.choice = LevelChoice("AmpatchPrecision", opt_level, policy, initialize_kwargs)
+        self.opt_level = opt_level
+        self.facts = Facts()
+        self.state = PluginState.IDLE
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._pending: dict | None = None  # scaler state loaded before connect
+        self._patches = Patcher()  # the schedulers' holds, the module's toggling
+        self._listens = False  # a hook reads the model's grads between backward and step
+        self._lent: HookGrads | None = None  # the grads lent to the model during optimizer_step's hooks
+        framework.set_compute_dtype(self, torch.float32)
+
+    # ------------------------------------------------------------------ set-up
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Nothing yet (the cast happens in `connect`, with the optimizers); refuses the
+        strategies ampatch cannot run beside."""
+        try:
+            strategy = module.trainer.strategy
+        except (AttributeError, RuntimeError):
+            strategy = None
+        if strategy is not None:
+            framework.refuse_strategy(strategy, "AmpatchPrecision")
+        return module
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """Modules and tensors are made in FP32 (the masters start from FP32 weights)."""
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                lr_schedulers: list[Any]) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """`amp.initialize` the bare module and, when fitting, the strategy's optimizers (DDP
+        wrapped again). Evaluation stages initialize the module alone and hand the
+        optimizers (left over from a fit) back untouched."""
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        bare = ddp.module if ddp is not None else model
+        fitting = _fitting(bare)
+        opts = [framework.raw_optimizer(o) for o in optimizers] if fitting else []
+        if any(isinstance(o, torch.optim.LBFGS) for o in opts):  # once, before anything is set up
+            raise TypeError("AmpatchPrecision cannot drive LBFGS: it calls its closure (and backward) several "
+                            "times inside step(), where the loss scale cannot reach. Use another optimizer, or "
+                            "train without the plugin.")
+        self._patches.restore_all()
+        keywords = self.choice.keywords()
+        if opts:
+            bare, opts = amp.initialize(bare, opts, **keywords)
+        else:
+            bare = amp.initialize(bare, **keywords)
+        self.optimizers = list(opts)
+        self.state = PluginState.CONNECTED
+        self.facts = Facts.of_session()
+        self.precision = self.facts.precision
+        framework.set_compute_dtype(self, self.facts.compute_dtype)
+        if self._pending is not None:
+            self._load_scalers(self._pending)
+            self._pending = None
+        if fitting:
+            self._guard_schedulers(bare, lr_schedulers)
+            self._toggle_on_model(bare)
+            self._listens = self._hooks_read_grads(bare)
+        wrapped = _rewrap(ddp, bare) if ddp is not None else bare
+        return wrapped, (list(opts) if fitting else optimizers), lr_schedulers
+
+    def _guard_schedulers(self, module: nn.Module, configs: list[Any]) -> None:
+        """The plugin's optimizers' schedulers hold still after a skipped step: those with
+        `interval="step"` (automatic optimization), all of them under manual optimization
+        (the step's code calls `sch.step()` itself). Each is held once."""
+        manual = not getattr(module, "automatic_optimization", True)
+        for config in configs:
+            scheduler = getattr(config, "scheduler", config)
+            optimizer = getattr(scheduler, "optimizer", None)
+            if not any(optimizer is o for o in self.optimizers) or (scheduler, "step") in self._patches:
+                continue
+            if manual or getattr(config, "interval", "step") == "step":
+                lr_guard.hold_on_skip(scheduler, functools.partial(self._skipped, optimizer), self._patches)
+
+    def _skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.state is PluginState.CONNECTED and amp.last_step_skipped(optimizer)
+
+    def _toggle_on_model(self, module: nn.Module) -> None:
+        """Lightning's `toggle_optimizer(opt)` sets `requires_grad` on the params in the
+        optimizers' param_groups, the FP32 masters at O2/O5: it is made to set the model's
+        half params alike (read from the model first), so another optimizer's half params get
+        no grads from this backward, as without ampatch."""
+        if not isinstance(module, framework.LightningModule) or not pairs_of(self.optimizers):
+            return
+        for name in ("toggle_optimizer", "untoggle_optimizer"):
+            self._patches.patch(module, name, functools.partial(self._toggled, getattr(module, name)))
+
+    def _toggled(self, own: Callable[[Any], None], optimizer: Any) -> None:
+        pairs = pairs_of(self.optimizers)
+        sync_requires_grad(pairs, to_model=False)
+        own(optimizer)
+        sync_requires_grad(pairs, to_model=True)
+
+    def _hooks_read_grads(self, module: nn.Module) -> bool:
+        """Whether a hook of the module or a callback may read the model's grads between
+        backward and step (only then are the masters' grads lent to the model)."""
+        if not pairs_of(self.optimizers):
+            return False
+        try:
+            callbacks = list(module.trainer.callbacks)
+        except (AttributeError, RuntimeError):
+            callbacks = []
+        return (any(framework.is_overridden(h, module, parent=framework.LightningModule) for h in GRAD_HOOKS)
+                or any(framework.is_overridden(h, c, parent=framework.Callback) for c in callbacks
+                       for h in GRAD_HOOKS[:2]))
+
+    # ------------------------------------------------------------------ steps
+    def convert_input(self, data: Any) -> Any:
+        """The batch's floats in the half dtype where the model is cast (O2/O3/O5)."""
+        return self.facts.convert_input(data)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Around each step: tensors made inside are half where the model is cast."""
+        return self.facts.step_context()
+
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's backward inside `amp.scale_loss` for `optimizer` (all of the plugin's
+        optimizers under manual optimization, where Lightning names none)."""
+        if self.state is not PluginState.CONNECTED or not self.optimizers:
+            raise RuntimeError("AmpatchPrecision.backward ran before connect(): the plugin initializes ampatch "
+                               "when the Trainer sets up its optimizers; use it through Trainer(plugins=[...]).")
+        opts = framework.raw_optimizer(optimizer) if optimizer is not None else self.optimizers
+        with amp.scale_loss(tensor, opts) as scaled:
+            model.backward(scaled, *args, **kwargs)
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        """Lightning's `on_after_backward` hooks, seeing the masters' grads on the model."""
+        with self._grads_for_hooks():
+            return super().post_backward(tensor, module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Run the closure (forward and scaled backward), the hooks and Lightning's clipping on
+        the masters, then the step (skipped by ampatch after an overflow). The closure cannot
+        go into `step(closure)`: its backward would bypass the loss scale."""
+        closure_result = closure()
+        with self._grads_for_hooks() as lent:
+            self._lent = lent
+            try:  # Lightning's own (Precision._after_closure): on_before_optimizer_step hooks, then clipping
+                self._after_closure(model, optimizer)
+            finally:
+                self._lent = None
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            return None  # training_step returned None: no backward, no step (as Lightning's own plugins)
+        return optimizer.step(**kwargs)
+
+    @contextlib.contextmanager
+    def _grads_for_hooks(self) -> Iterator[HookGrads | None]:
+        if not self._listens:
+            yield None
+            return
+        with HookGrads.lent_for(pairs_of(self.optimizers)) as lent:
+            yield lent
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        """Lightning's clipping, on the masters (`main_params`); the grads lent to the model for
+        the hooks go back first, with what the hooks changed in them."""
+        if self._lent is not None:
+            self._lent.close()
+        super().clip_gradients(optimizer, *args, **kwargs)
+
+    def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """The params the optimizer steps: the FP32 masters at O2/O5 (clip these)."""
+        return amp.master_params(framework.raw_optimizer(optimizer))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scaler (Apex's format), for Lightning's checkpoint."""
+        if self.state is not PluginState.CONNECTED or not self.optimizers:
+            return {}
+        return {"opt_level": self.facts.opt_level, "loss_scalers": amp.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the loss scaler of a checkpoint (kept until connect if it comes first)."""
+        if not state_dict:
+            return
+        if "loss_scalers" not in state_dict:
+            raise ValueError("AmpatchPrecision.load_state_dict: this checkpoint entry was not written by "
+                             f"AmpatchPrecision (keys {sorted(state_dict)}).")
+        if self.state is PluginState.CONNECTED:
+            self._load_scalers(state_dict)
+        else:
+            self._pending = state_dict
+
+    def _load_scalers(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("opt_level") != self.facts.opt_level:
+            logger.warning("ampatch: resuming an %s checkpoint at %s; its loss scale is loaded as it is.",
+                           state_dict.get("opt_level"), self.facts.opt_level)
+        amp.load_state_dict(state_dict["loss_scalers"])
+
+    # ------------------------------------------------------------------ end
+    def teardown(self) -> None:
+        """Undo the session: the model back in FP32 (the masters' values) on the device it is
+        on now, optimizers and torch as they were, schedulers and toggling unpatched."""
+        self._patches.restore_all()
+        if self.state is PluginState.CONNECTED:
+            amp.deinitialize()
+        self.optimizers = []
+        self._listens = False
+        self.state = PluginState.TORN_DOWN
+        super().teardown()
