@@ -210,6 +210,47 @@ def exception_after_backward(rank: int, level: str, half: torch.dtype) -> dict[s
     return out
 
 
+LOWMEM_MODES = ("stochastic", "kahan")
+
+
+def lowmem_ranks(rank: int, mode: str) -> dict[str, Any]:
+    """master_weights="stochastic"/"kahan" under DDP (issue 30). Each rank starts from its own
+    weights and its own global seed (`manual_seed(100 + rank)`): DDP's broadcast makes the
+    weights agree, and the first scale_loss must make the rounding generators (stochastic)
+    and the compensations (kahan) agree too, or the ranks drift apart. Rank 1 alone sees an
+    inf at INJECT_STEP: both skip. Then two micro-batches, the first under `no_sync()`."""
+    from ampatch.session.current import current
+    torch.manual_seed(100 + rank)
+    model, opt = _setup(Net("batch"), "O5", torch.bfloat16, lr=0.01, master_weights=mode)
+    ddp = DDP(model)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    masters = current().optimizers[0].masters
+    out: dict[str, Any] = {"steps": []}
+    for step in range(INF_STEPS + 2):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        if step >= INF_STEPS:  # accumulation: the first half without the all-reduce
+            with ddp.no_sync():
+                with amp.scale_loss(F.mse_loss(ddp(x[:4]), y[:4]) / 2, opt) as scaled:
+                    scaled.backward()
+            x, y = x[4:], y[4:]
+        loss = F.mse_loss(ddp(x), y) / (2 if step >= INF_STEPS else 1)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+            if step == INJECT_STEP and rank == 1:
+                with torch.no_grad():
+                    model.fc1.weight.grad[0, 0] = float("inf")
+        opt.step()
+        snap = _snapshot(model, opt)
+        snap["comp"] = [c.clone() for c in masters.comp.values()]
+        snap["rng"] = [g.get_state() for _, g in sorted(masters.generators.items(), key=lambda kv: str(kv[0]))]
+        out["steps"].append(snap)
+    out["skipped"] = list(amp.report().skipped_steps)
+    out["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    amp.deinitialize()
+    return out
+
+
 def initialize_after_ddp(rank: int) -> dict[str, Any]:
     """Wrapping first is the wrong order: initialize must refuse it."""
     model = Net("layer")
@@ -260,6 +301,8 @@ def run_all(rank: int, world: int) -> dict[str, Any]:
             results[f"no_sync/{name}/delay_unscale={delay}"] = no_sync_accumulation(rank, level, half, delay)
         results[f"exception/{name}"] = exception_keeps_grads(rank, level, half)
         results[f"exception_after_backward/{name}"] = exception_after_backward(rank, level, half)
+    for mode in LOWMEM_MODES:
+        results[f"lowmem/{mode}"] = lowmem_ranks(rank, mode)
     results["initialize_after_ddp"] = initialize_after_ddp(rank)
     results["process_groups"] = process_groups(rank, world)
     return results

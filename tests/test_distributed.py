@@ -12,7 +12,8 @@ bfloat16 with dynamic loss scaling:
   without `delay_unscale`, matches training on the whole batch;
 - an exception inside `scale_loss` puts the accumulated grads back unscaled;
 - `initialize` on a model already wrapped in DDP raises RuntimeError;
-- `initialize(process_group=...)` reduces the overflow flag over that group only.
+- `initialize(process_group=...)` reduces the overflow flag over that group only;
+- O5 with master_weights "stochastic"/"kahan": ranks seeded apart stay bit-identical.
 Plus examples/distributed.py under torchrun (marked slow: it starts three interpreters).
 """
 from __future__ import annotations
@@ -124,6 +125,24 @@ def test_exception_after_backward_leaves_unscaled_grads(ranks, config):
         for i, (one, three) in enumerate(zip(res["one"], res["three"])):
             torch.testing.assert_close(three, (2 if i < 2 else 3) * one, rtol=rtol, atol=1e-5)
         assert res["unchanged_after_inf"] and res["skipped"] == [0]
+
+
+@pytest.mark.parametrize("mode", worker.LOWMEM_MODES)
+def test_lowmem_modes_keep_ranks_identical(ranks, mode):
+    """master_weights="stochastic"/"kahan" (issue 30): ranks seeded differently end every step
+    bit-identical (weights, compensations, rounding generators), skip the same step, train."""
+    r0, r1 = (r[f"lowmem/{mode}"] for r in ranks)
+    assert r0["skipped"] == r1["skipped"] == [worker.INJECT_STEP]
+    for step, (a, b) in enumerate(zip(r0["steps"], r1["steps"])):
+        assert _same(a, b), f"ranks differ after step {step}"
+    steps = r0["steps"]
+    assert _same(steps[worker.INJECT_STEP], steps[worker.INJECT_STEP - 1])  # the skipped step
+    assert not _same(steps[-1]["params"], steps[0]["params"])
+    assert r0["param_dtypes"] == ["torch.bfloat16", "torch.float32"]
+    if mode == "kahan":
+        assert any(c.abs().sum() > 0 for c in steps[-1]["comp"])
+    else:
+        assert steps[-1]["rng"] and not _same(steps[-1]["rng"], steps[0]["rng"])
 
 
 def test_initialize_after_ddp_raises(ranks):

@@ -42,7 +42,9 @@ from typing import Any
 import torch
 
 from ..base.dtypes import LOW
+from ..config.values import MasterMode
 from .context import HandleContext, OptState, StepGuard
+from .lowmem import LOWMEM_KEY, LowMemMasters, check_lowmem_entry
 from .masters import MASTERS_KEY, Masters, Pair, add_grads, check_masters
 from ..base.notices import warn
 from ..patching import Patcher, disable_casts
@@ -68,8 +70,9 @@ def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) ->
 class OptimizerHandle:
     """One optimizer under mixed precision: its masters, its grads through scale_loss, its step.
 
-    `master_ids`: the params that get an FP32 master (None: no masters), made at once from
-    their current (FP32) values. `install` patches the optimizer's step, zero_grad,
+    `master_ids`: the params that get a master (None: no masters), made at once from their
+    current (FP32) values; `mode`: FP32 masters (`masters.Masters`) or a low-memory mode
+    ("stochastic"/"kahan": `lowmem.LowMemMasters`, which steps the optimizer in chunks). `install` patches the optimizer's step, zero_grad,
     add_param_group, state_dict and load_state_dict. Without a session:
 
         handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
@@ -97,10 +100,11 @@ class OptimizerHandle:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int = 0, master_ids: set[int] | None = None,
-                 context: HandleContext = HandleContext()) -> None:
+                 context: HandleContext = HandleContext(), mode: MasterMode = MasterMode.FP32) -> None:
         self.optimizer = optimizer
         self.index = index
-        self.masters = Masters(optimizer, master_ids)
+        self.masters = (LowMemMasters(optimizer, master_ids, mode) if mode.low_memory and master_ids is not None
+                        else Masters(optimizer, master_ids))
         self.use_masters = self.masters.enabled  # every unscale is checked, even at a static 1.0
         self._ctx = context
         self._guard: StepGuard | None = None
@@ -257,6 +261,8 @@ class OptimizerHandle:
         if self.settle_skip():
             return None
         self._steps += 1
+        if self.masters.steps_itself:  # stochastic/kahan: the optimizer steps a chunk at a time
+            return self._chunked_step(inner, closure, args, kwargs)
         pairs = list(self.pairs()) if self.use_masters else None  # one walk for the whole step
         if pairs:
             self.masters.move_grads(pairs)
@@ -269,6 +275,13 @@ class OptimizerHandle:
         if pairs:
             for _, m in pairs:
                 m.grad = None
+        self._stepped(skipped=False)
+        return out
+
+    def _chunked_step(self, inner: Callable, closure: Callable | None, args: tuple, kwargs: dict) -> Any:
+        self.masters.move_grads(list(self.pairs()))  # grads of a plain backward outside scale_loss
+        with disable_casts():
+            out = self.masters.step(inner, (closure, *args) if closure is not None else args, kwargs)
         self._stepped(skipped=False)
         return out
 
@@ -326,31 +339,34 @@ class OptimizerHandle:
     def _state_dict(self, inner: Callable) -> dict:
         sd = inner()
         if self.use_masters:
-            sd[MASTERS_KEY] = self.masters.saved()
+            sd.update(self.masters.checkpoint())
         return sd
 
     def _load_state_dict(self, inner: Callable, state_dict: dict) -> None:
         """Everything is checked before anything is loaded: a rejected checkpoint (another
         model's shapes, tampered masters) leaves the optimizer, its masters and the model as
         they were. Saved FP32 masters go into whatever this optimizer steps: its masters, or,
-        at a level without them (an O2 checkpoint resumed at O1), the model params themselves."""
+        at a level without them (an O2 checkpoint resumed at O1), the model params themselves.
+        The entry of master_weights "stochastic"/"kahan" (compensations, rounding generators)
+        is loaded where this session uses that mode."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
         state_dict = dict(state_dict)
         masters = state_dict.pop(MASTERS_KEY, None)
+        lowmem = state_dict.pop(LOWMEM_KEY, None)
         params = list(self.params())
         if masters is not None:
             check_masters(masters, params)
-        inner(state_dict)  # torch checks the param groups before it changes anything
+        if lowmem is not None:
+            check_lowmem_entry(lowmem, params)
+        with self.masters.loading():
+            inner(state_dict)  # torch checks the param groups before it changes anything
+        if lowmem is not None:
+            self.masters.load_lowmem(lowmem, params)
         if masters is None:
             return
-        with torch.no_grad():
-            for p, saved in zip(params, masters):
-                if saved is not None:
-                    p.copy_(saved)
-        if self.use_masters:
-            self.masters.copy_to_model()
-        elif any(saved is not None for saved in masters):
+        self.masters.take_saved(params, masters)
+        if not self.use_masters and any(saved is not None for saved in masters):
             logger.info("ampatch: the optimizer checkpoint's FP32 master weights were loaded into the model's "
                         "params (this session, %s, has no masters).", self._ctx.level or "its level")
 

@@ -9,6 +9,7 @@ move is `optimizer.OptimizerHandle`'s job.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -93,7 +94,11 @@ class Masters:
 
     `ids` names the params that get a master (made at once, from their current values);
     None means no masters at all (`enabled` is False: every param is its own master).
+    The low-memory modes ("stochastic", "kahan") are `lowmem.LowMemMasters`, which steps the
+    optimizer itself (`steps_itself`); these FP32 masters leave the step to the handle.
     """
+
+    steps_itself = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, ids: set[int] | None) -> None:
         self.optimizer = optimizer
@@ -238,6 +243,40 @@ class Masters:
             torch._foreach_mul_(new, inv_scale)
         add_grads(masters, new)
         return found_inf
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What `optimizer.state_dict()` carries besides torch's own entries."""
+        return {MASTERS_KEY: self.saved()}
+
+    def loading(self) -> contextlib.AbstractContextManager:
+        """The context torch's own `load_state_dict` runs in (nothing to arrange for FP32 masters)."""
+        return contextlib.nullcontext()
+
+    def take_saved(self, params: list[torch.Tensor], saved: list[torch.Tensor | None]) -> None:
+        """The checked masters of a checkpoint (`MASTERS_KEY`) into `params` (what the optimizer
+        steps, in order), then into the model."""
+        with torch.no_grad():
+            for p, value in zip(params, saved):
+                if value is not None:
+                    p.copy_(value)
+        if self.enabled:
+            self.copy_to_model()
+
+    def load_lowmem(self, entry: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """A checkpoint of master_weights 'stochastic'/'kahan' loaded here: its compensations and
+        rounding generators have no place in this session (the weights come with the model)."""
+        logger.info("ampatch: the optimizer checkpoint was saved with master_weights=%r; this session keeps %s, so "
+                    "its %s not loaded.", entry.get("mode"), "FP32 masters" if self.enabled else "no masters",
+                    "compensation is" if entry.get("mode") == "kahan" else "rounding generators are")
+
+    def footprint(self) -> tuple[int, int]:
+        """(params, bytes) of what the optimizer steps: each model weight plus its master."""
+        count = size = 0
+        for p in self.params():
+            mp = self.model_of.get(id(p), p)
+            count += mp.numel()
+            size += mp.numel() * mp.element_size() + (p.numel() * p.element_size() if mp is not p else 0)
+        return count, size
 
     def saved(self) -> list[torch.Tensor | None]:
         """The checkpoint entry (`MASTERS_KEY`): per param in param_groups order, its master or None."""

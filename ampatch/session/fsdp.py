@@ -22,6 +22,10 @@ What a level means for a sharded model:
   raises `ValueError`.
 - O3 (no master weights): the sharded parameters themselves become half; the optimizer
   steps half parameters and gradients are reduced in half.
+- master_weights "stochastic" / "kahan" are refused at `initialize` (ValueError naming the
+  alternatives): they step an optimizer over the model's own bfloat16 tensors a chunk at a
+  time, and under FSDP2 those are DTensor shards that FSDP2 itself re-registers; FSDP2's
+  O5 (sharded FP32 masters) already divides the masters' memory by the number of ranks.
 
 At O2/O3/O5 floating buffers (batch norms excepted with `keep_batchnorm_fp32`) go to half,
 forward inputs to half and outputs to FP32 (or `cast_model_outputs`), and
@@ -362,6 +366,11 @@ def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
     unsharded ones: returns the models' and the optimizers' handles (no model handles at
     O0/O1/O4, where the models are left alone; their outputs are `plain.wrap_model_outputs`'
     job). `kept`: the ids of the modules `keep_fp32` keeps and of those inside them."""
+    if props.master_mode.low_memory:
+        raise ValueError(f"master_weights={props.master_mode.value!r} is not supported on FSDP2-sharded models "
+                         "(fully_shard): use master_weights=True (O5: FSDP2 keeps sharded FP32 masters, their memory "
+                         "divided by the number of ranks), or replicate with DistributedDataParallel instead of "
+                         "fully_shard to keep the low-memory mode.")
     units = [_Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
     if props.casts_model and not all(u.modules for u in units):
         raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "

@@ -42,6 +42,11 @@ class Report:
     peak_memory_bytes: int = 0
     device: SessionDevice | None = None  # hardware.check_half: the device, its half dtype, native there?
     keep_fp32: list[str] = field(default_factory=list)  # the modules kept in FP32 (keep_fp32, AMPATCH_KEEP_FP32)
+    # what keeps the exact weights (config.values.MasterMode: "none", "fp32", "stochastic", "kahan"), and
+    # the bytes per trained parameter (those the optimizers step) of its weight plus master or compensation
+    master_weights: str = ""
+    trained_params: int = 0
+    bytes_per_param: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain numbers, strings, lists and dicts (the device as its fields)."""
@@ -99,6 +104,8 @@ class Report:
                  f"enabled={self.enabled}",
                  *([f"  device: {self.device.to_dict()['summary']}"] if self.device is not None else []),
                  *([f"  kept in FP32: {', '.join(n or '(the whole model)' for n in self.keep_fp32)}"] if self.keep_fp32 else []),
+                 *([f"  master weights: {self.master_weights}, {self.bytes_per_param:.2f} bytes per trained "
+                    f"parameter ({self.trained_params:,} parameters)"] if self.trained_params else []),
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
                  + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),
                  f"  cast cache: {self.cache['hits']} hits, {self.cache['misses']} misses",

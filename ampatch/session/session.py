@@ -259,7 +259,8 @@ class Session:
     def report(self) -> Report:
         self.resolve_pending()
         return self.telemetry.report(self.properties, {"hits": self.cache.hits, "misses": self.cache.misses},
-                                     self.scalers, self.device, [k.label for k in self.kept])
+                                     self.scalers, self.device, [k.label for k in self.kept],
+                                     [h.masters.footprint() for h in self.optimizers])
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

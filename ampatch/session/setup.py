@@ -28,7 +28,9 @@ __all__ = ["setup", "undo", "keep_forwards", "wrap_model_outputs"]
 def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
           patcher: Any, context: HandleContext = HandleContext(), kept: Collection[int] = frozenset(),
           first_index: int = 0) -> tuple[list[ModelHandle], list[OptimizerHandle]]:
-    """Masters made from the FP32 weights (O2/O5), then the models cast (O2/O3/O5); returns
+    """Masters made from the FP32 weights (O2/O5: FP32 copies; master_weights "stochastic" or
+    "kahan": aliases of the bfloat16 weights, with the compensation made from the FP32 values
+    for "kahan"), then the models cast (O2/O3/O5); returns
     the models' and the optimizers' handles (no model handles where the models are not
     cast). `kept`: the ids of the modules kept in FP32 and of those inside them;
     `first_index`: the first optimizer's index in its session. A failure
@@ -36,16 +38,19 @@ def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
     keep_bn = props.keep_batchnorm_fp32
     cast_ids = ({id(p) for m in models for p in params_to_cast(m, keep_bn, kept)} if props.casts_model
                 else set())
-    fp32_masters = props.master_mode is MasterMode.FP32
-    ids = [master_ids(opt, cast_ids) if fp32_masters else None for opt in optimizers]
-    if fp32_masters:
+    mode = props.master_mode
+    fp32_masters = mode is MasterMode.FP32
+    has_masters = fp32_masters or mode.low_memory
+    ids = [master_ids(opt, cast_ids) if has_masters else None for opt in optimizers]
+    if has_masters:
         check_one_master_each(optimizers, set().union(*ids) if ids else set())
     handles: list[OptimizerHandle] = []
     model_handles: list[ModelHandle] = []
     try:
         for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
-            handles.append(OptimizerHandle(opt, first_index + i, ids[i], context))
+            handles.append(OptimizerHandle(opt, first_index + i, ids[i], context, mode))
         if props.casts_model:
+            # the low-memory modes keep no FP32 values of the cast params (like O3): frozen ones included
             mastered = {pid for h in handles for pid in h.masters.master_of} if fp32_masters else None
             seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
             for m in models:

@@ -101,10 +101,13 @@ class Telemetry:
                     self._progress = None
 
     def report(self, properties: Properties, cache: dict[str, int], scalers: Sequence[LossScaler],
-               device: SessionDevice | None, kept: Sequence[str]) -> Report:
+               device: SessionDevice | None, kept: Sequence[str], footprints: Sequence[tuple[int, int]] = ()) -> Report:
         """The `Report` of a session: these counters with its `properties`, cast-cache
-        `{"hits", "misses"}`, loss scalers, device (`hardware.check_half`) and the labels of
-        the modules kept in FP32."""
+        `{"hits", "misses"}`, loss scalers, device (`hardware.check_half`), the labels of
+        the modules kept in FP32, and the optimizers' `(params, bytes)` footprints (weights
+        plus masters or compensations, `Masters.footprint`)."""
+        params = sum(n for n, _ in footprints)
+        size = sum(b for _, b in footprints)
         return Report(
             opt_level=properties.opt_level,
             half_dtype=properties.half_name,
@@ -123,6 +126,9 @@ class Telemetry:
             peak_memory_bytes=peak_memory_bytes(),
             device=device,
             keep_fp32=list(kept),
+            master_weights=properties.master_mode.value if properties.enabled else "",
+            trained_params=params,
+            bytes_per_param=size / params if params else 0.0,
         )
 
 

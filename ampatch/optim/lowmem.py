@@ -1,0 +1,419 @@
+"""bfloat16 training without FP32 master copies: `master_weights="stochastic"` and `"kahan"`.
+
+The model's bfloat16 weights are the only copy of the weights (plus, for "kahan", a bfloat16
+compensation per parameter holding what rounding to bfloat16 dropped). The optimizer, any
+`torch.optim` optimizer, still runs its arithmetic in FP32, on FP32 values that exist only
+while their chunk of parameters steps:
+
+- Each bfloat16 model parameter has a persistent master `nn.Parameter` in the optimizer's
+  param_groups (so the optimizer's state is keyed by objects that never change, and
+  `amp.master_params` yields them). Outside a step a master *aliases* its model parameter
+  (same storage, bfloat16, no extra bytes) and holds its grad, bfloat16 (moved there, not
+  copied, at `scale_loss` exit): clip `amp.master_params(optimizer)` as at O2/O5; the norm
+  is computed from bfloat16 grads.
+- `step` splits the params with grads into chunks of at most `chunk_numel` elements
+  (`rounding.CHUNK_NUMEL`). For each chunk: the masters' data become FP32 views of one flat
+  buffer (weight, plus compensation for "kahan"), their grads FP32 views of another; the
+  optimizer's step() runs with each param group narrowed to the chunk's members (groups
+  without any are left out for that call); the new FP32 values go back into the bfloat16
+  model weights, rounded stochastically (unbiased: small updates survive in expectation) or
+  to nearest with the remainder kept in the compensation; the masters alias the model again.
+  Params that are their own masters (FP32 ones: batch norm, keep_fp32) step with the first
+  chunk. Optimizer state is created and kept in FP32 (its dtype is not touched).
+- The step hooks of the optimizer (`register_step_pre_hook`, global ones too) run once per
+  step, not per chunk (`rounding.step_hooks_once`).
+
+Limits, by construction: the optimizer's step() is called once per chunk, so an optimizer
+must treat each parameter on its own (all of torch.optim's do, except LBFGS, which is
+refused: it re-evaluates a closure over all params); per-group counters an optimizer keeps
+itself would advance once per chunk, and params without a grad are not stepped (as
+torch.optim does). Gradient accumulation (several `scale_loss` before a step) adds in
+bfloat16, as a bfloat16 model's own backward does.
+
+Checkpoints: `optimizer.state_dict()` carries `LOWMEM_KEY` with the mode, the kahan
+compensations (one per param, None for params that are their own) and the stochastic
+rounding's generator states and seed, so a resumed run repeats bit for bit. Load the model's
+state dict before the optimizer's (a model load re-derives the compensation from the tensors
+it loads: zero for bfloat16 values). The generators are seeded from `torch.initial_seed()`
+(the script's `torch.manual_seed`) and never touch the global RNG.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config.values import MasterMode
+from .masters import Masters, Pair, add_grads, cast_state
+from .rounding import CHUNK_NUMEL, has_step_hooks, plan_chunks, step_hooks_once, stochastic_round_
+from .scaler import distributed, overflowed, unscale_
+
+logger = logging.getLogger("ampatch")
+
+__all__ = ["LowMemMasters", "LOWMEM_KEY", "check_lowmem_entry"]
+
+LOWMEM_KEY = "ampatch_lowmem"  # the low-memory masters' entry in an optimizer's state_dict()
+F32, BF16 = torch.float32, torch.bfloat16
+SEED_SALT = 0x5EED_A3C7  # the rounding stream differs from the script's own draws of the same seed
+
+
+def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
+    """The `LOWMEM_KEY` entry of an optimizer checkpoint fits `params` (checked before anything
+    is loaded): {"mode": str, "compensation": [None | tensor of the param's shape, ...] (kahan),
+    "rng": {device: uint8 state}, "seed": int (stochastic)}."""
+    bad = "it was not saved by ampatch's optimizer.state_dict(), or from another model. Nothing was loaded."
+    if not isinstance(entry, dict) or entry.get("mode") not in (m.value for m in MasterMode if m.low_memory):
+        raise ValueError(f"optimizer checkpoint: '{LOWMEM_KEY}' must be a dict with 'mode' 'stochastic' or 'kahan'; "
+                         + bad)
+    comp = entry.get("compensation")
+    if comp is not None:
+        if not isinstance(comp, (list, tuple)) or len(comp) != len(params):
+            raise ValueError(f"optimizer checkpoint: {len(comp) if isinstance(comp, (list, tuple)) else 'no list of'} "
+                             f"compensation entries for {len(params)} params; " + bad)
+        for i, (p, c) in enumerate(zip(params, comp)):
+            if c is not None and not (isinstance(c, torch.Tensor) and c.is_floating_point() and c.shape == p.shape):
+                raise ValueError(f"optimizer checkpoint: compensation {i} does not fit its param of shape "
+                                 f"{tuple(p.shape)}; " + bad)
+    rng = entry.get("rng", {})
+    if not isinstance(rng, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8
+                                            for k, v in rng.items()):
+        raise ValueError("optimizer checkpoint: the stochastic rounding's 'rng' must map device names to uint8 "
+                         "generator states; " + bad)
+    if not isinstance(entry.get("seed", 0), int):
+        raise ValueError("optimizer checkpoint: the stochastic rounding's 'seed' must be an int; " + bad)
+
+
+class LowMemMasters(Masters):
+    """The masters of one optimizer under "stochastic" or "kahan" (see the module docstring).
+    `ids`: the params that get one (bfloat16 model params, or FP32 ones about to be cast);
+    `seed`: of the stochastic rounding (default: from `torch.initial_seed()`)."""
+
+    steps_itself = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, ids: set[int], mode: MasterMode,
+                 seed: int | None = None) -> None:
+        if not mode.low_memory:
+            raise ValueError(f"LowMemMasters is for master_weights 'stochastic' or 'kahan', not {mode.value!r}.")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(f"master_weights={mode.value!r} steps the parameters a chunk at a time, and LBFGS needs "
+                             "all of them at once (it re-evaluates a closure over the whole model); use "
+                             "master_weights=True (FP32 masters) with LBFGS.")
+        self.mode = mode
+        self.chunk_numel = CHUNK_NUMEL
+        self.comp: dict[int, torch.Tensor] = {}     # id(master) -> bfloat16 compensation (kahan)
+        self.baseline: dict[int, float] = {}        # id(master) -> sum of the weight it was made for (kahan)
+        self.seed = (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
+        self.generators: dict[torch.device, torch.Generator] = {}
+        super().__init__(optimizer, ids)
+
+    # ------------------------------------------------------------------ making and aliasing
+    def make(self, p: torch.Tensor) -> torch.Tensor:
+        """The master of `p`: an alias of its weight (see `follow_model`), with, for "kahan", the
+        part of an FP32 `p` that bfloat16 drops as its compensation."""
+        if id(p) in self.master_of:
+            return self.master_of[id(p)]
+        if p.dtype not in (F32, BF16):
+            raise ValueError(f"master_weights={self.mode.value!r} keeps bfloat16 parameters, but this one (shape "
+                             f"{tuple(p.shape)}) is {p.dtype}; use master_weights=True for float16 or float64 params.")
+        with torch.no_grad():
+            master = nn.Parameter(p.detach(), requires_grad=p.requires_grad)  # an alias until the step
+            if self.mode is MasterMode.KAHAN:
+                w = p.detach().to(BF16)
+                self.comp[id(master)] = ((p.detach() - w.float()).to(BF16) if p.dtype == F32
+                                         else torch.zeros_like(w))
+                self.baseline[id(master)] = float(w.double().sum())
+        self.model_of[id(master)] = p
+        self.master_of[id(p)] = master
+        state = self.optimizer.state
+        if p in state:
+            state[master] = cast_state(state.pop(p), F32)
+        return master
+
+    def follow_model(self) -> None:
+        """Every master aliases its model param's current storage again (after the model cast
+        replaced the FP32 tensors, and at each step in case something else did)."""
+        for mp, m in self.pairs():
+            if m.data_ptr() != mp.data_ptr() or m.dtype != mp.dtype or m.shape != mp.shape:
+                m.data = mp.data
+
+    def recast_state(self) -> None:
+        """After the model was cast or restored: the masters follow it; their optimizer state
+        stays FP32 (the dtype the optimizer computes in), other params' state follows the param."""
+        self.follow_model()
+        state = self.optimizer.state
+        for p in list(state):
+            if isinstance(p, torch.Tensor):
+                state[p] = cast_state(state[p], F32 if id(p) in self.model_of else p.dtype)
+
+    def copy_to_model(self, pairs: list[Pair] | None = None) -> None:
+        """Nothing to copy: the masters are the model's weights (they alias them)."""
+        self.follow_model()
+
+    # ------------------------------------------------------------------ grads
+    def move_grads(self, pairs: list[Pair], inv_scale: float = 1.0, found_inf: torch.Tensor | None = None,
+                   check: bool = False) -> torch.Tensor | None:
+        """Model grads -> master grads, moved (no copy: they stay bfloat16), times `inv_scale`
+        in place and added to what is there; model grads -> None. With `check`, inf/NaN are
+        ORed into `found_inf` (returned)."""
+        masters, grads = [], []
+        for mp, m in pairs:
+            g = mp.grad
+            if g is not None:
+                mp.grad = None
+                if g.is_sparse:
+                    g = g.coalesce()
+                masters.append(m)
+                grads.append(g if g.dtype == m.dtype else g.to(m.dtype))
+        if not masters:
+            return found_inf
+        if check:
+            found_inf = unscale_(grads, inv_scale, found_inf)
+        elif inv_scale != 1.0:
+            torch._foreach_mul_(grads, inv_scale)
+        add_grads(masters, grads)
+        return found_inf
+
+    # ------------------------------------------------------------------ the step
+    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """One optimizer step, a chunk at a time (see the module docstring); `call(*args,
+        **kwargs)` is the optimizer's own step(), called once per chunk; returns what the
+        last call returned. A step that raises leaves the chunks before it stepped and the
+        raising chunk's values (as far as the optimizer got) in the model."""
+        kwargs = kwargs or {}
+        if args and callable(args[0]) or kwargs.get("closure") is not None:
+            raise NotImplementedError(f"optimizer.step(closure) is not supported with master_weights="
+                                      f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
+        self.follow_model()
+        own, work = [], []  # params that are their own masters; (model param, master) with a grad
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                mp = self.model_of.get(id(p))
+                if mp is None:
+                    own.append(p)
+                elif p.grad is not None:
+                    work.append((mp, p))
+        chunks = plan_chunks([m.numel() for _, m in work], self.chunk_numel) or [[]]
+        hooks = (step_hooks_once(self.optimizer, args, kwargs) if has_step_hooks(self.optimizer)
+                 else contextlib.nullcontext(lambda: (args, kwargs)))
+        out = None
+        with hooks as arguments:
+            for k, indices in enumerate(chunks):
+                chunk = [work[i] for i in indices]
+                members = {id(m) for _, m in chunk} | ({id(p) for p in own} if k == 0 else set())
+                lifted = self._lift(chunk)
+                try:
+                    with _narrowed(self.optimizer, members):
+                        a, kw = arguments()
+                        out = call(*a, **kw)
+                finally:
+                    self._lower(lifted)
+        return out
+
+    def _lift(self, chunk: list[Pair]) -> list[tuple[list[Pair], torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+        """The chunk's masters on FP32 views (values: weight [+ compensation]; grads: FP32),
+        one flat buffer per device for each. Returns what `_lower` needs."""
+        by_device: dict[torch.device, list[Pair]] = {}
+        for mp, m in chunk:
+            by_device.setdefault(mp.device, []).append((mp, m))
+        lifted = []
+        with torch.no_grad():
+            for device, items in by_device.items():
+                sizes = [m.numel() for _, m in items]
+                flat = torch.empty(sum(sizes), dtype=F32, device=device)
+                gflat = torch.empty(sum(sizes), dtype=F32, device=device)
+                views = [v.view(m.shape) for v, (_, m) in zip(flat.split(sizes), items)]
+                gviews = [v.view(m.shape) for v, (_, m) in zip(gflat.split(sizes), items)]
+                torch._foreach_copy_(views, [mp for mp, _ in items])
+                if self.comp:
+                    torch._foreach_add_(views, [self.comp[id(m)] for _, m in items])
+                dense = [i for i, (_, m) in enumerate(items) if not m.grad.is_sparse]
+                if dense:
+                    torch._foreach_copy_([gviews[i] for i in dense], [items[i][1].grad for i in dense])
+                for (_, m), v, gv in zip(items, views, gviews):
+                    g = m.grad
+                    m.grad = None
+                    m.data = v
+                    m.grad = g.to(F32) if g.is_sparse else gv
+                lifted.append((items, flat, gflat, views))
+        return lifted
+
+    def _lower(self, lifted: list[tuple[list[Pair], torch.Tensor, torch.Tensor, list[torch.Tensor]]]) -> None:
+        """The chunk's new FP32 values back into the bfloat16 weights (and compensations); the
+        masters alias the model again, without grads."""
+        with torch.no_grad():
+            for items, flat, gflat, views in lifted:
+                model = [mp for mp, _ in items]
+                if self.mode is MasterMode.STOCHASTIC:
+                    stochastic_round_(flat, gflat, self.generator(flat.device))
+                    torch._foreach_copy_(model, views)  # exact: the low bits are zero
+                else:
+                    torch._foreach_copy_(model, views)  # to nearest
+                    torch._foreach_sub_(views, model)   # what rounding dropped (exact in FP32)
+                    torch._foreach_copy_([self.comp[id(m)] for _, m in items], views)
+                for mp, m in items:
+                    m.grad = None
+                    m.data = mp.data
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The stochastic rounding's generator on `device` (made on first use from `seed`)."""
+        g = self.generators.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self.generators[device] = g
+        return g
+
+    # ------------------------------------------------------------------ ranks, checkpoints
+    def agree(self, process_group: Any) -> None:
+        """Under torch.distributed, at the first scale_loss: every rank takes rank 0's rounding
+        generators (the ranks' weights stay identical only if they round alike); and if on any
+        rank a weight changed since its compensation was made (DDP broadcast rank 0's weights
+        into the model), every rank drops its compensation."""
+        pairs = list(self.pairs())
+        if not pairs or not distributed(process_group):
+            return
+        device = pairs[0][0].device
+        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        with torch.no_grad():
+            if self.mode is MasterMode.STOCHASTIC:
+                seed = torch.tensor([self.seed], dtype=torch.int64, device=device)
+                dist.broadcast(seed, src=src, group=process_group)
+                self.seed = int(seed.item())
+                for d in sorted({mp.device for mp, _ in pairs} | set(self.generators), key=str):
+                    state = self.generator(d).get_state()
+                    moved = state.to(device)
+                    dist.broadcast(moved, src=src, group=process_group)
+                    self.generators[d].set_state(moved.cpu())
+                return
+            stale = any(abs(float(mp.detach().double().sum()) - self.baseline[id(m)]) > 1e-6 * (1 + abs(self.baseline[id(m)]))
+                        for mp, m in pairs if id(m) in self.baseline)
+            if overflowed(torch.full((), float(stale), device=device), process_group):  # MAX: any rank
+                for c in self.comp.values():
+                    c.zero_()
+                logger.info("ampatch: the kahan compensations were dropped on every rank (the ranks' weights "
+                            "differed when amp.initialize made them); seed every rank alike to keep the FP32 "
+                            "initial weights.")
+            self._note_baseline(m for _, m in pairs)
+
+    def _note_baseline(self, masters: Iterable[torch.Tensor]) -> None:
+        for m in masters:
+            if id(m) in self.comp:
+                self.baseline[id(m)] = float(self.model_of[id(m)].detach().double().sum())
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The entry `optimizer.state_dict()` carries (`LOWMEM_KEY`, see `check_lowmem_entry`)."""
+        entry: dict[str, Any] = {"mode": self.mode.value}
+        if self.mode is MasterMode.KAHAN:
+            entry["compensation"] = [self.comp[id(p)].detach().clone() if id(p) in self.comp else None
+                                     for p in self.params()]
+        else:
+            entry["seed"] = self.seed
+            entry["rng"] = {str(d): g.get_state() for d, g in self.generators.items()}
+        return {LOWMEM_KEY: entry}
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """While torch's `load_state_dict` runs: the masters read as FP32 (zero-stride
+        placeholders, no memory), so torch loads their state in FP32 instead of casting it to
+        bfloat16; then they alias the model again."""
+        try:
+            for _, m in self.pairs():
+                m.data = torch.empty((), dtype=F32, device=m.device).expand(m.shape)
+            yield
+        finally:
+            self.follow_model()
+
+    def take_saved(self, params: list[torch.Tensor], saved: list[torch.Tensor | None]) -> None:
+        """FP32 masters of an O2/O5 checkpoint: the weight takes each rounded to nearest, the
+        compensation (kahan) the rest."""
+        self.follow_model()
+        with torch.no_grad():
+            for p, value in zip(params, saved):
+                if value is None:
+                    continue
+                p.copy_(value)
+                if id(p) in self.comp:
+                    self.comp[id(p)].copy_(value.to(p.device, F32) - p.float())
+        self._note_baseline(p for p, v in zip(params, saved) if v is not None)
+
+    def load_lowmem(self, entry: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """The checked `LOWMEM_KEY` entry of a checkpoint: compensations and generator states."""
+        if entry["mode"] != self.mode.value:
+            logger.info("ampatch: the optimizer checkpoint was saved with master_weights=%r, this session uses %r: "
+                        "its %s not loaded.", entry["mode"], self.mode.value,
+                        "compensation is" if entry["mode"] == "kahan" else "rounding generators are")
+        comp = entry.get("compensation")
+        if comp is not None and self.mode is MasterMode.KAHAN:
+            with torch.no_grad():
+                for p, c in zip(params, comp):
+                    if c is not None and id(p) in self.comp:
+                        self.comp[id(p)].copy_(c)
+            self._note_baseline(params)
+        if self.mode is MasterMode.STOCHASTIC and entry["mode"] == self.mode.value:
+            self.seed = int(entry.get("seed", self.seed))
+            self.generators.clear()
+            for name, state in entry.get("rng", {}).items():
+                self.generator(torch.device(name)).set_state(state.cpu())
+
+    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
+                          params: list[torch.Tensor] | None = None) -> None:
+        """After `model.load_state_dict`: the masters alias the loaded weights; a compensation
+        takes what the loaded tensor has beyond its bfloat16 rounding (zero for a bfloat16
+        checkpoint, the exact remainder for an FP32 one)."""
+        self.follow_model()
+        if self.mode is not MasterMode.KAHAN or not incoming:
+            return
+        with torch.no_grad():
+            for mp in (params if params is not None else [mp for mp, _ in self.pairs()]):
+                m, src = self.master_of.get(id(mp)), incoming.get(id(mp))
+                if m is not None and src is not None:
+                    self.comp[id(m)].copy_(src.to(mp.device, F32) - mp.float())
+                    self._note_baseline([m])
+
+    def unswap(self) -> dict[int, torch.Tensor]:
+        """Model params back into param_groups; returns, by model param id, the values the
+        model is restored from: weight + compensation in FP32 (kahan), nothing (stochastic:
+        the weight is the value)."""
+        values = {}
+        if self.mode is MasterMode.KAHAN:
+            with torch.no_grad():
+                values = {id(mp): mp.float() + self.comp[id(m)].float() for mp, m in self.pairs()}
+        super().unswap()
+        return values
+
+    def footprint(self) -> tuple[int, int]:
+        """(params, bytes) of what the optimizer steps: weights plus compensations."""
+        count = size = 0
+        for p in self.params():
+            mp = self.model_of.get(id(p), p)  # a master aliases its weight: no bytes of its own
+            count += mp.numel()
+            size += mp.numel() * mp.element_size()
+        return count, size + sum(c.numel() * c.element_size() for c in self.comp.values())
+
+
+@contextlib.contextmanager
+def _narrowed(opt: torch.optim.Optimizer, members: set[int]) -> Iterator[None]:
+    """Each param group of `opt` holds only the params in `members` (ids), and groups left
+    empty are out of `param_groups`, for one step() call; everything back after (the same
+    list and dict objects: what the optimizer wrote into a group stays)."""
+    groups = opt.param_groups
+    everything = list(groups)
+    saved = [g["params"] for g in everything]
+    kept = []
+    for g in everything:
+        sub = [p for p in g["params"] if id(p) in members]
+        if sub:
+            g["params"] = sub
+            kept.append(g)
+    groups[:] = kept
+    try:
+        yield
+    finally:
+        groups[:] = everything
+        for g, params in zip(everything, saved):
+            g["params"] = params

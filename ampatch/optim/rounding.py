@@ -1,0 +1,101 @@
+"""The arithmetic of the low-memory master modes, apart from their bookkeeping (`lowmem`).
+
+- `stochastic_round_`: an FP32 buffer rounded, in place, to values bfloat16 holds exactly,
+  up or down with probabilities that make the rounding unbiased (E[round(x)] = x), from a
+  `torch.Generator` of the caller's (never the global RNG);
+- `plan_chunks`: which parameters step together, so the transient FP32 copies of a step
+  never exist for all parameters at once;
+- `step_hooks_once`: an optimizer stepped once per chunk still runs its step hooks once.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+__all__ = ["stochastic_round_", "plan_chunks", "step_hooks_once", "has_step_hooks", "CHUNK_NUMEL"]
+
+# Parameter elements stepped together: each chunk costs 8 bytes per element while it steps
+# (its FP32 values and FP32 grads) plus what the optimizer makes on the side; 4M elements keep
+# that under ~50 MiB, and big enough that the per-chunk cost (one optimizer.step() call) is small.
+CHUNK_NUMEL = 1 << 22
+
+_LOW_BITS = 1 << 16      # the FP32 bits bfloat16 drops: the low half of the word
+_HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32
+
+
+def stochastic_round_(flat: torch.Tensor, noise: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Round the FP32 values of `flat` (1-D, contiguous) in place to bfloat16-exact values,
+    stochastically: uniform random bits are added below bfloat16's last bit, then the low half
+    of each word is cleared, so x goes up one bfloat16 ulp with probability (dropped part /
+    ulp). Works on the sign-magnitude bits, so negative values round symmetrically; a value
+    that rounds past the largest finite bfloat16 becomes inf, as round-to-nearest would.
+    `noise`: a scratch buffer of at least `flat.numel()` 4-byte elements (overwritten).
+    Returns `flat`, whose `.to(torch.bfloat16)` is now exact."""
+    n = flat.numel()
+    bits = flat.view(torch.int32)
+    r = noise.view(-1)[:n].view(torch.int32)
+    r.random_(0, _LOW_BITS, generator=generator)
+    bits.add_(r).bitwise_and_(_HIGH_MASK)
+    return flat
+
+
+def plan_chunks(sizes: Sequence[int], budget: int = CHUNK_NUMEL) -> list[list[int]]:
+    """Indices of `sizes` (element counts, in stepping order) split into consecutive chunks of
+    at most `budget` elements each; a single size over the budget is a chunk of its own."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if current and total + n > budget:
+            chunks.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+@contextlib.contextmanager
+def step_hooks_once(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Iterator[Callable[[], tuple]]:
+    """Around several calls of `opt.step()` that together make one step: the optimizer's step
+    pre-hooks (global and its own, `register_step_pre_hook`) run once before, the post-hooks
+    once after, and none inside (each call would run them, seeing one chunk). Yields a
+    function returning the (args, kwargs) the pre-hooks left, for the calls inside.
+
+    The global hooks are process-wide: another thread stepping an optimizer meanwhile would
+    not run them (ampatch steps with casts disabled on this thread only; this is the one
+    place a step touches process state)."""
+    pre_own, post_own = opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks
+    pre_global, post_global = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks
+    full_args = (opt, *args)
+    for hook in (*pre_global.values(), *pre_own.values()):
+        result = hook(opt, full_args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"an optimizer step pre-hook must return None or (args, kwargs), got {result!r}.")
+            full_args, kwargs = result
+    saved = {name: dict(d) for name, d in (("pre_own", pre_own), ("post_own", post_own),
+                                             ("pre_global", pre_global), ("post_global", post_global))}
+    for d in (pre_own, post_own, pre_global, post_global):
+        d.clear()
+    try:
+        yield lambda: (tuple(full_args[1:]), kwargs)
+    finally:
+        for d, name in ((pre_own, "pre_own"), (post_own, "post_own"), (pre_global, "pre_global"),
+                        (post_global, "post_global")):
+            added = dict(d)  # hooks registered during the step stay registered
+            d.clear()
+            d.update(saved[name])
+            d.update(added)
+    for hook in (*post_own.values(), *post_global.values()):
+        hook(opt, full_args, kwargs)
+
+
+def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether any step hook would run for `opt` (the common case has none: no bookkeeping)."""
+    return bool(getattr(opt, "_optimizer_step_pre_hooks", None) or getattr(opt, "_optimizer_step_post_hooks", None)
+                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+
