@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from _reports import report
 
 from ampatch.compare.rows import summarize
 from ampatch.runs.runner import LevelRun
-from ampatch.runs.deviation import deviation, initial_backoffs
+from ampatch.runs.deviation import MIN_FALL, Basis, Reference, deviation, initial_backoffs, learned, losses_per_step, unsound
 
 
 def _curve(n: int, start: float = 10.0) -> list[float]:
@@ -61,3 +62,61 @@ def test_thinned_curves_compare_after_an_odd_number_of_backoffs():
     thin = lambda c: {s: c[s] for s in range(0, len(c), 2)}  # noqa: E731
     dev = deviation(thin(half), thin(o0), skipped=[0])
     assert dev is not None and dev < 1e-3
+
+
+def _fine_tuning(n: int = 40, level: float = 9.0, fall: float = 0.12) -> list[float]:
+    """A fine-tuning curve: high and falling little against its level (by `fall` over the run)."""
+    return [level + fall * (1 - i / (n - 1)) for i in range(n)]
+
+
+def test_a_run_that_learns_nothing_is_far_off_relative_to_what_O0_learns():
+    """O0 falls 0.12 from 9.12 (1.3% of its level); a stalled run stays where it started. Relative
+    to the level (the old measure) it was 'within 1.3%'; relative to O0's progress it is ~100%,
+    and it learns none of what O0 learns."""
+    o0 = _fine_tuning()
+    stalled = [o0[0]] * len(o0)
+    ref = Reference.of(dict(enumerate(o0)))
+    assert ref.basis is Basis.PROGRESS and ref.progress == pytest.approx(0.12 * 35 / 39)
+    old = max(abs(a - b) / b for a, b in zip(stalled, o0))
+    assert old < 0.02                                                   # what tune used to accept
+    assert deviation(dict(enumerate(stalled)), ref) > 0.9
+    assert learned(dict(enumerate(stalled)), ref) == pytest.approx(0, abs=1e-9)
+    assert learned(dict(enumerate(o0)), ref) == pytest.approx(1) and deviation(dict(enumerate(o0)), ref) == 0
+    half_as_fast = [9.0 + 0.12 * (1 - i / 78) for i in range(40)]
+    assert learned(dict(enumerate(half_as_fast)), ref) == pytest.approx(0.5, rel=0.01)
+
+
+def test_a_curve_that_does_not_fall_is_measured_against_its_level():
+    flat = {i: 2.0 for i in range(20)}
+    assert Reference.of(flat).basis is Basis.LEVEL
+    assert deviation({i: 2.02 for i in range(20)}, flat) == pytest.approx(0.01)
+    assert learned({i: 2.02 for i in range(20)}, flat) is None           # nothing to learn a share of
+    # a fall within the curve's own step-to-step noise is no progress either
+    rng = random.Random(4)
+    noisy = {i: 5.0 - 0.004 * i + rng.gauss(0, 0.3) for i in range(20)}
+    ref = Reference.of(noisy)
+    assert ref.progress > MIN_FALL * 5.0 and ref.basis is Basis.LEVEL and "standard errors" in ref.describe()
+
+
+def test_under_gradient_accumulation_the_backoffs_shift_whole_optimizer_steps():
+    """4 micro-batches (4 losses) per optimizer step; the scaler skipped optimizer step 0: the run
+    is O0's curve 4 loss entries late, not 1."""
+    o0 = _curve(80, start=5.0)
+    late = o0[:4] + o0[:76]
+    assert deviation(dict(enumerate(late)), dict(enumerate(o0)), skipped=[0], per_step=4) == pytest.approx(0, abs=1e-12)
+    assert deviation(dict(enumerate(late)), dict(enumerate(o0)), skipped=[0], per_step=1) > 0.05
+    runs = [LevelRun("O0", True, None, 0, 1.0, report({"opt_level": "O0", "losses": o0, "steps": 20})),
+            LevelRun("O2", True, None, 0, 1.0, report({"opt_level": "O2", "losses": late, "steps": 20,
+                                                       "skipped_steps": [0]}))]
+    _, o2 = summarize(runs)
+    assert o2.losses_per_step == 4 and o2.max_loss_dev_vs_O0 == pytest.approx(0, abs=1e-12)
+    assert losses_per_step(80, 20) == 4 and losses_per_step(20, 20) == 1 and losses_per_step(5, 0) == 1
+
+
+def test_a_reference_that_is_not_finite_or_diverges_is_unsound():
+    assert unsound(dict(enumerate(_curve(10)))) is None
+    assert "not finite from step 3" in unsound({0: 2.0, 1: 1.9, 2: 1.8, 3: math.nan, 4: math.nan})
+    assert "not finite from step 1" in unsound({0: 2.0, 1: 2.0, 2: 2.0, 3: 2.0, 4: math.inf, 5: 1.0}, per_step=4)
+    rising = {i: 2.0 * 1.05 ** i for i in range(20)}
+    assert "diverges" in unsound(rising)
+    assert unsound({i: 2.0 + 0.01 * i for i in range(20)}) is None       # rising a little is not diverging

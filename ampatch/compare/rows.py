@@ -2,8 +2,9 @@
 
 A `Row` is built once from a `LevelRun` (and the baseline's row) and never changed: median
 step time (warm-up skipped), speed-up over O0, first and final loss, the deviation of the loss
-curve from O0's (`ampatch.runs.deviation`: relative, the loss scaler's initial back-offs shifted
-out), peak memory, skipped steps and the final loss scale.
+curve from O0's and the share of O0's progress it makes (`ampatch.runs.deviation`: relative to
+what O0 learns over the run, the loss scaler's initial back-offs shifted out), peak memory,
+skipped steps and the final loss scale.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampatch.runs.deviation import deviation
+from ampatch.runs.deviation import Reference, deviation, learned, losses_per_step
 from ampatch.runs.runner import LevelRun
 from ampatch.session.report import Report
 
@@ -58,6 +59,8 @@ class Row(LevelRun):
     final_loss_scale: float | None
     speedup_vs_O0: float | None
     max_loss_dev_vs_O0: float | None
+    learned_vs_O0: float | None = None     # the share of O0's progress it makes (None: O0's loss does not fall)
+    losses_per_step: int = 1               # scale_loss calls per optimizer step (gradient accumulation)
 
     @classmethod
     def of(cls, run: LevelRun, baseline: Row | None = None, upto: int | None = None) -> Row:
@@ -74,9 +77,11 @@ class Row(LevelRun):
         median_ms = 1000 * statistics.median(steady) if steady else None
         tail = list(at.values())[-FINAL_LOSS_WINDOW:]
         base = baseline if baseline is not None and baseline.ok else None
-        base_at = losses_by_step(base.losses, base.losses_every, upto) if base else {}
+        ref = base.reference(upto) if base else None
         skipped = list(rep.skipped_steps)
-        dev = deviation(at, base_at, skipped) if base else None
+        per_step = losses_per_step(len(losses) * every, run.report.steps if run.report is not None else None)
+        dev = deviation(at, ref, skipped, per_step=per_step) if ref else None
+        share = learned(at, ref, skipped, per_step=per_step) if ref else None
         return cls(
             level=run.level, ok=run.ok, error=run.error, returncode=run.returncode, wall_s=run.wall_s,
             report=run.report,
@@ -92,7 +97,11 @@ class Row(LevelRun):
             skipped_steps=skipped,
             final_loss_scale=rep.loss_scale.get("loss_scaler0"),
             speedup_vs_O0=base.median_step_ms / median_ms if base and base.median_step_ms and median_ms else None,
-            max_loss_dev_vs_O0=dev)
+            max_loss_dev_vs_O0=dev, learned_vs_O0=share, losses_per_step=per_step)
+
+    def reference(self, upto: int | None = None) -> Reference:
+        """This (O0's) curve, before step `upto`, as the reference other runs are measured against."""
+        return Reference.of(losses_by_step(self.losses, self.losses_every, upto))
 
     def to_dict(self) -> dict[str, Any]:
         """The row as ``--json`` writes it (its report as `Report.to_dict` gives it)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from ampatch.base import hardware
 from ampatch.base.device_text import machine_line, slow_half_note
-from ampatch.compare.rows import FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
+from ampatch.compare.rows import BASELINE, FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
 from ampatch.runs.deviation import WINDOW
 
 # (heading, Row attribute, format)
@@ -52,12 +52,18 @@ def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
             f"step ms: median wall time per optimizer step, first {WARMUP_FRACTION:.0%} "
             "of steps skipped as warm-up; speed-up is relative to O0.",
             f"first loss: the first step's; final loss: mean of the last {FINAL_LOSS_WINDOW} losses (all, if fewer); "
-            f"max dev: largest relative gap between the loss curve and O0's ({WINDOW}-step means, compared update for update "
-            "after the loss scaler's initial back-offs; see ampatch.runs.deviation).",
+            f"max dev: largest gap between the loss curve and O0's ({WINDOW}-step means, compared update for update "
+            f"after the loss scaler's initial back-offs), {deviation_basis(rows)}; see ampatch.runs.deviation.",
             "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS."]
     out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
             for n in notes if n]
     return "\n".join(out)
+
+
+def deviation_basis(rows: Sequence[Row]) -> str:
+    """What the "max dev" column is relative to: O0's progress over the run, or its level."""
+    base = next((r for r in rows if r.level == BASELINE and r.ok), None)
+    return base.reference().describe() if base is not None else "relative to O0's (no O0 row here)"
 
 
 def interrupted_note(rows: Sequence[Row], levels: Sequence[str]) -> str:
