@@ -1,6 +1,7 @@
-"""What the Trainer plugin and the Fabric plugin share: the level they initialize at, what
-the running session does to batches and step code, and the FP32 masters seen from the
-model's side (grads for hooks, `requires_grad` for toggling).
+"""What the Trainer plugin and the Fabric plugin share: their state, what the running
+session does to batches and step code, and the FP32 masters seen from the model's side
+(grads for hooks, `requires_grad` for toggling). The level they initialize at is
+`config.integration.LevelChoice` (the Trainer integration of transformers uses it too).
 """
 from __future__ import annotations
 
@@ -12,16 +13,12 @@ from typing import Any
 
 import torch
 
+from ..config.integration import DEFAULT_LEVEL, LevelChoice
 from ..model.default_dtype import default_dtype
 from ..model.forwards import cast_tree
 from ..session.current import current
 
-__all__ = ["DEFAULT_LEVEL", "RESERVED", "PluginState", "LevelChoice", "Facts", "pairs_of", "HookGrads",
-           "sync_requires_grad"]
-
-DEFAULT_LEVEL = "O2"  # no level and no policy: half weights, FP32 masters, dynamic loss scale
-# Keywords the plugins decide themselves: the model and optimizers come from the framework.
-RESERVED = ("models", "optimizers")
+__all__ = ["DEFAULT_LEVEL", "PluginState", "LevelChoice", "Facts", "pairs_of", "HookGrads", "sync_requires_grad"]
 
 
 class PluginState(Enum):
@@ -29,34 +26,6 @@ class PluginState(Enum):
     IDLE = "idle"
     CONNECTED = "connected"
     TORN_DOWN = "torn down"
-
-
-class LevelChoice:
-    """The `amp.initialize` keywords of a plugin: `opt_level` when given; with only `policy=`,
-    the policy's level (the policy's fields fill what is not given explicitly); with
-    neither, `DEFAULT_LEVEL`."""
-
-    def __init__(self, who: str, opt_level: str | None, policy: Any, initialize_kwargs: dict[str, Any]) -> None:
-        if opt_level is not None and not isinstance(opt_level, str):
-            raise TypeError(f"{who}(opt_level) takes a level name such as 'O2' (or None: the policy's level, else "
-                            f"{DEFAULT_LEVEL}), got {opt_level!r}.")
-        for name in RESERVED:
-            if name in initialize_kwargs:
-                raise TypeError(f"{who} got {name}=: the framework passes the model and optimizers to the plugin; "
-                                "give only amp.initialize's other keywords.")
-        self.opt_level, self.policy = opt_level, policy
-        self.extra = dict(initialize_kwargs)
-
-    def keywords(self) -> dict[str, Any]:
-        """The keywords for `amp.initialize` (besides the models and optimizers)."""
-        out = dict(self.extra)
-        if self.opt_level is not None:
-            out["opt_level"] = self.opt_level
-        elif self.policy is None:
-            out["opt_level"] = DEFAULT_LEVEL
-        if self.policy is not None:
-            out["policy"] = self.policy
-        return out
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,18 @@
-"""Transformers 5.x: ampatch's opt levels for the Hugging Face `Trainer`.
+"""`AmpatchTrainerMixin` (ampatch inside any `transformers.Trainer` class) and
+`AmpatchTrainer` (the mixin on `Trainer` itself).
 
-    trainer = AmpatchTrainer(model=model, args=args, train_dataset=ds, opt_level="O2")
+The hooks are the Trainer's own methods, as in Transformers 5.23:
 
-Transformers dropped Apex (`half_precision_backend="apex"`); its `fp16`/`bf16` switches are
-autocast, with no FP32 masters. `AmpatchTrainer` is a drop-in `transformers.Trainer` that
-runs `amp.initialize`/`amp.scale_loss` inside the Trainer's own loop:
-
-- the optimizer the Trainer creates (or the one passed in) and the model are initialized
-  in `create_optimizer`, before Accelerate prepares (and, distributed, wraps) them;
-- the loss is scaled around the Trainer's backward (`accelerator.backward`);
-- clipping (`max_grad_norm`) and the logged grad norm use the FP32 masters; gradient
-  accumulation goes through `scale_loss` micro-batch by micro-batch, as in a hand loop;
-- a skipped step (overflow) does not advance the LR scheduler (`lr_guard`);
-- checkpoints hold the FP32 model, the optimizer with its masters, and the loss scaler
-  (`ampatch.pt`), so `train(resume_from_checkpoint=...)` continues where it stopped;
-- when `train()` returns, the session is undone: the model is FP32 (the masters' values).
-
-`TrainingArguments(fp16=True)` or `bf16=True` is refused: two mixed-precision schemes at
-once. Imported only by who uses it (never by `import ampatch`).
+- `create_optimizer`: the Trainer's optimizer (or the one passed in), then `amp.initialize`
+  on it and the bare model, before Accelerate prepares (and, distributed, wraps) them; the
+  accelerator's `backward` runs inside `amp.scale_loss`;
+- `create_scheduler`: the scheduler holds still after a skipped step (held once, however
+  often the Trainer asks: `auto_find_batch_size` retries, a scheduler passed in);
+- `_clip_grad_norm`/`_get_grad_norm`: on the FP32 masters;
+- `_save/_load_optimizer_and_scheduler`: the loss scaler beside the optimizer (`ampatch.pt`);
+- `_load_best_model` (`load_best_model_at_end=True`): the best checkpoint's weights are the
+  half values cast up; its optimizer state holds the exact masters, loaded too;
+- `train`: afterwards the session is undone (the model FP32, the masters' values).
 """
 from __future__ import annotations
 
@@ -29,33 +24,25 @@ import torch
 
 import ampatch as amp
 
-from .optim import scheduler_guard as lr_guard
-from .patching import Patcher
+from ..config.integration import LevelChoice
+from ..config.values import MasterMode
+from ..optim import scheduler_guard as lr_guard
+from ..patching import Patcher
+from ..session.current import current
+from .checks import check_accelerator, check_args, check_environment
 
 try:
     import transformers
+    from transformers.trainer import OPTIMIZER_NAME
 except ImportError as exc:
     raise ImportError("ampatch.huggingface needs transformers 5.x: pip install 'ampatch[integrations]' "
                       "(or pip install transformers accelerate).") from exc
 
 logger = logging.getLogger("ampatch")
 
+__all__ = ["AmpatchTrainerMixin", "AmpatchTrainer", "SCALER_FILE"]
+
 SCALER_FILE = "ampatch.pt"  # the loss scaler's state, beside the Trainer's optimizer.pt
-
-
-def check_args(args: Any) -> None:
-    """Refuse TrainingArguments that turn on the Trainer's own mixed precision or a backend
-    whose optimizer step ampatch cannot see."""
-    if args is None:
-        return
-    on = [name for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(args, name, False)]
-    if on:
-        raise ValueError(f"AmpatchTrainer got TrainingArguments({'=True, '.join(on)}=True): that is the Trainer's "
-                         "own mixed precision (autocast) on top of ampatch's, two AMPs at once. Leave them False "
-                         "and choose the precision with opt_level (O4/O5 for bfloat16).")
-    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-        raise ValueError("AmpatchTrainer does not run with DeepSpeed or FSDP (they own the optimizer step and "
-                         "its precision); use the plain Trainer with their mixed-precision settings.")
 
 
 def _bare(optimizer: Any) -> torch.optim.Optimizer:
@@ -64,31 +51,29 @@ def _bare(optimizer: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-class AmpatchTrainer(transformers.Trainer):
-    """`transformers.Trainer` at an ampatch `opt_level` (O0-O5).
+class AmpatchTrainerMixin:
+    """ampatch inside a `transformers.Trainer` class, placed before it:
+    `class MySeq2SeqTrainer(AmpatchTrainerMixin, Seq2SeqTrainer)`.
 
-    `policy` (the file `ampatch tune` writes) and `initialize_kwargs` (any other
-    `amp.initialize` keyword: `half_dtype`, `loss_scale`, `keep_fp32`, ...) go to
-    `amp.initialize`; every other argument is the Trainer's.
-    """
+    Three keywords besides the Trainer's: `opt_level` (O0-O5; None: the policy's level, else
+    O2), `policy` (the file `ampatch tune` writes) and `initialize_kwargs` (any other
+    `amp.initialize` keyword: `half_dtype`, `loss_scale`, `keep_fp32`, ...)."""
 
-    def __init__(self, *args: Any, opt_level: str = "O2", policy: Any = None,
+    def __init__(self, *args: Any, opt_level: str | None = None, policy: Any = None,
                  initialize_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if not isinstance(opt_level, str):
-            raise TypeError(f"AmpatchTrainer(opt_level) takes a level name such as 'O2', got {opt_level!r}.")
-        check_args(kwargs.get("args", args[1] if len(args) > 1 else None))
+        mro = type(self).__mro__
+        if transformers.Trainer not in mro or mro.index(AmpatchTrainerMixin) > mro.index(transformers.Trainer):
+            raise TypeError(f"{type(self).__name__}: AmpatchTrainerMixin goes first, before a transformers.Trainer "
+                            "class: class MyTrainer(AmpatchTrainerMixin, Seq2SeqTrainer).")
+        self.choice = LevelChoice(type(self).__name__, opt_level, policy, dict(initialize_kwargs or {}))
         self.opt_level = opt_level
-        self.initialize_kwargs = dict(initialize_kwargs or {})
-        for name in ("models", "optimizers", "opt_level"):
-            if name in self.initialize_kwargs:
-                raise TypeError(f"AmpatchTrainer: initialize_kwargs may not hold {name!r} (the Trainer gives the "
-                                "model and optimizer; opt_level is its own argument).")
-        if policy is not None:
-            self.initialize_kwargs["policy"] = policy
+        check_environment()
+        check_args(kwargs.get("args", args[1] if len(args) > 1 else None))
         self._amp_optimizer: torch.optim.Optimizer | None = None
-        self._patches = Patcher()  # the accelerator's backward, the scheduler's hold
+        self._patches = Patcher()  # the accelerator's backward, the schedulers' holds
         super().__init__(*args, **kwargs)
         check_args(self.args)
+        check_accelerator(self)
 
     # ------------------------------------------------------------------ set-up
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
@@ -97,7 +82,7 @@ class AmpatchTrainer(transformers.Trainer):
         if self._amp_optimizer is not None:
             return optimizer
         bare = _bare(optimizer)
-        initialized, bare = amp.initialize(self.model, bare, opt_level=self.opt_level, **self.initialize_kwargs)
+        initialized, bare = amp.initialize(self.model, bare, **self.choice.keywords())
         if initialized is not self.model:
             raise RuntimeError("amp.initialize returned another model object; AmpatchTrainer needs it in place.")
         self._amp_optimizer = bare
@@ -112,15 +97,16 @@ class AmpatchTrainer(transformers.Trainer):
         return optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The Trainer's scheduler, held still after a skipped step."""
+        """The Trainer's scheduler, held still after a skipped step (once per scheduler)."""
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self._amp_optimizer is not None:
+        if self._amp_optimizer is not None and (scheduler, "step") not in self._patches:
             opt = self._amp_optimizer
             lr_guard.hold_on_skip(scheduler, lambda: amp.last_step_skipped(opt), self._patches)
         return scheduler
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's train(); afterwards the session is undone (the model is FP32 again)."""
+        check_args(self.args)
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -161,3 +147,24 @@ class AmpatchTrainer(transformers.Trainer):
         else:
             logger.warning("ampatch: %s has no %s (not written by AmpatchTrainer): the loss scale starts afresh.",
                            checkpoint, SCALER_FILE)
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's model, then its exact masters: the saved weights are the half
+        values cast up (`model.state_dict()` of a cast model), the masters are in its optimizer
+        state, loaded into the optimizer (its state then matches the model it goes with)."""
+        super()._load_best_model()
+        session = current()
+        if self._amp_optimizer is None or session is None or session.properties.master_mode is MasterMode.NONE:
+            return
+        best = self.state.best_model_checkpoint
+        path = os.path.join(best, OPTIMIZER_NAME)
+        if not os.path.isfile(path):
+            logger.warning("ampatch: %s has no %s (save_only_model=True?): the best model is its half weights cast "
+                           "up, not its FP32 master weights.", best, OPTIMIZER_NAME)
+            return
+        self._amp_optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+class AmpatchTrainer(AmpatchTrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` at an ampatch `opt_level` (O0-O5): the Trainer's arguments, plus
+    `opt_level` (None: the policy's level, else O2), `policy` and `initialize_kwargs`."""
