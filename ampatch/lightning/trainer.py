@@ -11,7 +11,9 @@ The plugin drives `amp.initialize` + `amp.scale_loss` from Lightning's hooks:
   model alone: the report at exit keeps the training steps). Under DDP the module arrives
   wrapped; it is initialized bare and wrapped again with the same settings. Where master
   weights exist, `toggle_optimizer`/`untoggle_optimizer` are made to act on the model's
-  params too (they set `requires_grad` on the optimizers' params, the masters);
+  params too (they set `requires_grad` on the optimizers' params, the masters). Where the
+  module is cast, its direct children with half params take half inputs (step code calls
+  them directly: `self.discriminator(self(z))`);
 - `convert_input`, `train_step_context`/`forward_context` (O2/O3/O5): the batch's floats in
   the half dtype, and tensors made inside the step half (the default dtype);
 - `backward`: the loss scaled (`amp.scale_loss`) around Lightning's backward, for the
@@ -35,6 +37,8 @@ from torch import nn
 
 import ampatch as amp
 
+from ..model.default_dtype import fp32_default
+from ..model.forwards import InputCast, install_forward, is_wrapped
 from ..optim import scheduler_guard as lr_guard
 from ..patching import Patcher
 from . import framework
@@ -140,12 +144,24 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         if self._pending is not None:
             self._load_scalers(self._pending)
             self._pending = None
+        self._cast_child_inputs(bare)
         if fitting:
             self._guard_schedulers(bare, lr_schedulers)
             self._toggle_on_model(bare)
             self._listens = self._hooks_read_grads(bare)
         wrapped = _rewrap(ddp, bare) if ddp is not None else bare
         return wrapped, (list(opts) if fitting else optimizers), lr_schedulers
+
+    def _cast_child_inputs(self, module: nn.Module) -> None:
+        """Where the module is cast, its direct children holding half params take their
+        floating inputs in half: step code calls them directly, and may hand them what the
+        module's own forward returned in FP32 (`self.discriminator(self(z))`)."""
+        dtype = self.facts.cast_dtype
+        if dtype is None:
+            return
+        for child in module.children():
+            if not is_wrapped(child) and any(p.dtype == dtype for p in child.parameters()):
+                install_forward(child, InputCast(child.forward, dtype), self._patches)
 
     def _guard_schedulers(self, module: nn.Module, configs: list[Any]) -> None:
         """The plugin's optimizers' schedulers hold still after a skipped step: those with
@@ -208,7 +224,7 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
             raise RuntimeError("AmpatchPrecision.backward ran before connect(): the plugin initializes ampatch "
                                "when the Trainer sets up its optimizers; use it through Trainer(plugins=[...]).")
         opts = framework.raw_optimizer(optimizer) if optimizer is not None else self.optimizers
-        with amp.scale_loss(tensor, opts) as scaled:
+        with fp32_default(), amp.scale_loss(tensor, opts) as scaled:  # (manual_backward: inside the step)
             model.backward(scaled, *args, **kwargs)
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
@@ -229,7 +245,8 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
                 self._lent = None
         if closure_result is None and getattr(model, "automatic_optimization", True):
             return None  # training_step returned None: no backward, no step (as Lightning's own plugins)
-        return optimizer.step(**kwargs)
+        with fp32_default():  # (manual optimization steps inside the step)
+            return optimizer.step(**kwargs)
 
     @contextlib.contextmanager
     def _grads_for_hooks(self) -> Iterator[HookGrads | None]:

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["DefaultDtype", "DEFAULT_DTYPE", "default_dtype"]
+__all__ = ["DefaultDtype", "DEFAULT_DTYPE", "default_dtype", "fp32_default"]
 
 
 class _Stack(threading.local):
@@ -116,3 +116,10 @@ def default_dtype(dtype: torch.dtype, weak: bool = False) -> Iterator[None]:
         yield
     finally:
         DEFAULT_DTYPE.leave()
+
+
+def fp32_default() -> contextlib.AbstractContextManager:
+    """FP32 as the default dtype again for ampatch's own work (loss scaling, the optimizer
+    step) when it runs inside a context that made it half (a framework's step: manual
+    optimization steps inside `training_step`); nothing to do elsewhere."""
+    return default_dtype(torch.float32, weak=True) if DEFAULT_DTYPE.active() else contextlib.nullcontext()

@@ -7,6 +7,9 @@
 - `KeepForward` / `UncastForward`: the forward of a module `keep_fp32` keeps in FP32 (inputs
   to FP32 at entry, FP32 default dtype inside a cast model; at O2/O3/O5 FP32 outputs back to
   half at exit, at O1/O4 casts off inside);
+- `InputCast`: the forward of a part of a cast model that code around the model calls
+  directly (a LightningModule's `training_step` calling `self.discriminator(x)`): floating
+  inputs to half, outputs as they are;
 - `Replicate`: rebinds these wrappers to each `nn.DataParallel` replica;
 - `forward_casts_bypassed()`: inside it, in this thread, they all pass everything through
   untouched (a module run as its own FP32 shadow, ampatch.diagnose).
@@ -31,8 +34,8 @@ from ..patching import disable_casts
 from ..base.tips import hint_dtype_error
 from ..base.tree import map_tensors
 
-__all__ = ["CastForward", "KeepForward", "UncastForward", "Replicate", "cast_tree", "wrap_outputs",
-           "install_forward", "keep_in_fp32", "forward_casts_bypassed"]
+__all__ = ["CastForward", "KeepForward", "UncastForward", "InputCast", "Replicate", "cast_tree", "wrap_outputs",
+           "install_forward", "keep_in_fp32", "forward_casts_bypassed", "is_wrapped"]
 
 
 class _Bypass(threading.local):
@@ -82,7 +85,7 @@ def wrap_outputs(model: nn.Module, output_dtype: torch.dtype | None, patcher,
     install_forward(model, CastForward(model.forward, input_dtype, output_dtype), patcher)
 
 
-def install_forward(module: nn.Module, forward: "CastForward | KeepForward", patcher) -> None:
+def install_forward(module: nn.Module, forward: "CastForward | KeepForward | InputCast", patcher) -> None:
     """Put `forward` (a wrapper around `module.forward`) on `module`, undone by `patcher`.
     nn.DataParallel copies the instance __dict__ into each replica: each replica gets the
     wrapper bound to itself, or every replica would run the original's weights (Apex's O2 +
@@ -289,6 +292,32 @@ def keep_in_fp32(module: nn.Module, patcher, output_dtype: torch.dtype | None, c
     install_forward(module, cls(module.forward, output_dtype), patcher)
 
 
+class InputCast:
+    """`forward` of a module inside a cast model (O2/O3/O5) that code outside the model's own
+    forward calls directly, e.g. a LightningModule's `training_step` running
+    `self.discriminator(self(z))`, where `self(z)` handed back FP32 outputs: floating inputs
+    to `dtype`, outputs as they are (half, as from any part of the half model). A plain
+    object, copyable and picklable like `CastForward`."""
+
+    def __init__(self, inner: Callable[..., Any], dtype: torch.dtype) -> None:
+        self.__wrapped__ = inner
+        self.dtype = dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _bypass.active:
+            return self.__wrapped__(*args, **kwargs)
+        return self.__wrapped__(*cast_tree(args, self.dtype), **cast_tree(kwargs, self.dtype))
+
+    def bound_to(self, replica: nn.Module) -> "InputCast":
+        """The same wrapper around `replica`'s own forward."""
+        return _bound_to(self, replica)
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether `module`'s forward is one of ampatch's wrappers."""
+    return isinstance(module.__dict__.get("forward"), (CastForward, KeepForward, InputCast))
+
+
 class Replicate:
     """`module._replicate_for_data_parallel` of a module with a forward wrapper of ours (a
     cast model, a kept module): the replica's forward wrapper is rebound to the replica."""
@@ -299,7 +328,7 @@ class Replicate:
     def __call__(self) -> nn.Module:
         replica = self.inner()
         forward = replica.__dict__.get("forward")
-        if isinstance(forward, (CastForward, KeepForward)):
+        if isinstance(forward, (CastForward, KeepForward, InputCast)):
             replica.__dict__["forward"] = forward.bound_to(replica)
         replica.__dict__.pop("_replicate_for_data_parallel", None)
         return replica
