@@ -3,7 +3,10 @@ Transformers Trainer at each level give the losses of the hand-written ampatch l
 model, seed, data, optimizer): equal where the model is not cast (O0/O1/O4), close where it
 is. Also: an overflow skips the step and holds the scheduler, accumulation and clipping act
 on the masters, resume_from_checkpoint continues loss for loss (loss scaler included), the
-model is FP32 after train(), and fp16=True/bf16=True beside ampatch is refused."""
+model is FP32 after train(), and fp16=True/bf16=True beside ampatch is refused, as are mixed
+precision, DeepSpeed and FSDP switched on through Accelerate's environment; a policy alone
+decides the level; load_best_model_at_end gives the best checkpoint's exact masters; an
+auto_find_batch_size retry holds the scheduler once."""
 from __future__ import annotations
 
 import importlib.util
@@ -292,3 +295,103 @@ def test_policy_reaches_initialize(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         AmpatchTrainer(model=gpt2(), args=arguments(tmp_path, 1), train_dataset=dataset("gpt2", BATCH),
                        opt_level="O2", policy=policy).train()
     assert seen == ["tuned.json", None]
+
+
+# ------------------------------------------------------------------ the level, the environment, the best model
+class Level(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.levels: list[str] = []
+
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        self.levels.append(amp.report().opt_level)
+
+
+@pytest.mark.parametrize("policy,level", [({"opt_level": "O1", "half_dtype": "bfloat16"}, "O1"),
+                                          ({"opt_level": "O0"}, "O0"), (None, "O2")])
+def test_a_policy_alone_decides_the_level(policy: dict | None, level: str, tmp_path: Path) -> None:
+    seen = Level()
+    AmpatchTrainer(model=gpt2(), args=arguments(tmp_path, 1), train_dataset=dataset("gpt2", BATCH), policy=policy,
+                   initialize_kwargs={"verbosity": 0}, callbacks=[seen]).train()
+    assert seen.levels == [level]
+
+
+@pytest.mark.parametrize("name,value,what", [("ACCELERATE_MIXED_PRECISION", "bf16", "two AMPs at once"),
+                                             ("ACCELERATE_USE_DEEPSPEED", "true", "DeepSpeed"),
+                                             ("ACCELERATE_USE_FSDP", "true", "FSDP")])
+def test_accelerate_switches_from_the_environment_are_refused(name: str, value: str, what: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`accelerate launch --mixed_precision bf16 / --use_deepspeed / --use_fsdp` sets these."""
+    args = arguments(tmp_path)  # made before: TrainingArguments itself would set DeepSpeed up (not installed)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}={value}.*{what}.*Unset it"):
+        AmpatchTrainer(model=gpt2(), args=args)
+
+
+def test_mixed_precision_read_into_the_arguments_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = arguments(tmp_path)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    with pytest.raises(ValueError, match="mixed_precision='bf16'.*ACCELERATE_MIXED_PRECISION"):
+        AmpatchTrainer(model=gpt2(), args=args)
+
+
+def test_what_the_accelerator_turned_on_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from ampatch.huggingface import check_accelerator
+
+    with pytest.raises(ValueError, match="mixed_precision='fp16'"):
+        check_accelerator(SimpleNamespace(accelerator=SimpleNamespace(mixed_precision="fp16")))
+    with pytest.raises(ValueError, match="DeepSpeed or FSDP"):
+        check_accelerator(SimpleNamespace(accelerator=SimpleNamespace(mixed_precision="no"), is_fsdp_enabled=True))
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_load_best_model_at_end_restores_the_exact_masters(level: str, tmp_path: Path) -> None:
+    """The first evaluation scores best (a score that falls with every evaluation): the model
+    after train() is checkpoint-2's FP32 masters, not its half weights cast up."""
+    from ampatch.optim.masters import MASTERS_KEY
+
+    calls = []
+
+    def score(pred: transformers.EvalPrediction) -> dict[str, float]:
+        calls.append(1)
+        return {"score": -float(len(calls))}
+
+    args = arguments(tmp_path, 6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                     load_best_model_at_end=True, metric_for_best_model="score", greater_is_better=True,
+                     per_device_eval_batch_size=BATCH)
+    trainer = AmpatchTrainer(model=gpt2(), args=args, train_dataset=dataset("gpt2", 6 * BATCH),
+                             eval_dataset=dataset("gpt2", BATCH), compute_metrics=score, opt_level=level,
+                             initialize_kwargs={"half_dtype": BF16, "verbosity": 0})
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2") and len(calls) == 3
+    saved = torch.load(Path(trainer.state.best_model_checkpoint) / "optimizer.pt", weights_only=True)[MASTERS_KEY]
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert len(saved) == len(params) and all(m is not None for m in saved)
+    for p, m in zip(params, saved):
+        assert p.dtype == torch.float32 and torch.equal(p, m)
+    assert any(not torch.equal(m, m.to(BF16).float()) for m in saved)  # exact values, not half ones
+
+
+def test_auto_find_batch_size_retries_hold_the_scheduler_once(tmp_path: Path) -> None:
+    """An out-of-memory error makes the Trainer run its loop again with half the batch; a
+    scheduler passed in is asked for again (it was held twice: "already patched")."""
+    class OutOfMemoryOnce(AmpatchTrainer):
+        raised = False
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+            if not self.raised:
+                self.raised = True
+                raise torch.OutOfMemoryError("CUDA out of memory. (simulated)")
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer = OutOfMemoryOnce(model=model, args=arguments(tmp_path, 2, auto_find_batch_size=True),
+                              train_dataset=dataset("gpt2", 4 * BATCH), optimizers=(opt, sched),
+                              initialize_kwargs={"half_dtype": BF16, "verbosity": 0})
+    result = trainer.train()
+    assert trainer.raised and result.global_step == 2 and trainer._train_batch_size < BATCH
+    assert "step" not in vars(sched)  # released after train()

@@ -59,12 +59,21 @@ class AmpatchTrainerMixin:
     O2), `policy` (the file `ampatch tune` writes) and `initialize_kwargs` (any other
     `amp.initialize` keyword: `half_dtype`, `loss_scale`, `keep_fp32`, ...)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Placed after a Trainer in the bases, the Trainer's methods would win and the mixin
+        would do nothing: refused when the class is made."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if transformers.Trainer in mro and mro.index(transformers.Trainer) < mro.index(AmpatchTrainerMixin):
+            raise TypeError(f"{cls.__name__}: AmpatchTrainerMixin goes first, before the transformers.Trainer "
+                            "class, or the Trainer's methods hide it: class MyTrainer(AmpatchTrainerMixin, "
+                            "Seq2SeqTrainer).")
+
     def __init__(self, *args: Any, opt_level: str | None = None, policy: Any = None,
                  initialize_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        mro = type(self).__mro__
-        if transformers.Trainer not in mro or mro.index(AmpatchTrainerMixin) > mro.index(transformers.Trainer):
-            raise TypeError(f"{type(self).__name__}: AmpatchTrainerMixin goes first, before a transformers.Trainer "
-                            "class: class MyTrainer(AmpatchTrainerMixin, Seq2SeqTrainer).")
+        if not isinstance(self, transformers.Trainer):
+            raise TypeError(f"{type(self).__name__}: AmpatchTrainerMixin mixes into a transformers.Trainer class: "
+                            "class MyTrainer(AmpatchTrainerMixin, Seq2SeqTrainer).")
         self.choice = LevelChoice(type(self).__name__, opt_level, policy, dict(initialize_kwargs or {}))
         self.opt_level = opt_level
         check_environment()
