@@ -549,3 +549,27 @@ def test_bad_lowmem_checkpoint_entry_loads_nothing():
     with pytest.raises(ValueError, match="compensation"):
         opt.load_state_dict(sd)
     assert _same(opt.state_dict(), before)
+
+
+# ---------------------------------------------------------------------------------------- rounding
+def test_stochastic_rounding_is_unbiased_and_bfloat16_exact():
+    from ampatch.optim.rounding import stochastic_round_
+    ulp = 2.0 ** -7  # of bfloat16 in [1, 2)
+    gen = torch.Generator().manual_seed(0)
+    for value in (1.0 + 0.3 * ulp, -(1.0 + 0.7 * ulp), 1.0 + 0.01 * ulp, 3e-3 * ulp):
+        x = torch.full((400_000,), value)
+        stochastic_round_(x, torch.empty_like(x), gen)
+        assert torch.equal(x.to(BF16).float(), x)  # every result is a bfloat16 value
+        assert len(x.unique()) == 2  # the neighbours below and above
+        lo, hi = x.unique()
+        p_up = (x == (hi if value > 0 else lo)).float().mean().item()
+        frac = (abs(value) - min(abs(lo), abs(hi))) / float(hi - lo)
+        assert abs(x.double().mean().item() - value) < 4e-3 * float(hi - lo)
+        assert abs(p_up - frac) < 4e-3, (value, p_up, frac)  # up with the probability of the dropped part
+    exact = torch.tensor([0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf")])
+    out = exact.clone()
+    stochastic_round_(out, torch.empty_like(out), gen)
+    assert torch.equal(out, exact)  # bfloat16 values (and infinities) stay as they are
+    nan = torch.tensor([float("nan")] * 8)
+    stochastic_round_(nan, torch.empty_like(nan), gen)
+    assert nan.isnan().all()

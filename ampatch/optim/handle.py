@@ -1,6 +1,6 @@
 """One optimizer under mixed precision: gradient unscaling, skip-on-overflow, the patched step.
 
-Every optimizer gets an `OptimizerHandle`; its FP32 masters (O2/O5) are a `master.Masters`.
+Every optimizer gets an `OptimizerHandle`; its FP32 masters (O2/O5) are a `masters.Masters`.
 Gradient flow per iteration:
 
 - `before_backward` (scale_loss entry): grads that are already unscaled are kept apart
@@ -12,7 +12,9 @@ Gradient flow per iteration:
   otherwise the optimizer runs with casts disabled and masters are copied into the model
   with foreach ops.
 Model grads of half params are None after they were moved into masters, so master grads
-never leak across steps whichever way the user zeroes.
+never leak across steps whichever way the user zeroes. Under master_weights "stochastic" /
+"kahan" (`lowmem.LowMemMasters`) the masters alias the bfloat16 weights, grads are moved
+without a copy, and the masters step the optimizer themselves, a chunk at a time.
 
 `optimizer.step(closure)` works where ampatch has nothing to do around the backward (no
 master weights and a static loss scale of 1.0: O0, O3, O4, and O1 in bfloat16); with master
@@ -44,8 +46,8 @@ import torch
 from ..base.dtypes import LOW
 from ..config.values import MasterMode
 from .context import HandleContext, OptState, StepGuard
-from .lowmem import LOWMEM_KEY, LowMemMasters, check_lowmem_entry
-from .masters import MASTERS_KEY, Masters, Pair, add_grads, check_masters
+from .lowmem import LowMemMasters
+from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
 from ..base.notices import warn
 from ..patching import Patcher, disable_casts
 from .scaler import distributed, unscale_

@@ -49,43 +49,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.values import MasterMode
-from .masters import Masters, Pair, add_grads, cast_state
-from .rounding import CHUNK_NUMEL, has_step_hooks, plan_chunks, step_hooks_once, stochastic_round_
+from .masters import LOWMEM_KEY, Masters, Pair, add_grads, cast_state
+from .rounding import CHUNK_NUMEL, has_step_hooks, narrowed, plan_chunks, step_hooks_once, stochastic_round_
 from .scaler import distributed, overflowed, unscale_
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["LowMemMasters", "LOWMEM_KEY", "check_lowmem_entry"]
+__all__ = ["LowMemMasters"]
 
-LOWMEM_KEY = "ampatch_lowmem"  # the low-memory masters' entry in an optimizer's state_dict()
 F32, BF16 = torch.float32, torch.bfloat16
 SEED_SALT = 0x5EED_A3C7  # the rounding stream differs from the script's own draws of the same seed
-
-
-def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
-    """The `LOWMEM_KEY` entry of an optimizer checkpoint fits `params` (checked before anything
-    is loaded): {"mode": str, "compensation": [None | tensor of the param's shape, ...] (kahan),
-    "rng": {device: uint8 state}, "seed": int (stochastic)}."""
-    bad = "it was not saved by ampatch's optimizer.state_dict(), or from another model. Nothing was loaded."
-    if not isinstance(entry, dict) or entry.get("mode") not in (m.value for m in MasterMode if m.low_memory):
-        raise ValueError(f"optimizer checkpoint: '{LOWMEM_KEY}' must be a dict with 'mode' 'stochastic' or 'kahan'; "
-                         + bad)
-    comp = entry.get("compensation")
-    if comp is not None:
-        if not isinstance(comp, (list, tuple)) or len(comp) != len(params):
-            raise ValueError(f"optimizer checkpoint: {len(comp) if isinstance(comp, (list, tuple)) else 'no list of'} "
-                             f"compensation entries for {len(params)} params; " + bad)
-        for i, (p, c) in enumerate(zip(params, comp)):
-            if c is not None and not (isinstance(c, torch.Tensor) and c.is_floating_point() and c.shape == p.shape):
-                raise ValueError(f"optimizer checkpoint: compensation {i} does not fit its param of shape "
-                                 f"{tuple(p.shape)}; " + bad)
-    rng = entry.get("rng", {})
-    if not isinstance(rng, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8
-                                            for k, v in rng.items()):
-        raise ValueError("optimizer checkpoint: the stochastic rounding's 'rng' must map device names to uint8 "
-                         "generator states; " + bad)
-    if not isinstance(entry.get("seed", 0), int):
-        raise ValueError("optimizer checkpoint: the stochastic rounding's 'seed' must be an int; " + bad)
 
 
 class LowMemMasters(Masters):
@@ -207,7 +180,7 @@ class LowMemMasters(Masters):
                 members = {id(m) for _, m in chunk} | ({id(p) for p in own} if k == 0 else set())
                 lifted = self._lift(chunk)
                 try:
-                    with _narrowed(self.optimizer, members):
+                    with narrowed(self.optimizer, members):
                         a, kw = arguments()
                         out = call(*a, **kw)
                 finally:
@@ -395,25 +368,3 @@ class LowMemMasters(Masters):
             size += mp.numel() * mp.element_size()
         return count, size + sum(c.numel() * c.element_size() for c in self.comp.values())
 
-
-@contextlib.contextmanager
-def _narrowed(opt: torch.optim.Optimizer, members: set[int]) -> Iterator[None]:
-    """Each param group of `opt` holds only the params in `members` (ids), and groups left
-    empty are out of `param_groups`, for one step() call; everything back after (the same
-    list and dict objects: what the optimizer wrote into a group stays)."""
-    groups = opt.param_groups
-    everything = list(groups)
-    saved = [g["params"] for g in everything]
-    kept = []
-    for g in everything:
-        sub = [p for p in g["params"] if id(p) in members]
-        if sub:
-            g["params"] = sub
-            kept.append(g)
-    groups[:] = kept
-    try:
-        yield
-    finally:
-        groups[:] = everything
-        for g, params in zip(everything, saved):
-            g["params"] = params

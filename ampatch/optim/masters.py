@@ -18,11 +18,13 @@ import torch
 from torch import nn
 
 from ..base.dtypes import LOW
+from ..config.values import MasterMode
 from .scaler import distributed, overflowed, unscale_
 
 logger = logging.getLogger("ampatch")
 
 MASTERS_KEY = "ampatch_masters"  # the masters' entry in an optimizer's state_dict()
+LOWMEM_KEY = "ampatch_lowmem"  # master_weights "stochastic"/"kahan": their entry (see lowmem)
 COPY_CHUNK = 16  # model grads converted into FP32 master grads per foreach call
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (half model param, its FP32 master)
@@ -61,6 +63,32 @@ def check_masters(masters: Any, params: list[torch.Tensor]) -> None:
                     else type(saved).__name__ if not isinstance(saved, torch.Tensor) else str(saved.dtype))
             raise ValueError(f"optimizer checkpoint: master {i} has {what}, its param has shape {tuple(p.shape)}; "
                              "it was saved from a different model or optimizer. Nothing was loaded.")
+
+
+def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
+    """The `LOWMEM_KEY` entry of an optimizer checkpoint fits `params` (checked before anything
+    is loaded): {"mode": str, "compensation": [None | tensor of the param's shape, ...] (kahan),
+    "rng": {device: uint8 state}, "seed": int (stochastic)}."""
+    bad = "it was not saved by ampatch's optimizer.state_dict(), or from another model. Nothing was loaded."
+    if not isinstance(entry, dict) or entry.get("mode") not in (m.value for m in MasterMode if m.low_memory):
+        raise ValueError(f"optimizer checkpoint: '{LOWMEM_KEY}' must be a dict with 'mode' 'stochastic' or 'kahan'; "
+                         + bad)
+    comp = entry.get("compensation")
+    if comp is not None:
+        if not isinstance(comp, (list, tuple)) or len(comp) != len(params):
+            raise ValueError(f"optimizer checkpoint: {len(comp) if isinstance(comp, (list, tuple)) else 'no list of'} "
+                             f"compensation entries for {len(params)} params; " + bad)
+        for i, (p, c) in enumerate(zip(params, comp)):
+            if c is not None and not (isinstance(c, torch.Tensor) and c.is_floating_point() and c.shape == p.shape):
+                raise ValueError(f"optimizer checkpoint: compensation {i} does not fit its param of shape "
+                                 f"{tuple(p.shape)}; " + bad)
+    rng = entry.get("rng", {})
+    if not isinstance(rng, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8
+                                            for k, v in rng.items()):
+        raise ValueError("optimizer checkpoint: the stochastic rounding's 'rng' must map device names to uint8 "
+                         "generator states; " + bad)
+    if not isinstance(entry.get("seed", 0), int):
+        raise ValueError("optimizer checkpoint: the stochastic rounding's 'seed' must be an int; " + bad)
 
 
 def cast_state(state: dict, dtype: torch.dtype) -> dict:
