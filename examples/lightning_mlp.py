@@ -2,8 +2,8 @@
 
 `Trainer(plugins=[AmpatchPrecision("O2")])` trains a LightningModule with half weights,
 FP32 master weights and a dynamic loss scale (O2/O5), or any other level; the module
-itself is plain Lightning. Call the model (`self(x)`) in `training_step`: its forward is
-where O2/O3/O5 cast the inputs.
+itself is plain Lightning (its step may call `self(x)` or a submodule, `self.net(x)`: at
+O2/O3/O5 the batch is cast and tensors made in the step are half, as with "bf16-true").
 
     pip install 'ampatch[integrations]'
     python examples/lightning_mlp.py --opt-level O2 --steps 50

@@ -180,3 +180,17 @@ def test_what_cannot_work_is_refused_with_the_fix() -> None:
     with pytest.raises(RuntimeError, match="inside fabric.setup"):
         AmpatchFabricPrecision("O2").convert_module(MLP())
     g.strategy.precision.teardown()
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_fabric.py"
+
+
+def test_the_example_runs(capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ampatch_example_lightning_fabric", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loss = module.main(["--steps", "3", "--opt-level", "O5"])
+    out = capsys.readouterr().out
+    assert "final loss" in out and "(O5, 3 steps)" in out and math.isfinite(loss)
