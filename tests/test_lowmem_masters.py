@@ -573,3 +573,94 @@ def test_stochastic_rounding_is_unbiased_and_bfloat16_exact():
     nan = torch.tensor([float("nan")] * 8)
     stochastic_round_(nan, torch.empty_like(nan), gen)
     assert nan.isnan().all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulated_micro_batches_match_the_whole_batch(mode):
+    """Two scale_loss blocks (half the batch each, loss halved) before one step: the grads add
+    up on the masters (in bfloat16) to the whole batch's."""
+    def grads(micro: bool) -> list[torch.Tensor]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O5", master_weights=mode, loss_scale="dynamic",
+                                    verbosity=0)
+        x, y = batch(0)
+        parts = [(x[:8], y[:8]), (x[8:], y[8:])] if micro else [(x, y)]
+        for xb, yb in parts:
+            with amp.scale_loss(((model(xb) - yb) ** 2).mean() / len(parts), opt) as scaled:
+                scaled.backward()
+        out = [p.grad.float().clone() for p in amp.master_params(opt)]
+        amp.deinitialize()
+        return out
+
+    for a, b in zip(grads(True), grads(False)):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=1e-3)
+
+
+def test_initialize_again_with_the_same_optimizer():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O5", master_weights="kahan", verbosity=0)
+    train(model, opt, 2)
+    model, opt = amp.initialize(model, opt, opt_level="O5", master_weights="stochastic", verbosity=0)
+    train(model, opt, 2, start=2)
+    model, opt = amp.initialize(model, opt, opt_level="O5", verbosity=0)  # FP32 masters
+    train(model, opt, 2, start=4)
+    assert all(m.dtype == F32 for m in amp.master_params(opt))
+    assert all(v.dtype == F32 for st in opt.state.values() for k, v in st.items() if k != "step")
+    assert len(opt.state) == len(list(model.parameters()))
+
+
+# ---------------------------------------------------------------------------------------- frameworks
+@pytest.mark.parametrize("mode", MODES)
+def test_lightning_plugin_passes_the_mode_through(mode):
+    """AmpatchPrecision(..., master_weights=mode) trains as the hand-written loop does, with
+    Lightning's clipping on the masters."""
+    L = pytest.importorskip("lightning.pytorch")
+    from ampatch.lightning import AmpatchPrecision
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, b, i):
+            return ((self.net(b[0]) - b[1]) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    # the plugin casts every float of the batch to bfloat16, targets included: make them bfloat16 values
+    data = [(x, y.to(BF16).float()) for x, y in (batch(i) for i in range(4))]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    torch.manual_seed(0)
+    module = Module()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5,
+              plugins=[AmpatchPrecision("O5", master_weights=mode, verbosity=0)]).fit(module, loader)
+    torch.manual_seed(0)
+    model = Module().net
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O5", master_weights=mode, verbosity=0)
+    for x, y in data:
+        with amp.scale_loss(((model(x) - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
+        opt.step()
+        opt.zero_grad()
+    amp.deinitialize()
+    assert _same([p.detach() for p in module.net.parameters()], [p.detach() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ampatch_trainer_passes_the_mode_through(mode, tmp_path):
+    """AmpatchTrainer(initialize_kwargs={"master_weights": mode}) on GPT-2 (tied weights)
+    trains loss for loss and weight for weight as the hand-written loop (tests/test_trainer.py's)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import test_trainer as tt
+    data = tt.dataset("gpt2", tt.STEPS * tt.BATCH)
+    trainer = tt.trained("gpt2", "O5", tmp_path, data=data, initialize_kwargs={"master_weights": mode})
+    losses, _, model = tt.hand_loop("gpt2", "O5", trainer, data, master_weights=mode)
+    assert trainer.losses == losses
+    assert _same([p.detach() for p in trainer.model.parameters()], [p.detach() for p in model.parameters()])
