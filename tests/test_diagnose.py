@@ -16,7 +16,7 @@ from torch import nn
 
 import ampatch as amp
 from ampatch.config import env
-from ampatch.diagnose.analysis import analyse, error_floor
+from ampatch.diagnose.analysis import analyse, diagnosis, error_floor
 from ampatch.diagnose.render import render
 from ampatch.record.recorder import Recorder
 from ampatch.record.stats import relative_error, underflow_fraction
@@ -131,14 +131,38 @@ def test_grad_underflow_without_a_loss_scale_recommends_a_dynamic_one(tmp_path, 
     assert rec["keep_fp32"] == []
 
 
-@pytest.mark.parametrize("level,half", [("O1", torch.float16), ("O2", torch.float16), ("O4", None),
-                                        ("O5", None), ("O3", torch.bfloat16), ("O0", None)])
-def test_a_clean_model_gets_an_empty_recommendation(tmp_path, monkeypatch, level, half):
+@pytest.mark.parametrize("level,half,lr", [("O1", torch.float16, 1e-3), ("O2", torch.float16, 1e-3), ("O4", None, 1e-3),
+                                           ("O5", None, 1e-3), ("O3", torch.bfloat16, 0.1), ("O0", None, 1e-3)])
+def test_a_clean_model_gets_an_empty_recommendation(tmp_path, monkeypatch, level, half, lr):
     torch.manual_seed(0)
-    result = _diagnose(tmp_path, monkeypatch, Net(), level, half)
+    result = _diagnose(tmp_path, monkeypatch, Net(), level, half, lr=lr)
     assert result["first_nonfinite"] is None
     assert result["recommendation"]["keep_fp32"] == []
     assert result["recommendation"]["settings"] == {}
+    assert result["stall"] is None
+
+
+@pytest.mark.parametrize("level", ["O3", "O5"])
+def test_updates_below_bfloat16_resolution_are_stalled_updates_without_masters(tmp_path, monkeypatch, level):
+    """SGD at lr 1e-3 on weights of ~0.1: every update is below half of bfloat16's spacing around
+    its weight. At O3 (bfloat16 weights, no masters) the steps leave ~90% of the weights as they
+    were: a finding, with FP32 masters recommended; at O5 the FP32 masters take every update."""
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(), level, torch.bfloat16 if level == "O3" else None, lr=1e-3)
+    unchanged = {m["name"]: m["unchanged"] for m in result["modules"] if m["unchanged"] is not None}
+    if level == "O5":
+        assert result["stall"] is None and max(unchanged.values()) < 0.05   # (a dead ReLU unit's row stays)
+        assert {m["held_in"] for m in result["modules"] if m["held_in"]} == {"float32"}
+        return
+    stall = result["stall"]
+    assert stall["finding"] and stall["unchanged"] > 0.8 and stall["held_in"] == "bfloat16"
+    assert {m["name"] for m in stall["modules"]} >= {"big", "inp"} and unchanged["big"] > 0.8
+    rec = result["recommendation"]
+    assert rec["settings"] == {"master_weights": True} and rec["keep_fp32"] == []
+    note = next(n for n in rec["notes"] if n.startswith("stalled updates"))
+    assert "big: 9" in note and "below bfloat16's resolution" in note and "O2/O5" in note and "kahan" in note
+    text = render(diagnosis(json.loads((tmp_path / "diag.json").read_text())), "test")
+    assert "stalled updates:" in text and "recommendation: master_weights=True" in text and "unchanged" in text
 
 
 def test_recording_changes_nothing_in_the_training(tmp_path, monkeypatch):
@@ -240,7 +264,8 @@ def test_the_plot_draws_each_leaf_and_marks_the_recommended_one(tmp_path, monkey
     drawn: list[Figure] = []
     save = Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: (drawn.append(self), save(self, *a, **kw)))
-    write_plot(str(tmp_path / "diag.png"), result, "planted overflow")
+    write_plot(str(tmp_path / "diag.png"), diagnosis(json.loads((tmp_path / "diag.json").read_text())),
+               "planted overflow")
     assert (tmp_path / "diag.png").read_bytes().startswith(b"\x89PNG")
     errors, headroom = drawn[0].axes
     leaves = [m["name"] for m in result["modules"] if m["leaf"]]
@@ -291,13 +316,14 @@ def test_an_optimizer_step_that_makes_weights_nan_is_a_step_fault_not_a_module(t
             scaled.backward()
         opt.step()
     amp.deinitialize()
-    result = analyse(json.loads(path.read_text()))
+    found = diagnosis(json.loads(path.read_text()))
+    result = found.to_dict()
     fault = result["step_fault"]
     assert fault is not None and fault["step"] == 0 and "inp" in fault["modules"]
     assert result["recommendation"]["keep_fp32"] == []
     assert result["first_nonfinite"]["phase"] == "step"
     assert any(n.startswith("step fault") for n in result["recommendation"]["notes"])
-    text = render({**result, "opt_level": "O3"}, "test")
+    text = render(found, "test")
     assert "first non-finite: step nonfinite weights in inp at step 0" in text
     assert "recommendation: no module to keep in FP32: the optimizer step itself" in text
 
@@ -318,11 +344,12 @@ def test_the_recorder_loads_only_for_a_diagnosis():
 def test_the_growth_rule_diagnose_and_tune_share():
     """A kept set that did not make the run finite grows by the run's first non-finite module if
     it is new, else by the parent of the last module kept; never after a step fault."""
-    from ampatch.diagnose.analysis import Diagnosis, StepFault, grow
+    from ampatch.diagnose.analysis import grow
+    from ampatch.diagnose.result import Diagnosis, FirstNonfinite, Recommendation, StepFault
 
     def found(module=None, fault=None):
-        first = {"step": 0, "phase": "forward", "module": module, "kind": "overflow"} if module else None
-        return Diagnosis(1, "float16", first, [], [], {}, [], fault, [], [], [])
+        first = FirstNonfinite(0, "forward", module, "overflow") if module else None
+        return Diagnosis(1, "float16", first, (), Recommendation(), step_fault=fault)
     assert grow(["a.b"], found("c")) == "c"
     assert grow(["a.b"], found("a.b")) == "a" and grow(["a.b"], None) == "a"
     assert grow(["a", ""], found("a")) is None

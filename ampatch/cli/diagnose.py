@@ -65,7 +65,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     print(render(result, shown, rerun), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result.to_dict(), f, indent=1)
     if args.plot:
         try:
             write_diagnosis_plot(args.plot, result, f"ampatch diagnose: {shown}")

@@ -1,6 +1,14 @@
-"""`ampatch diagnose`: where half precision hurts, and a verified fix.
+"""`ampatch diagnose`: where half precision hurts, and a verified fix — the command half.
 
-- the recording itself (recorder, FP32 shadows, stats) runs inside the diagnosed process and
-  lives below the session, in `ampatch.record`;
-- `analysis`: the diagnosis: the first non-finite module, modules ranked, the recommendation.
+Diagnose is one feature in two halves. The other half, `ampatch.record`, runs inside the
+diagnosed training process (below the session, as one of its observers) and writes a
+`Recording`; this package is the command that starts that process, reads the recording and
+turns it into a verified recommendation:
+
+- `command`: the library entry point, `diagnose(Request(...)) -> Diagnosis`: the recorded
+  run, O0's, and the reruns that verify the recommendation;
+- `analysis`: recording -> diagnosis: the first non-finite module, modules ranked, the
+  recommendation (modules to keep in FP32, a loss scale, FP32 masters);
+- `stalls`: stalled updates (weights each optimizer step leaves unchanged) read from the recording;
+- `result`: the typed diagnosis and its JSON; `render`: the text and the plot.
 """

@@ -7,6 +7,9 @@ Columns of the module table, per module over the recorded steps:
 - ``inf/NaN grad``: non-finite elements in the grads reaching it, leaving it, and of its params;
 - ``underflow``: the largest share of a parameter's grad, as produced (scaled), that is zero
   or subnormal in the half dtype;
+- ``unchanged``: the share of its own weights (with a gradient) each of the later optimizer
+  steps left unchanged, on average: near 100% the updates are below the resolution of the
+  dtype holding the weights and round away (stalled updates);
 - ``rel error``: its local relative error, ``||out - shadow||_2 / ||shadow||_2`` against its
   FP32 shadow (the same call on FP32 inputs with FP32 params and no casts), worst call.
 """
@@ -14,6 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from ..runs.deviation import MIN_SHARE, TOLERANCE
+from .result import Diagnosis, Figures, ModuleEntry, Recommendation
 
 __all__ = ["render", "write_plot", "MODULE_ROWS"]
 
@@ -24,14 +30,14 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _module_rows(modules: Sequence[dict[str, Any]]) -> list[list[str]]:
+def _module_rows(modules: Sequence[ModuleEntry]) -> list[list[str]]:
     rows = []
     for m in modules:
-        err = "inf" if m["rel_error_inf"] else _fmt(m["rel_error"], ".3g")
-        under = None if m["grad_underflow"] is None else f"{m['grad_underflow']:.0%}"
-        rows.append([m["name"] or "(model)", m["type"], _fmt(m["out_amax"], ".3g"),
-                     "-" if m["headroom"] is None else f"{m['headroom']:.3g}x", str(m["out_nonfinite"]),
-                     str(m["grad_nonfinite"]), under or "-", err])
+        err = "inf" if m.rel_error_inf else _fmt(m.rel_error, ".3g")
+        under = None if m.grad_underflow is None else f"{m.grad_underflow:.0%}"
+        rows.append([m.name or "(model)", m.type, _fmt(m.out_amax, ".3g"),
+                     "-" if m.headroom is None else f"{m.headroom:.3g}x", str(m.out_nonfinite),
+                     str(m.grad_nonfinite), under or "-", "-" if m.unchanged is None else f"{m.unchanged:.0%}", err])
     return rows
 
 
@@ -43,101 +49,121 @@ def _table(header: list[str], rows: list[list[str]], text_columns: int) -> list[
     return [line(header)] + [line(r) for r in rows]
 
 
-def _chosen(modules: Sequence[dict[str, Any]], keep: Sequence[str]) -> list[dict[str, Any]]:
-    """The modules the table shows: the top-ranked, plus every module in the recommendation
-    or with inf/NaN, in the ranked order."""
-    picked = [m for i, m in enumerate(modules) if i < MODULE_ROWS or m["name"] in keep
-              or m["out_nonfinite"] or m["grad_nonfinite"]]
+def _chosen(result: Diagnosis) -> list[ModuleEntry]:
+    """The modules the table shows: the top-ranked, plus every module in the recommendation,
+    with inf/NaN or stalled, in the ranked order."""
+    keep = result.recommendation.keep_fp32
+    stalled = {m.name for m in result.stall.modules} if result.stall is not None else set()
+    picked = [m for i, m in enumerate(result.modules) if i < MODULE_ROWS or m.name in keep or m.name in stalled
+              or m.out_nonfinite or m.grad_nonfinite]
     return picked[:max(MODULE_ROWS, len(keep) + 4)]
 
 
-def _verification(v: dict[str, Any], level: str) -> list[str]:
-    header = ["run", "finite", "final loss", "max dev vs O0", "skipped", "steps"]
+def _verdict(f: Figures) -> str:
+    if f.follows_O0 is None:
+        return "reference"
+    return "yes" if f.follows_O0 else "no"
 
-    def row(label: str, f: dict[str, Any]) -> list[str]:
-        return [label, "yes" if f["finite"] else "no", _fmt(f["final_loss"], ".4f"),
-                _fmt(f["max_dev_vs_O0"], ".2%"), str(f["skipped_steps"]), str(f["steps"])]
 
-    rows = [row(level, v["without"])]
-    for t in v["tries"]:
-        extra = f" + {t['settings']}" if t["settings"] else ""
-        rows.append(row(f"{level} + keep_fp32={t['keep_fp32']}{extra}", t))
-    rows.append(row("O0", v["O0"]))
+def _verification(result: Diagnosis, level: str) -> list[str]:
+    v = result.verification
+    assert v is not None
+    header = ["run", "finite", "final loss", "max dev vs O0", "learns", "follows O0", "skipped", "steps"]
+
+    def row(label: str, f: Figures) -> list[str]:
+        return [label, "yes" if f.finite else "no", _fmt(f.final_loss, ".4f"), _fmt(f.max_dev_vs_O0, ".2%"),
+                _fmt(f.learned_vs_O0, ".0%"), _verdict(f), str(f.skipped_steps), str(f.steps)]
+
+    rows = [row(level, v.without)]
+    for t in v.tries:
+        fix = [f"keep_fp32={list(t.keep_fp32)}"] if t.keep_fp32 else []
+        fix += [f"{k}={val!r}" for k, val in t.settings.to_dict().items()]
+        rows.append(row(f"{level} + {', '.join(fix)}", t))
+    rows.append(row("O0", v.O0))
     return _table(header, rows, 1)
 
 
-def _apply(rec: dict[str, Any], rerun: str | None) -> list[str]:
+def _apply(rec: Recommendation, rerun: str | None) -> list[str]:
     """How to apply a verified recommendation: in code, and (for a script) without editing it."""
-    args = [f"keep_fp32={rec['keep_fp32']!r}"] if rec["keep_fp32"] else []
-    args += [f"{k}={v!r}" for k, v in rec["settings"].items()]
+    settings = rec.settings.to_dict()
+    args = [f"keep_fp32={list(rec.keep_fp32)!r}"] if rec.keep_fp32 else []
+    args += [f"{k}={v!r}" for k, v in settings.items()]
     lines = [f"apply it: amp.initialize(..., {', '.join(args)})"]
     if rerun is not None:
-        options = (f"--keep-fp32 {','.join(rec['keep_fp32'])} " if rec["keep_fp32"] else "")
-        options += (f"--loss-scale {rec['settings']['loss_scale']} " if "loss_scale" in rec["settings"] else "")
-        lines.append("  or, without editing the script: " + rerun.format(options=options))
+        options = (f"--keep-fp32 {','.join(rec.keep_fp32)} " if rec.keep_fp32 else "")
+        options += (f"--loss-scale {settings['loss_scale']} " if "loss_scale" in settings else "")
+        prefix = f"AMPATCH_MASTER_WEIGHTS={settings['master_weights']} " if "master_weights" in settings else ""
+        lines.append("  or, without editing the script: " + prefix + rerun.format(options=options))
     return lines
 
 
-def render(result: dict[str, Any], command: str, rerun: str | None = None) -> str:
+def _recommendation(result: Diagnosis) -> str:
+    rec = result.recommendation
+    if not rec and result.step_fault is not None:
+        return ("recommendation: no module to keep in FP32: the optimizer step itself made the weights "
+                "non-finite (see the note).")
+    if not rec:
+        return "recommendation: none: no module stands out and nothing went non-finite."
+    what = [f"keep_fp32={list(rec.keep_fp32)}"] if rec.keep_fp32 else []
+    what += [f"{k}={v!r}" for k, v in rec.settings.to_dict().items()]
+    return "recommendation: " + ", ".join(what)
+
+
+def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
     """The diagnosis as the command prints it; `rerun` is the `ampatch run` line that applies
     the fix to an unmodified script, with "{options}" where the fix's options go."""
-    level, half = result.get("opt_level"), result.get("half_dtype")
-    out = [f"ampatch diagnose: {command}", f"level {level}, half dtype {half}, {result['steps']} optimizer steps "
-           "recorded"]
-    if result.get("crashed"):
-        out.append(f"note: the run failed after the recorded steps: {result['crashed']}")
-    first = result["first_nonfinite"]
+    level = result.opt_level
+    out = [f"ampatch diagnose: {command}", f"level {level}, half dtype {result.half_dtype}, {result.steps} optimizer "
+           "steps recorded"]
+    if result.crashed:
+        out.append(f"note: the run failed after the recorded steps: {result.crashed}")
+    first = result.first_nonfinite
     if first is None:
         out.append("first non-finite: none")
     else:
-        out.append(f"first non-finite: {first['phase']} {first['kind']} in {first['module'] or '(model)'!s} at "
-                   f"step {first['step']}")
-    rec = result["recommendation"]
-    shown = _chosen(result["modules"], rec["keep_fp32"])
+        out.append(f"first non-finite: {first.phase} {first.kind} in {first.module or '(model)'!s} at step {first.step}")
+    if result.stall is not None and result.stall.finding:
+        out.append(f"stalled updates: {result.stall.unchanged:.0%} of the weights unchanged by each optimizer step "
+                   f"({result.stall.held_in} weights, no FP32 masters)")
+    shown = _chosen(result)
     out += ["", "modules (leaves ranked by local error against their FP32 shadow, then the others):"]
     out += ["  " + ln for ln in _table(["module", "type", "out amax", "headroom", "inf/NaN out", "inf/NaN grad",
-                                        "underflow", "rel error"], _module_rows(shown), 2)]
-    hidden = len(result["modules"]) - len(shown)
+                                        "underflow", "unchanged", "rel error"], _module_rows(shown), 2)]
+    hidden = len(result.modules) - len(shown)
     if hidden > 0:
         out.append(f"  ... {hidden} more (all in --json)")
-    out.append("")
-    if not rec["keep_fp32"] and not rec["settings"] and result.get("step_fault"):
-        out.append("recommendation: no module to keep in FP32: the optimizer step itself made the weights "
-                   "non-finite (see the note).")
-    elif not rec["keep_fp32"] and not rec["settings"]:
-        out.append("recommendation: none: no module stands out and nothing went non-finite.")
-    else:
-        what = []
-        if rec["keep_fp32"]:
-            what.append(f"keep_fp32={rec['keep_fp32']}")
-        if rec["settings"]:
-            what += [f"{k}={v!r}" for k, v in rec["settings"].items()]
-        out.append("recommendation: " + ", ".join(what))
-    out += [f"  - {n}" for n in rec["notes"]]
-    v = result.get("verification")
+    out += ["", _recommendation(result)]
+    out += [f"  - {n}" for n in result.recommendation.notes]
+    v = result.verification
     if v is not None:
-        out += ["", f"verification ({v['steps']} steps each, same seed):"]
-        out += ["  " + ln for ln in _verification(v, level or "")]
-        if v["gave_up"]:
+        out += ["", f"verification ({v.verified.steps} steps each, same seed; follows O0: finite, deviation within "
+                    f"{TOLERANCE:.0%} and learning at least {MIN_SHARE:.0%} of what O0 learns):"]
+        out += ["  " + ln for ln in _verification(result, level or "")]
+        if v.o0_progress is None and result.recommendation.settings.master_weights:
+            out.append(f"  O0's loss does not fall beyond its noise in {v.verified.steps} steps, so these runs cannot show "
+                       "whether a run learns: rerun with more --steps (e.g. 40) to see the fix at work.")
+        if v.gave_up:
             out.append("  the fix did not make the run finite: gave up (see the last note).")
         else:
-            out += ["", *_apply(rec, rerun)]
+            if v.verified.follows_O0 is False:
+                out.append("  the fix made the run finite, but its loss does not follow O0's within the tolerance.")
+            out += ["", *_apply(result.recommendation, rerun)]
     return "\n".join(out)
 
 
-def write_plot(path: str, result: dict[str, Any], title: str) -> None:
+def write_plot(path: str, result: Diagnosis, title: str) -> None:
     """Two panels over the leaf modules: local relative error, and headroom (log scales).
     Raises ImportError without matplotlib."""
     from matplotlib.figure import Figure  # optional dependency: ampatch[plot]
 
-    leaves = [m for m in result["modules"] if m["leaf"]][:30]
-    names = [m["name"] or "(model)" for m in leaves]
+    leaves = [m for m in result.modules if m.leaf][:30]
+    names = [m.name or "(model)" for m in leaves]
     fig = Figure(figsize=(12, max(3.0, 0.3 * len(leaves) + 1.5)), layout="constrained")
     ax_err, ax_head = fig.subplots(1, 2, sharey=True)
-    errors = [(m["rel_error"] or 0.0) if not m["rel_error_inf"] else 1e6 for m in leaves]
-    heads = [m["headroom"] or 0.0 for m in leaves]
-    kept = set(result["recommendation"]["keep_fp32"])
-    colors = ["tab:red" if m["name"] in kept else "tab:blue" for m in leaves]
+    errors = [(m.rel_error or 0.0) if not m.rel_error_inf else 1e6 for m in leaves]
+    heads = [m.headroom or 0.0 for m in leaves]
+    kept = set(result.recommendation.keep_fp32)
+    colors = ["tab:red" if m.name in kept else "tab:blue" for m in leaves]
     ax_err.barh(names, [max(e, 1e-9) for e in errors], color=colors)
     ax_err.set(xscale="log", title="local relative error vs FP32 shadow", xlabel="||out - shadow|| / ||shadow||")
     ax_head.barh(names, [max(h, 1e-3) for h in heads], color=colors)

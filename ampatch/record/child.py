@@ -1,6 +1,6 @@
 """The diagnosed run's side: `Session.setup` calls `attach` when ``AMPATCH_DIAGNOSE=PATH`` is
-set (by `ampatch diagnose`, or by hand), and PATH receives the recorded statistics as JSON,
-once the recording's steps are done, or at exit with what was recorded so far.
+set (by `ampatch diagnose`, or by hand), and PATH receives the `Recording` as JSON, once the
+recording's steps are done, or at exit with what was recorded so far.
 
 The recording lasts ``AMPATCH_MAX_STEPS`` optimizer steps when that is set (the session then
 ends the process: the diagnosis needs no more of the training), else `DEFAULT_STEPS`. As with
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,22 +19,37 @@ from torch import nn
 from ..session import fsdp
 from ..session.exit_json import ExitJson
 from .recorder import Recorder
+from .records import FORMAT, Recording
 
 logger = logging.getLogger("ampatch")
 
 __all__ = ["attach", "DEFAULT_STEPS", "FORMAT"]
 
 DEFAULT_STEPS = 8  # optimizer steps recorded when AMPATCH_MAX_STEPS does not say
-FORMAT = 1         # the version of the JSON written (`ampatch diagnose` checks it)
 
 
-def _diagnosis(tracked: tuple[Recorder, dict[str, Any]]) -> dict[str, Any]:
-    """The JSON `ampatch diagnose` reads: the recording with what the session was set up as."""
-    rec, meta = tracked
-    return {"format": FORMAT, **meta, "complete": len(rec.steps) >= rec.steps_wanted, "recorded": rec.result()}
+@dataclass(frozen=True)
+class _Setup:
+    """How the session was set up: what the recording's document says besides the records."""
+
+    opt_level: str
+    half_dtype: str | None
+    loss_scale: float | str
+    master_weights: str
+    notes: list[str]
+    keep_fp32: list[str]
 
 
-_output = ExitJson(_diagnosis, "diagnosis")  # the newest recording, written when it ends or at exit
+def _document(tracked: tuple[Recorder, _Setup]) -> dict[str, Any]:
+    """The JSON `ampatch diagnose` reads (`Recording.to_dict`)."""
+    rec, setup = tracked
+    return Recording(setup.opt_level, setup.half_dtype, setup.loss_scale, setup.master_weights, setup.notes,
+                     setup.keep_fp32, complete=len(rec.steps) >= rec.steps_wanted, steps_wanted=rec.steps_wanted,
+                     steps=list(rec.steps), modules=[rec.records[name] for name, _ in rec.names],
+                     params=rec.stalls.records).to_dict()
+
+
+_output = ExitJson(_document, "diagnosis")  # the newest recording, written when it ends or at exit
 
 
 def _masters(session: Any) -> dict[int, torch.Tensor]:
@@ -61,9 +77,9 @@ def attach(session: Any, models: Sequence[nn.Module], path: str, eps_lost: Seque
     if sharded:
         notes.append("FSDP-sharded model: no FP32 shadows (local errors are not measured); inf/NaN and "
                      "underflow are.")
-    meta = {"opt_level": props.opt_level, "half_dtype": props.half_name, "loss_scale": props.loss_scale, "notes": notes,
-            "keep_fp32": [k.label for k in session.kept]}
-    tracked = (recorder, meta)
+    setup = _Setup(props.opt_level, props.half_name, props.loss_scale, props.master_mode.value, notes,
+                   [k.label for k in session.kept])
+    tracked = (recorder, setup)
     _output.track(tracked, path)
     recorder.attach()
     logger.info("ampatch: diagnosing %d modules for %d optimizer steps (%s)", len(recorder.names),

@@ -8,7 +8,9 @@ module while it records:
 - backward: tensor hooks on the call's outputs and inputs count inf/NaN in the grads that
   reach it and that it sends on, in the order autograd produces them;
 - per parameter, as produced (scaled, before unscaling): inf/NaN and the share of elements
-  that are zero or subnormal in the half dtype.
+  that are zero or subnormal in the half dtype;
+- per parameter tensor and optimizer step: the share of its elements the step left unchanged
+  (`stalls.StallCounter`: updates below the half dtype's resolution round away).
 
 It keeps numbers, never tensors. Each step also notes the first module to *finish* its
 forward with a non-finite output from finite inputs (the innermost culprit) and the first
@@ -22,7 +24,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -30,50 +32,16 @@ from torch import nn
 
 from ..base.dtypes import short_name
 from ..model.keep import labelled
+from .records import ModuleRecord, StepRecord
 from .shadow import Masters, RandomState, is_quiet, run_shadow, upcast
+from .stalls import StallCounter
 from .stats import floating_tensors, magnitude, relative_error, underflow_fraction
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["ModuleRecord", "StepRecord", "Recorder", "module_names"]
+__all__ = ["Recorder", "module_names"]
 
 SHADOWS_PER_STEP = 4  # shadow runs per module and step (a module called in a loop is measured a few times)
-
-
-@dataclass
-class ModuleRecord:
-    """What was measured of one module over the recorded steps."""
-
-    name: str
-    type: str
-    leaf: bool
-    calls: int = 0
-    out_amax: float = 0.0
-    out_nonfinite: int = 0
-    in_nonfinite: int = 0
-    grad_out_nonfinite: int = 0   # in the grads reaching its outputs
-    grad_in_nonfinite: int = 0    # in the grads it sends towards its inputs
-    param_grad_nonfinite: int = 0
-    grad_underflow: float | None = None  # largest share over its own params' grads
-    rel_errors: list[float] = field(default_factory=list)  # per shadowed call, finite or inf
-    shadow_failures: int = 0
-    shadow_error: str | None = None
-
-
-@dataclass
-class StepRecord:
-    """One optimizer step while recording."""
-
-    step: int
-    loss: float | None
-    loss_finite: bool
-    loss_scale: float
-    skipped: bool
-    forward_culprit: str | None = None
-    forward_kind: str | None = None  # "overflow" (inf in the output) or "nan"
-    backward_culprit: str | None = None
-    backward_nonfinite: bool = False
-    stepped_nonfinite: list[str] = field(default_factory=list)  # modules whose own params the step left inf/NaN
 
 
 def module_names(models: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -116,6 +84,7 @@ class Recorder:
         self._frames = _Frames()
         self._handles: list[Any] = []
         self._param_owner: dict[int, str] = {}
+        self.stalls = StallCounter(self.names, masters)
         self._new_step()
 
     # ------------------------------------------------------------------ set-up
@@ -238,12 +207,14 @@ class Recorder:
             self._loss = value if self._loss is None else self._loss
             self._loss_finite = self._loss_finite and bool(torch.isfinite(loss.detach()).all())
             self._scale = scale
+        self.stalls.before_step()  # the weights before this step's update (its first loss: before backward)
 
     def on_step(self, skipped: bool) -> None:
         """An optimizer step ended (skipped on overflow or not): close the step's record."""
         if not self.active:
             return
         stepped_bad = [] if skipped else self._nonfinite_params()
+        self.stalls.after_step(skipped)
         with self._lock:
             culprit = _backward_culprit(self._events)
             self.steps.append(StepRecord(
@@ -266,13 +237,14 @@ class Recorder:
                     if any(not bool(torch.isfinite(p).all()) for p in m.parameters(recurse=False))]
 
     def result(self) -> dict[str, Any]:
-        """What was recorded, as plain JSON-ready data (the input of `analysis.analyse`)."""
+        """What was recorded, as plain JSON-ready data (the "recorded" part of a `Recording`)."""
         with self._lock:
             return {
                 "half_dtype": short_name(self.half_dtype),
                 "steps_wanted": self.steps_wanted,
                 "steps": [asdict(s) for s in self.steps],
                 "modules": [asdict(self.records[name]) for name, _ in self.names],
+                "params": [asdict(p) for p in self.stalls.records],
             }
 
 

@@ -42,10 +42,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["WINDOW", "MIN_FALL", "NOISE_MARGIN", "MIN_SHARE", "DIVERGE", "Basis", "Reference", "initial_backoffs",
+__all__ = ["WINDOW", "TOLERANCE", "MIN_FALL", "NOISE_MARGIN", "MIN_SHARE", "DIVERGE", "Basis", "Reference", "initial_backoffs",
            "losses_per_step", "deviation", "learned", "unsound"]
 
 WINDOW = 5          # losses averaged at each step before comparing (the compare table's final-loss window)
+TOLERANCE = 0.02    # tune's default --tolerance; diagnose holds a verified fix to it
 MIN_FALL = 0.005    # O0 learns when its loss falls by at least this share of its level over the run ...
 NOISE_MARGIN = 2.0  # ... and by more than this many standard errors of that fall
 MIN_SHARE = 0.5     # a run that learns less than this share of what O0 learns never qualifies in tune

@@ -12,7 +12,8 @@ from ampatch.config.policy_file import Policy
 
 __all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY"]
 
-# ties go to the simpler policy: fewer kept modules, then O1 over O2 over O3 (O4/O5 are O1/O2 in bfloat16)
+# ties go to the simpler policy: O0 first, then fewer kept modules, then O1 over O2 over O3 (O4/O5 are O1/O2 in
+# bfloat16), then no loss scale or master weights set over one set
 SIMPLICITY = {"O0": 0, "O1": 1, "O4": 2, "O2": 3, "O5": 4, "O3": 5}
 
 
@@ -24,23 +25,29 @@ class Candidate:
     half_dtype: str | None = None
     keep_fp32: tuple[str, ...] = ()
     loss_scale: float | str | None = None
+    master_weights: bool | str | None = None   # None: the level's own
     repairs: str | None = None
 
     def policy(self, measured: dict[str, Any] | None = None) -> Policy:
-        return Policy(self.opt_level, self.half_dtype, self.keep_fp32, self.loss_scale, measured=measured)
+        return Policy(self.opt_level, self.half_dtype, self.keep_fp32, self.loss_scale, self.master_weights,
+                      measured=measured)
 
     @property
     def label(self) -> str:
         return self.policy().describe()
 
-    def simplicity(self) -> tuple[int, int, int]:
-        """Smaller is simpler (see `SIMPLICITY`)."""
-        return (len(self.keep_fp32), SIMPLICITY[self.opt_level], int(self.loss_scale is not None))
+    def simplicity(self) -> tuple[int, int, int, int]:
+        """Smaller is simpler (see `SIMPLICITY`); O0 (`REFERENCE`) is the simplest of all."""
+        return (len(self.keep_fp32), SIMPLICITY[self.opt_level], int(self.loss_scale is not None),
+                int(self.master_weights is not None))
 
-    def repaired(self, keep: Sequence[str], loss_scale: float | str | None) -> Candidate:
-        """This candidate with `keep` added to its kept modules and `loss_scale` (None: its own)."""
+    def repaired(self, keep: Sequence[str], loss_scale: float | str | None,
+                 master_weights: bool | str | None = None) -> Candidate:
+        """This candidate with `keep` added to its kept modules, `loss_scale` and `master_weights`
+        (None: its own)."""
         kept = tuple(dict.fromkeys([*self.keep_fp32, *keep]))
         return replace(self, keep_fp32=kept, loss_scale=loss_scale if loss_scale is not None else self.loss_scale,
+                       master_weights=master_weights if master_weights is not None else self.master_weights,
                        repairs=self.repairs or self.label)
 
 

@@ -1,6 +1,7 @@
 """A failed candidate's repair: one recorded run (the `diagnose` recorder), and the candidate
-its diagnosis suggests: its `keep_fp32` added, its loss scale (dynamic against gradient
-underflow). A diagnosis that names a step fault (the optimizer's own arithmetic, not a
+its diagnosis suggests: its `keep_fp32` added, its settings (a dynamic loss scale against
+gradient underflow; FP32 master weights against stalled updates, weights the optimizer's steps
+leave unchanged). A diagnosis that names a step fault (the optimizer's own arithmetic, not a
 module's precision) gives no repair: the candidate is dropped with that reason. While a
 repair still fails, the set grows as `ampatch diagnose` grows it (the new first non-finite
 module, else the parent of the last module added), within `MAX_REPAIRS` tries.
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ampatch.config import env
-from ampatch.diagnose.analysis import Diagnosis, diagnosis, grow
-from ampatch.record.child import FORMAT
+from ampatch.diagnose.analysis import diagnosis, grow
+from ampatch.diagnose.result import Diagnosis
+from ampatch.record.records import RecordingError
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.measure import Job, run_candidate
 
@@ -23,19 +25,22 @@ MAX_REPAIRS = 2   # repaired runs per failed candidate (each after one recorded 
 
 @dataclass(frozen=True)
 class Suggestion:
-    """What a recorded run suggests: the next candidate, or why there is none."""
+    """What a recorded run suggests: the next candidate, or why there is none; `finding`: what
+    the failed candidate's reason gains (a step fault, stalled updates), None for nothing."""
 
     candidate: Candidate | None
     why: str
     step_fault: bool = False
+    finding: str | None = None
 
 
 def _record(candidate: Candidate, job: Job, log: TextIO | None) -> Diagnosis | None:
     done = run_candidate(candidate, job, log, record=True)
     doc = done.outputs.get(env.DIAGNOSE)
-    if not doc or doc.get("format") != FORMAT:
+    try:
+        return diagnosis(doc) if doc else None
+    except RecordingError:
         return None
-    return diagnosis(doc)
 
 
 def suggest(candidate: Candidate, job: Job, log: TextIO | None) -> Suggestion:
@@ -44,13 +49,22 @@ def suggest(candidate: Candidate, job: Job, log: TextIO | None) -> Suggestion:
     if found is None:
         return Suggestion(None, "its recorded run gave nothing to diagnose")
     if found.step_fault is not None:
-        return Suggestion(None, found.step_fault.note, step_fault=True)
-    keep = [k for k in found.keep_fp32 if k not in candidate.keep_fp32]
+        return Suggestion(None, found.step_fault.note, step_fault=True, finding=found.step_fault.note)
+    stall = found.stall if found.stall is not None and found.stall.finding else None
+    finding = (f"stalled updates: {stall.unchanged:.0%} of the weights unchanged by each optimizer step ({stall.held_in} "
+               "weights below their resolution, no FP32 masters)") if stall is not None else None
+    rec = found.recommendation
+    keep = [k for k in rec.keep_fp32 if k not in candidate.keep_fp32]
     if not keep and found.first_nonfinite is not None and candidate.keep_fp32:
         grown = grow(candidate.keep_fp32, found)  # diagnose's own rule for a kept set that did not help
         keep = [grown] if grown is not None else []
-    scale = found.settings.get("loss_scale")
-    if not keep and (scale is None or scale == candidate.loss_scale):
-        return Suggestion(None, "the diagnosis names no module to keep in FP32 and no setting")
-    why = "; ".join(found.notes[:2]) or f"keep {keep} in FP32"
-    return Suggestion(candidate.repaired(keep, scale), why)
+    scale, masters = rec.settings.loss_scale, rec.settings.master_weights
+    new_scale = scale is not None and scale != candidate.loss_scale
+    new_masters = masters is not None and masters != candidate.master_weights
+    if not keep and not new_scale and not new_masters:
+        return Suggestion(None, "the diagnosis names no module to keep in FP32 and no setting", finding=finding)
+    if stall is not None:
+        why = f"{finding}: FP32 master weights"
+    else:
+        why = "; ".join(rec.notes[:2]) or f"keep {keep} in FP32"
+    return Suggestion(candidate.repaired(keep, scale, masters), why, finding=finding)

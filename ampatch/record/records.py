@@ -1,0 +1,129 @@
+"""What a recording holds, and the JSON it travels in from the diagnosed run to the command.
+
+- `ModuleRecord`: one module over the recorded steps (magnitudes, inf/NaN, underflow, local error);
+- `StepRecord`: one optimizer step (loss, scale, skipped, the first non-finite module);
+- `ParamRecord`: one parameter tensor: per step, the share of its elements the optimizer step
+  left unchanged (`stalls.StallCounter`);
+- `Recording`: the whole document (`FORMAT`): the session's set-up and the records.
+
+The recorder fills the records while the run trains; ``ampatch diagnose`` reads the document
+back with `Recording.from_dict` and never by key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["FORMAT", "ModuleRecord", "StepRecord", "ParamRecord", "Recording", "RecordingError"]
+
+FORMAT = 2   # the version of the JSON written (2: per-parameter stall shares)
+
+
+class RecordingError(ValueError):
+    """A document that is not a recording this ampatch reads (another format, a missing field)."""
+
+
+def _build(cls: type, data: Any, what: str) -> Any:
+    """`cls(**data)` over the fields `cls` has; a missing field is a `RecordingError`."""
+    if not isinstance(data, dict):
+        raise RecordingError(f"{what}: expected an object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in data.items() if k in names})
+    except TypeError as exc:
+        raise RecordingError(f"{what}: {exc}") from None
+
+
+@dataclass
+class ModuleRecord:
+    """What was measured of one module over the recorded steps."""
+
+    name: str
+    type: str
+    leaf: bool
+    calls: int = 0
+    out_amax: float = 0.0
+    out_nonfinite: int = 0
+    in_nonfinite: int = 0
+    grad_out_nonfinite: int = 0   # in the grads reaching its outputs
+    grad_in_nonfinite: int = 0    # in the grads it sends towards its inputs
+    param_grad_nonfinite: int = 0
+    grad_underflow: float | None = None  # largest share over its own params' grads
+    rel_errors: list[float] = field(default_factory=list)  # per shadowed call, finite or inf
+    shadow_failures: int = 0
+    shadow_error: str | None = None
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step while recording."""
+
+    step: int
+    loss: float | None
+    loss_finite: bool
+    loss_scale: float
+    skipped: bool
+    forward_culprit: str | None = None
+    forward_kind: str | None = None  # "overflow" (inf in the output) or "nan"
+    backward_culprit: str | None = None
+    backward_nonfinite: bool = False
+    stepped_nonfinite: list[str] = field(default_factory=list)  # modules whose own params the step left inf/NaN
+
+
+@dataclass
+class ParamRecord:
+    """One parameter tensor: the share of its elements each recorded optimizer step left
+    unchanged, among those with a non-zero gradient (None: the step was skipped, or no element
+    had a gradient). `dtype` is that of the tensor that holds the weight: the FP32 master
+    where there is one, else the parameter itself."""
+
+    name: str        # "fc1.weight"
+    module: str      # "fc1": the module whose own parameter it is
+    dtype: str
+    numel: int
+    unchanged: list[float | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Recording:
+    """The document a diagnosed run writes: how its session was set up, and what it recorded."""
+
+    opt_level: str | None
+    half_dtype: str | None
+    loss_scale: float | str | None
+    master_weights: str              # `config.values.MasterMode` value: "none", "fp32", "stochastic", "kahan"
+    notes: list[str]
+    keep_fp32: list[str]
+    complete: bool                   # every step it was asked for was recorded
+    steps_wanted: int
+    steps: list[StepRecord]
+    modules: list[ModuleRecord]
+    params: list[ParamRecord]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "opt_level": self.opt_level, "half_dtype": self.half_dtype,
+                "loss_scale": self.loss_scale, "master_weights": self.master_weights, "notes": list(self.notes),
+                "keep_fp32": list(self.keep_fp32), "complete": self.complete,
+                "recorded": {"half_dtype": self.half_dtype, "steps_wanted": self.steps_wanted,
+                             "steps": [asdict(s) for s in self.steps], "modules": [asdict(m) for m in self.modules],
+                             "params": [asdict(p) for p in self.params]}}
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> Recording:
+        """The document as `to_dict` wrote it; a `RecordingError` names what does not fit."""
+        if not isinstance(doc, dict):
+            raise RecordingError(f"a recording is a JSON object, got {type(doc).__name__}")
+        if doc.get("format") != FORMAT:
+            raise RecordingError(f"the run wrote a recording of format {doc.get('format')!r}; this ampatch reads "
+                                 f"{FORMAT}")
+        raw = doc.get("recorded")
+        if not isinstance(raw, dict):
+            raise RecordingError("the recording has no 'recorded' object")
+        return cls(opt_level=doc.get("opt_level"), half_dtype=doc.get("half_dtype") or raw.get("half_dtype"),
+                   loss_scale=doc.get("loss_scale"), master_weights=doc.get("master_weights") or "none",
+                   notes=list(doc.get("notes") or []), keep_fp32=list(doc.get("keep_fp32") or []),
+                   complete=bool(doc.get("complete")), steps_wanted=int(raw.get("steps_wanted") or 0),
+                   steps=[_build(StepRecord, s, "a recorded step") for s in raw.get("steps") or []],
+                   modules=[_build(ModuleRecord, m, "a recorded module") for m in raw.get("modules") or []],
+                   params=[_build(ParamRecord, p, "a recorded parameter") for p in raw.get("params") or []])
