@@ -14,7 +14,8 @@ from ampatch.compare.rows import Row
 from ampatch.runs.runner import LevelRun
 from ampatch.tune import timing
 from ampatch.tune.candidates import REFERENCE, Candidate, initial
-from ampatch.tune.measure import Job, Measured, judge
+from ampatch.tune.measure import Job, Measured
+from ampatch.tune.verdict import Rule, growth_probes, judge
 from ampatch.tune.report import render, to_json
 from ampatch.tune.search import Search
 
@@ -28,8 +29,8 @@ def _row(level: str, losses: list[float], base: Row | None = None, skipped=(), o
 
 def _measured(c: Candidate, losses: list[float], base: Row, tol: float = 0.02) -> Measured:
     row = _row(c.opt_level, losses, base)
-    ok, reason, finite, dev = judge(row, tol)
-    return Measured(c, row, ok, reason, finite, dev)
+    v = judge(row, Rule(tol))
+    return Measured(c, row, v.qualifies, v.reason, v.finite, v.deviation, learned=v.learned)
 
 
 def _search(timings: dict[Candidate, list[float]], deviations: dict[Candidate, float]) -> Search:
@@ -55,16 +56,46 @@ def test_the_candidates_on_a_cpu_without_native_float16_are_bfloat16_only(monkey
 
 
 def test_the_verdict_names_its_reason():
-    base = _row("O0", O0_LOSSES)
-    assert judge(_row("O1", O0_LOSSES, base), 0.02)[:2] == (True, "deviation 0.00% within 2.00%")
-    far = judge(_row("O1", [x * 1.1 for x in O0_LOSSES], base), 0.02)
-    assert not far[0] and "deviation 10.00% > tolerance 2.00%" in far[1]
-    nan = judge(_row("O1", O0_LOSSES[:3] + [float("nan")] * 7, base), 0.02)
-    assert not nan[0] and nan[1] == "loss not finite from step 3" and not nan[2]
+    base = _row("O0", O0_LOSSES)             # falls 0.5 (first 5 losses' mean minus the last 5's)
+    rule = Rule(0.02)
+    ok = judge(_row("O1", O0_LOSSES, base), rule)
+    assert (ok.qualifies, ok.reason, ok.learned) == (True, "deviation 0.00% within 2.00%", pytest.approx(1.0))
+    far = judge(_row("O1", [x + 0.05 for x in O0_LOSSES], base), rule)   # 0.05 off: 10% of O0's progress
+    assert not far.qualifies and far.reason == "deviation 10.00% > tolerance 2.00%"
+    assert judge(_row("O1", [x + 0.05 for x in O0_LOSSES], base), Rule(0.02, floor=0.09)).qualifies  # O0 is that noisy
+    nan = judge(_row("O1", O0_LOSSES[:3] + [float("nan")] * 7, base), rule)
+    assert not nan.qualifies and nan.reason == "loss not finite from step 3" and not nan.finite
     lagging = O0_LOSSES[:1] * 2 + O0_LOSSES[:8]      # two initial back-offs: the O0 curve, two updates late
-    assert judge(_row("O1", lagging, base, skipped=[0, 1]), 0.02)[0]
-    late = judge(_row("O1", O0_LOSSES, base, skipped=[0, 6]), 0.02)
-    assert not late[0] and "skipped after the loss scaler's first back-offs (first: 6)" in late[1]
+    assert judge(_row("O1", lagging, base, skipped=[0, 1]), rule).qualifies
+    late = judge(_row("O1", O0_LOSSES, base, skipped=[0, 6]), rule)
+    assert not late.qualifies and "skipped after the loss scaler's first back-offs (first: 6)" in late.reason
+
+
+def test_a_run_that_learns_nothing_never_qualifies_whatever_the_tolerance():
+    base = _row("O0", O0_LOSSES)
+    stalled = judge(_row("O3", [3.0] * 10, base), Rule(10.0))           # a 1000% tolerance
+    assert not stalled.qualifies and stalled.learned == pytest.approx(0)
+    assert stalled.reason.startswith("learns 0% of what O0 learns (at least 50% needed, whatever the tolerance)")
+
+
+def test_a_loss_scalers_growth_probe_does_not_fail_a_long_float16_run():
+    """After 2000 clean steps a dynamic scale doubles; if the doubled scale overflows, that one
+    step is skipped and the scale goes back: the scaler doing its job, not a failing candidate."""
+    history = [[0, 65536.0], [0, 32768.0], [1, 16384.0], [2002, 32768.0], [2003, 16384.0]]
+    assert growth_probes([0, 1, 2003], history) == {2003}
+    assert growth_probes([0, 1, 2003, 2004], history + [[2004, 8192.0]]) == set()   # a streak: not a probe
+    o0 = [3.0 - 0.0002 * i for i in range(2100)]
+    base = _row("O0", o0)
+    half = o0[:2] + o0[:2098]            # two initial back-offs, then O0's curve two updates late
+
+    def row(skipped, hist):
+        rep = {"opt_level": "O1", "losses": half, "skipped_steps": skipped, "step_times_s": [0.1] * 5,
+               "steps": 2100, "loss_scale_history": {"loss_scaler0": hist}}
+        return Row.of(LevelRun("O1", True, None, 0, 1.0, report(rep)), base)
+    probed = judge(row([0, 1, 2003], history), Rule(0.02))
+    assert probed.qualifies, probed.reason
+    unexplained = judge(row([0, 1, 1500], history[:3] + [[1500, 8192.0]]), Rule(0.02))
+    assert not unexplained.qualifies and "(first: 1500)" in unexplained.reason
 
 
 def test_the_timing_rule():
@@ -161,3 +192,57 @@ def test_compare_keeps_the_finished_levels_when_the_policy_row_is_interrupted():
         raise process.Stopped(15)
     assert with_policy_row(runs, interrupted) == 15 and runs == ["O0 run"]
     assert with_policy_row(runs, lambda: "policy run") is None and runs == ["O0 run", "policy run"]
+
+
+def test_a_tie_with_O0_goes_to_O0_by_the_same_rule_as_every_tie():
+    """O0 is the simplest policy: a half policy that is not faster than O0 beyond the spread
+    between repeats ties with it, and the tie goes to O0; the why-line says so in those words."""
+    o1 = Candidate("O1", "bfloat16")
+    s = _search({REFERENCE: [100.0, 104.0], o1: [98.0, 101.0]}, {o1: 0.0})
+    s.choose()
+    assert s.result.chosen == REFERENCE
+    assert "no faster than O0 beyond the" in s.result.why and "a tie goes to the simpler policy, and O0 is the simplest" \
+        in s.result.why
+
+
+def test_a_finalist_whose_retiming_run_fails_no_longer_qualifies(monkeypatch):
+    """Each interleaved re-timing run is judged again: a finalist that qualified at its first run
+    but not on a repeat (a nondeterministic run) is not chosen, and its reason says why."""
+    from ampatch.tune import search as search_module
+    o1, o5 = Candidate("O1", "bfloat16"), Candidate("O5", "bfloat16")
+    s = _search({REFERENCE: [100.0], o1: [50.0], o5: [60.0]}, {o1: 0.0, o5: 0.0})
+    s.retimed, s.rounds = [], 1
+    base = s.result.reference.row
+    repeats = {REFERENCE: O0_LOSSES, o1: [x + 0.2 for x in O0_LOSSES], o5: O0_LOSSES}   # o1's repeat: 40% off
+    monkeypatch.setattr(search_module, "run_candidate", lambda c, job, log, record=False: c)
+    monkeypatch.setattr(search_module, "measured",
+                        lambda c, done, ref, rule: _measured(c, repeats[c], base) if ref is not None else None)
+    s.retime()
+    m1 = s.result.measured_of(o1)
+    assert not m1.qualifies and m1.reason.startswith("its re-timing run 1 fails: deviation 40.00%")
+    assert s.result.measured_of(o5).qualifies and s.retimed == [o1, o5]
+    s.choose()
+    assert s.result.chosen != o1      # (o5's repeat ran as fast as O0's: the tie goes to O0)
+
+
+def test_the_budget_counts_the_recorded_runs_of_repairs(monkeypatch):
+    """A repair starts with a recorded run (the diagnose recorder's FP32 shadows make it slower
+    than a plain run): it is not started when its estimate does not fit what is left."""
+    import time as clock
+
+    from ampatch.tune import search as search_module
+    c = Candidate("O3", "bfloat16")
+    s = Search(Job(lambda n: [], 1), [], 0.02, 25.0, io.StringIO())
+    s.last_wall = 10.0                                  # a plain run fits in the 25 s left, a recorded one does not
+    recorded = []
+    monkeypatch.setattr(search_module, "suggest", lambda *a: recorded.append(a))
+    assert s.fits() and not s.fits(recorded=True)
+    s.repair_one(c)
+    assert recorded == [] and "budget reached before repairing O3 bfloat16" in s.result.notes[-1]
+    s.deadline, s.record_wall = clock.time() + 25.0, 12.0   # once measured, the recorded run's own time counts
+    assert s.fits(recorded=True) and s.estimate(recorded=True) == 12.0
+
+
+def test_negative_rounds_are_refused():
+    with pytest.raises(ValueError, match="rounds must be 0 or more"):
+        Search(Job(lambda n: [], 1), [], 0.02, None, io.StringIO(), rounds=-1)

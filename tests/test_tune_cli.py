@@ -55,6 +55,8 @@ def test_a_script_that_crashes_or_never_scales_its_loss_is_one_message(tmp_path,
     (["--budget", "soon"], "--budget"),
     (["--workload", "lm", "--", "python", "x.py"], "apply to the built-in workloads"),
     (["--out", "/no/such/dir/p.json"], "--out"),
+    (["--rounds", "-1"], "--rounds: must be 0 or more"),
+    (["--rounds", "two"], "--rounds"),
 ])
 def test_bad_input_is_a_usage_error(args, words, capsys):
     assert main(["tune", *args]) == 2
@@ -93,3 +95,34 @@ def test_a_step_fault_drops_the_candidate_with_its_reason(tmp_path, capsys):
     assert o3["opt_level"] == "O3" and not o3["qualifies"] and o3["step_fault"]
     assert "step fault" in o3["reason"] and "not a module's precision" in o3["reason"]
     assert data["chosen"]["opt_level"] == "O0" and load(tmp_path / "p.json").opt_level == "O0"
+
+
+UNSOUND = """
+import torch, ampatch as amp
+torch.manual_seed(0)
+m = torch.nn.Linear(4, 1)
+o = torch.optim.SGD(m.parameters(), lr=0.01)
+m, o = amp.initialize(m, o, verbosity=0)
+x = torch.randn(16, 4)
+for step in range(20):
+    loss = (m(x) ** 2).mean() + {rise}
+    o.zero_grad()
+    with amp.scale_loss(loss, o) as s:
+        s.backward()
+    o.step()
+"""
+
+
+@pytest.mark.parametrize("rise,words", [("0.5 * step", "its loss rises from"),
+                                        ("(float('nan') if step >= 4 else 0.0)", "its loss is not finite from step 4")])
+def test_a_reference_that_diverges_or_goes_non_finite_stops_tune(tmp_path, capsys, rise, words):
+    """O0 is what every candidate is judged against: one whose loss is not finite or climbs
+    stops the search with exit 1 and no policy file (every candidate used to get an infinite
+    deviation, and O0 was written with exit 0)."""
+    script = tmp_path / "bad.py"
+    script.write_text(UNSOUND.format(rise=rise))
+    out = tmp_path / "p.json"
+    assert main(["tune", "--steps", "10", "--out", str(out), "--", "python", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert "the O0 reference is unsound: " + words in err and "No candidate can be judged against it" in err
+    assert not out.exists()

@@ -1,16 +1,23 @@
 """`ampatch tune`: the fastest precision policy that still trains like FP32, as a policy file.
 
+The library entry point is `tune(...) -> TuneResult` (`command`); ``ampatch tune`` calls it.
 One job per module:
 
+- ``command``: the entry point: the job (a script, or a built-in workload), the search, the policy file;
 - ``candidates``: a policy to try (`Candidate`), the ones worth trying on this hardware, and
-  the simplicity order that breaks ties;
-- ``measure``: one candidate's run (as ``ampatch run --policy`` runs it) and its verdict
-  against O0's (finite, no step skipped after the loss scaler's initial back-offs, deviation
-  within the tolerance: `ampatch.runs.deviation`);
+  the simplicity order that breaks ties (O0 the simplest);
+- ``measure``: one candidate's run (as ``ampatch run --policy`` runs it);
+- ``verdict``: whether it trains like FP32: finite, no late skipped step (a loss scaler's
+  growth probe aside), learning at least half of what O0 learns, and a deviation from O0's
+  curve relative to what O0 learns (`ampatch.runs.deviation`) within the tolerance above the
+  measured noise floor;
 - ``repair``: a failed candidate's recorded run, and the candidate its diagnosis suggests
-  (or why none: a step fault);
+  (modules kept in FP32, a loss scale, FP32 masters against stalled updates; or why none);
 - ``timing``: interleaved re-timing against O0 and the spread-based "faster" rule;
 - ``search``: the whole search within a budget; ``report``: the table and the JSON.
 
-Nothing here prints: the command line (``ampatch.cli.tune``) gives the stream for progress.
+Nothing here prints: progress goes to the stream the caller gives (`tune(log=...)`).
 """
+from ampatch.tune.command import NoReference, TuneResult, tune
+
+__all__ = ["tune", "TuneResult", "NoReference"]

@@ -1,8 +1,5 @@
-"""One candidate's run, as ``ampatch run --policy`` runs it, and its verdict against O0's.
-
-A candidate qualifies when its run finished, every loss is finite, no step was skipped after
-the loss scaler's initial back-offs (an initial back-off is the scaler finding its scale),
-and the deviation of its loss curve from O0's (`ampatch.runs.deviation`) is within the tolerance.
+"""One candidate's run, as ``ampatch run --policy`` runs it, and its verdict against O0's
+(`verdict.judge`: finite, no late skipped step, learning, within the tolerance above the noise floor).
 """
 from __future__ import annotations
 
@@ -17,11 +14,11 @@ from ampatch.config import env
 from ampatch.runs.progress import Progress
 from ampatch.compare.rows import Row
 from ampatch.runs.runner import Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
-from ampatch.runs.deviation import initial_backoffs
 from ampatch.config.policy_file import save
 from ampatch.tune.candidates import Candidate
+from ampatch.tune.verdict import Rule, judge
 
-__all__ = ["Job", "Measured", "run_candidate", "judge", "measured"]
+__all__ = ["Job", "Measured", "run_candidate", "measured"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +44,7 @@ class Measured:
     finite: bool
     deviation: float | None
     step_fault: bool = False
+    learned: float | None = None   # the share of O0's progress it makes (None: O0's loss does not fall)
 
     @property
     def step_ms(self) -> float | None:
@@ -57,10 +55,10 @@ class Measured:
         c = self.candidate
         ms = self.step_ms
         return {"opt_level": c.opt_level, "half_dtype": c.half_dtype, "keep_fp32": list(c.keep_fp32),
-                "loss_scale": c.loss_scale, "step_ms": ms,
+                "loss_scale": c.loss_scale, "master_weights": c.master_weights, "step_ms": ms,
                 "speedup": reference_ms / ms if reference_ms and ms else None,
                 "deviation": self.deviation if self.deviation is None or math.isfinite(self.deviation) else None,
-                "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
+                "learned": self.learned, "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
                 "peak_memory_mib": self.row.peak_memory_mib, "final_loss": self.row.final_loss,
                 "repairs": c.repairs, "step_fault": self.step_fault}
 
@@ -86,36 +84,15 @@ def run_candidate(candidate: Candidate, job: Job, log: TextIO | None, record: bo
                          progress=progress, launch=job.launch)
 
 
-def judge(row: Row, tolerance: float) -> tuple[bool, str, bool, float | None]:
-    """(qualifies, reason, finite, deviation) of a run's row against O0's (already in `row`)."""
-    if not row.ok:
-        return False, f"run failed: {row.error}", False, None
-    losses = row.losses
-    finite = bool(losses) and all(math.isfinite(x) for x in losses)
-    dev = row.max_loss_dev_vs_O0
-    if not finite:
-        first = next(i for i, x in enumerate(losses) if not math.isfinite(x)) * row.losses_every if losses else 0
-        return False, f"loss not finite from step {first}", False, dev
-    backoffs = initial_backoffs(row.skipped_steps)
-    late = [s for s in row.skipped_steps if s >= backoffs]
-    if late:
-        return False, f"{len(late)} step(s) skipped after the loss scaler's first back-offs (first: {late[0]})", \
-            True, dev
-    if dev is None:
-        return False, "no loss to compare with O0's", True, dev
-    if dev > tolerance:
-        return False, f"deviation {dev:.2%} > tolerance {tolerance:.2%}", True, dev
-    return True, f"deviation {dev:.2%} within {tolerance:.2%}", True, dev
-
-
-def measured(candidate: Candidate, done: Finished, reference: Row | None, tolerance: float,
+def measured(candidate: Candidate, done: Finished, reference: Row | None, rule: Rule,
              upto: int | None = None) -> Measured:
-    """The verdict of `candidate`'s finished run against the O0 `reference` row."""
+    """The verdict of `candidate`'s finished run against the O0 `reference` row (None: it is
+    the reference)."""
     row = Row.of(level_run(done, candidate.opt_level), reference, upto)
     if reference is None:  # the reference itself
         return Measured(candidate, row, row.ok, "the reference (FP32)" if row.ok else f"run failed: {row.error}",
                         row.ok and all(math.isfinite(x) for x in row.losses), 0.0 if row.ok else None)
-    ok, reason, finite, dev = judge(row, tolerance)
-    return Measured(candidate, row, ok, reason, finite, dev)
+    v = judge(row, rule)
+    return Measured(candidate, row, v.qualifies, v.reason, v.finite, v.deviation, learned=v.learned)
 
 

@@ -10,12 +10,22 @@ from typing import Any
 
 import torch
 
-from ampatch.runs.deviation import WINDOW
+from ampatch.runs.deviation import MIN_FALL, MIN_SHARE, NOISE_MARGIN, WINDOW
 from ampatch.config.policy_file import Policy, fingerprint
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.search import Result
 
-__all__ = ["render", "to_json", "policy_of", "write_json"]
+__all__ = ["render", "to_json", "policy_of", "write_json", "MEASURE", "FLOOR"]
+
+MEASURE = (f"max over steps of |candidate - O0| ({WINDOW}-loss means, compared update for update after the loss "
+           f"scaler's initial back-offs) / O0's progress (the mean of its first {WINDOW} losses minus the mean of its "
+           f"last {WINDOW}); relative to O0's loss at each step instead when O0's loss falls by less than "
+           f"{MIN_FALL:.1%} of its level or by no more than {NOISE_MARGIN:g} standard errors of its own noise. A "
+           f"candidate qualifies within the tolerance above the noise floor, and only when it learns at least "
+           f"{MIN_SHARE:.0%} of what O0 learns.")
+FLOOR = ("the largest deviation, by the same measure, of an O0 run repeated with the same command, seed and data "
+         "(the noise-floor run and O0's re-timing runs) from the reference: run-to-run nondeterminism, the noise "
+         "in every candidate's comparison with O0 (they run on the same seed and data)")
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -41,12 +51,19 @@ def to_json(result: Result) -> dict[str, Any]:
     if result.chosen is not None:
         c = result.chosen
         base = next((d for d in cands if d["opt_level"] == c.opt_level and d["keep_fp32"] == list(c.keep_fp32)
-                     and d["half_dtype"] == c.half_dtype and d["loss_scale"] == c.loss_scale), None)
+                     and d["half_dtype"] == c.half_dtype and d["loss_scale"] == c.loss_scale
+                     and d["master_weights"] == c.master_weights), None)
         chosen = base or {"opt_level": "O0", "half_dtype": None, "keep_fp32": [], "loss_scale": None,
-                          "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0, "finite": True,
+                          "master_weights": None, "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0, "finite": True,
                           "qualifies": True, "reason": "the reference (FP32)"}
         chosen = {**chosen, "why": result.why}
+    basis = result.basis
     return {"tolerance": result.tolerance,
+            "deviation": {"measure": MEASURE, "basis": basis.basis.value if basis else None,
+                          "o0_progress": basis.progress if basis else None, "o0_first": basis.first if basis else None,
+                          "o0_last": basis.last if basis else None, "window": WINDOW, "min_learned": MIN_SHARE,
+                          "noise_floor": result.floor, "noise_floor_runs": result.floor_runs,
+                          "noise_floor_measured_by": FLOOR},
             "reference": {"step_ms": o0, "final_loss": ref.row.final_loss if ref else None,
                           "peak_memory_mib": ref.row.peak_memory_mib if ref else None},
             "candidates": cands, "chosen": chosen, "spread": result.spread,
@@ -58,7 +75,8 @@ def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
     c = result.chosen or REFERENCE
     m = result.measured_of(c)
     return c.policy({"tolerance": result.tolerance, "steps": steps, "speedup": _speedup(result, c),
-                     "deviation": m.deviation if m is not None else None, "machine": fingerprint(device).to_dict(),
+                     "deviation": m.deviation if m is not None else None, "noise_floor": result.floor,
+                     "machine": fingerprint(device).to_dict(),
                      "torch": torch.__version__, "what": what,
                      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
 
@@ -66,23 +84,23 @@ def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
 def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
     """The table of every candidate, the choice with its reason, and how to apply it."""
     o0 = result.step_ms(REFERENCE)
-    header = ["policy", "step ms", "speed-up", "peak MiB", "final loss", "deviation", "verdict"]
+    header = ["policy", "step ms", "speed-up", "peak MiB", "final loss", "deviation", "learns", "verdict"]
     rows = []
     if result.reference is not None:
         r = result.reference.row
         rows.append(["O0 (reference)", _fmt(o0, ".1f"), "1.00x", _fmt(r.peak_memory_mib, ".0f"),
-                     _fmt(r.final_loss, ".4f"), "-", "reference"])
+                     _fmt(r.final_loss, ".4f"), "-", "-", "reference"])
     for m in result.candidates:
         c = m.candidate
         sp = _speedup(result, c)
         rows.append([c.label, _fmt(result.step_ms(c) or m.step_ms, ".1f"), _fmt(sp, ".2f") + ("x" if sp else ""),
                      _fmt(m.row.peak_memory_mib, ".0f"), _fmt(m.row.final_loss, ".4f"),
-                     "inf" if m.deviation == math.inf else _fmt(m.deviation, ".2%"),
+                     "inf" if m.deviation == math.inf else _fmt(m.deviation, ".2%"), _fmt(m.learned, ".0%"),
                      ("ok: " if m.qualifies else "FAIL: ") + m.reason])
     widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in (0, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     out = [title, line(header), *(line(x) for x in rows), ""]
     if result.spread is not None:
@@ -94,8 +112,13 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
         else:
             out.append(f"step ms: median per step after warm-up, one run each (not re-timed): a policy is faster "
                        f"only beyond {result.spread:.1%}.")
-    out.append(f"deviation: of the loss curve from O0's, relative, {WINDOW}-step means, after the loss scaler's initial "
-               f"back-offs (tolerance {result.tolerance:.2%}).")
+    basis = result.basis
+    out.append(f"deviation: largest gap between the loss curve and O0's ({WINDOW}-loss means, update for update after the "
+               f"loss scaler's initial back-offs), {basis.describe() if basis else 'relative to O0'}; tolerance "
+               f"{result.tolerance:.2%} above the noise floor {result.floor:.2%} (O0 run again, same seed and data: "
+               f"{'/'.join('-' if d is None else f'{d:.2%}' for d in result.floor_runs) or 'not run'}). learns: the "
+               f"share of O0's progress the policy makes over the same updates; below {MIN_SHARE:.0%} it fails, "
+               "whatever the tolerance.")
     out += [f"note: {n}" for n in result.notes]
     chosen = result.chosen or REFERENCE
     out += ["", f"chosen: {chosen.label}: {result.why}"]

@@ -1,29 +1,46 @@
-"""The search: O0 for reference, every candidate, repairs of the failed ones, interleaved
-re-timing of the fastest that qualify, and the choice, within a time budget.
+"""The search: O0 for reference, O0 again for the noise floor, every candidate, repairs of the
+failed ones, interleaved re-timing of the fastest that qualify (each repeat judged again), and
+the choice, within a time budget.
 
-Ctrl-C (KeyboardInterrupt) stops the run in progress; the result then holds what was
-measured and the best qualifying policy so far (`Result.interrupted`). The budget stops the
-search before a run that would not fit (the last run's wall time is the estimate).
+- The reference must be sound: an O0 run that fails, records no loss, has a non-finite loss or
+  diverges (`deviation.unsound`) stops the search (`NoReference`): nothing can be judged against it.
+- The noise floor is measured: O0 runs again, same command, seed and data, and its deviation
+  from the reference (the same measure) is what run-to-run nondeterminism alone gives; each
+  of O0's re-timing runs can raise it. Candidates run on the same seed and data, so that is
+  the noise in their comparison with O0 too.
+- Ctrl-C (KeyboardInterrupt) stops the run in progress; the result then holds what was
+  measured and the best qualifying policy so far (`Result.interrupted`).
+- The budget stops the search before a run that would not fit: the slowest plain run so far is
+  the estimate for a plain run, the slowest recorded run (the diagnose recorder's shadows make
+  it slower) for a recorded one, `RECORD_FACTOR` times a plain run until one is measured.
+- The choice: among the finalists that qualified on every run, and O0, the fastest; a tie
+  (within the spread between repeats) goes to the simpler policy, and O0 is the simplest: a
+  half policy is chosen only when it is faster than O0 beyond the spread.
 """
 from __future__ import annotations
 
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TextIO
 
+from ampatch.compare.rows import Row
 from ampatch.runs import process
+from ampatch.runs.deviation import Reference, unsound
 from ampatch.tune import timing
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
 from ampatch.tune.repair import MAX_REPAIRS, suggest
+from ampatch.tune.verdict import Rule
 
-__all__ = ["Result", "Search", "NoReference"]
+__all__ = ["Result", "Search", "NoReference", "RECORD_FACTOR"]
+
+RECORD_FACTOR = 3.0   # a recorded run's time against a plain run's, until one is measured
 
 
 class NoReference(RuntimeError):
-    """The O0 run failed or never trained under amp: nothing to judge the candidates against."""
+    """The O0 run failed, never trained under amp, or is unsound: nothing to judge the candidates against."""
 
 
 @dataclass
@@ -40,6 +57,17 @@ class Result:
     why: str = ""
     interrupted: int | None = None   # the signal that stopped the search (SIGINT: Ctrl-C)
     notes: list[str] = field(default_factory=list)
+    floor: float = 0.0                                          # O0's largest deviation from itself
+    floor_runs: list[float | None] = field(default_factory=list)  # each O0 repeat's deviation (None: it failed)
+
+    @property
+    def rule(self) -> Rule:
+        return Rule(self.tolerance, self.floor)
+
+    @property
+    def basis(self) -> Reference | None:
+        """O0's curve as the reference: what the deviations are relative to."""
+        return self.reference.row.reference() if self.reference is not None else None
 
     def compared(self) -> dict[str, list[float]]:
         """The timings that compare: a re-timed policy's interleaved repeats (run side by side
@@ -60,10 +88,13 @@ class Search:
 
     def __init__(self, job: Job, candidates: Sequence[Candidate], tolerance: float, budget_s: float | None,
                  log: TextIO, repair: bool = True, rounds: int = timing.ROUNDS) -> None:
+        if rounds < 0:
+            raise ValueError(f"rounds must be 0 or more (0: no re-timing), got {rounds}")
         self.job, self.todo, self.log, self.repair, self.rounds = job, list(candidates), log, repair, rounds
         self.result = Result(tolerance)
         self.deadline = None if budget_s is None else time.time() + budget_s
-        self.last_wall = 0.0
+        self.last_wall = 0.0                 # the slowest plain run so far
+        self.record_wall: float | None = None  # the slowest recorded run so far
         self.runs = 0
         self.retimed: list[Candidate] = []   # the candidates re-timed against O0 (the finalists)
 
@@ -71,21 +102,35 @@ class Search:
         self.log.write(f"ampatch tune: {text}\n")
         self.log.flush()
 
-    def fits(self) -> bool:
-        """Whether another run fits in the budget."""
-        return self.deadline is None or time.time() + self.last_wall * 1.1 < self.deadline
+    def estimate(self, recorded: bool = False) -> float:
+        """The expected wall time of the next run (a recorded one: `recorded`)."""
+        if not recorded:
+            return self.last_wall
+        return self.record_wall if self.record_wall is not None else RECORD_FACTOR * self.last_wall
+
+    def fits(self, recorded: bool = False) -> bool:
+        """Whether another run (a recorded one: `recorded`) fits in the budget."""
+        return self.deadline is None or time.time() + self.estimate(recorded) * 1.1 < self.deadline
 
     def left(self) -> str:
         return "" if self.deadline is None else f", {max(0.0, self.deadline - time.time()):.0f}s of budget left"
 
+    def _timed(self, c: Candidate, recorded: bool = False):
+        start = time.time()
+        done = run_candidate(c, self.job, self.log, record=recorded)
+        wall = time.time() - start
+        if recorded:
+            self.record_wall = max(self.record_wall or 0.0, wall)
+        else:
+            self.last_wall = max(self.last_wall, wall) if self.runs > 1 else wall
+        return done
+
     def measure(self, c: Candidate, why: str) -> Measured:
         self.runs += 1
         self.say(f"[{self.runs}] {c.label}: {why}{self.left()}")
-        start = time.time()
-        done = run_candidate(c, self.job, self.log)
-        self.last_wall = max(self.last_wall, time.time() - start) if self.runs > 1 else time.time() - start
+        done = self._timed(c)
         ref = self.result.reference.row if self.result.reference is not None else None
-        m = measured(c, done, ref, self.result.tolerance)
+        m = measured(c, done, ref, self.result.rule)
         if m.step_ms is not None:
             self.result.timings.setdefault(c.label, []).append(m.step_ms)
         self.say(f"    {'qualifies' if m.qualifies else 'fails'}: {m.reason}"
@@ -93,7 +138,7 @@ class Search:
         return m
 
     def run(self) -> Result:
-        """The whole search; raises `NoReference` when O0's run fails."""
+        """The whole search; raises `NoReference` when O0's run cannot be the reference."""
         try:
             self._run()
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (process.Stopped)
@@ -103,8 +148,7 @@ class Search:
         self.choose()
         return self.result
 
-    def _run(self) -> None:
-        r = self.result
+    def _reference(self) -> None:
         ref = self.measure(REFERENCE, "the FP32 reference")
         if not ref.row.ok:
             raise NoReference(f"the O0 reference run failed: {ref.row.error}")
@@ -112,11 +156,39 @@ class Search:
             raise NoReference("the O0 reference run never completed an optimizer step after amp.scale_loss: "
                               "the loss's backward must run inside `with amp.scale_loss(loss, optimizer) as "
                               "scaled: scaled.backward()`.")
-        r.reference = ref
+        curve = {i * ref.row.losses_every: x for i, x in enumerate(ref.row.losses)}
+        why = unsound(curve, ref.row.losses_per_step)
+        if why is not None:
+            raise NoReference(f"the O0 reference is unsound: {why}. No candidate can be judged against it: make the "
+                              "run train at O0 first (`ampatch run --opt-level O0 -- ...`), e.g. a lower learning "
+                              "rate, or check the loss and the data.")
+        self.result.reference = ref
+        self.say(f"    deviations are {ref.row.reference().describe()}")
+
+    def _floor(self, done_row: Row | None) -> None:
+        """One O0 repeat's deviation from the reference raises the noise floor."""
+        r = self.result
+        dev = done_row.max_loss_dev_vs_O0 if done_row is not None and done_row.ok else None
+        r.floor_runs.append(dev)
+        if dev is not None and dev != float("inf"):
+            r.floor = max(r.floor, dev)
+
+    def _run(self) -> None:
+        r = self.result
+        self._reference()
+        if self.fits():
+            self.runs += 1
+            self.say(f"[{self.runs}] O0 again: the noise floor (O0 against itself){self.left()}")
+            again = measured(REFERENCE, self._timed(REFERENCE), r.reference.row, r.rule)  # type: ignore[union-attr]
+            if again.step_ms is not None:
+                r.timings.setdefault(REFERENCE.label, []).append(again.step_ms)
+            self._floor(again.row)
+            self.say(f"    noise floor {r.floor:.2%}" if again.row.ok else f"    it failed ({again.row.error}): floor 0")
         runs = len(self.todo) + timing.RETIME * self.rounds + self.rounds
         self.say(f"trying {len(self.todo)} candidate(s): {', '.join(c.label for c in self.todo)}; about "
-                 f"{self.last_wall:.1f}s a run: {runs} runs, about {runs * self.last_wall / 60:.1f} min, plus 2 "
-                 "per repair" + ("" if self.deadline is None else ", within the budget"))
+                 f"{self.last_wall:.1f}s a run: {runs} runs, about {runs * self.last_wall / 60:.1f} min, plus "
+                 f"about {self.estimate(True) + self.last_wall:.0f}s per repair (a recorded run and a rerun)"
+                 + ("" if self.deadline is None else ", within the budget"))
         failed = []
         for i, c in enumerate(self.todo, 1):
             if not self.fits():
@@ -131,21 +203,30 @@ class Search:
                 self.repair_one(c)
         self.retime()
 
+    def _amend(self, c: Candidate, **changes: object) -> None:
+        """Replace `c`'s measurement with `changes` made (its reason, verdict, ...)."""
+        r = self.result
+        m = r.measured_of(c)
+        if m is not None:
+            r.candidates[r.candidates.index(m)] = replace(m, **changes)  # type: ignore[arg-type]
+
     def repair_one(self, c: Candidate) -> None:
         r = self.result
         for _ in range(MAX_REPAIRS):
-            if not self.fits():
-                r.notes.append(f"budget reached before repairing {c.label}.")
+            if not self.fits(recorded=True):
+                r.notes.append(f"budget reached before repairing {c.label} (a recorded run takes about "
+                               f"{self.estimate(True):.0f}s).")
                 return
             self.runs += 1
-            self.say(f"[{self.runs}] {c.label}: recording it to find what to keep in FP32{self.left()}")
+            self.say(f"[{self.runs}] {c.label}: recording it to find what to repair{self.left()}")
+            start = time.time()
             s = suggest(c, self.job, self.log)
+            self.record_wall = max(self.record_wall or 0.0, time.time() - start)
+            m = r.measured_of(c)
+            if s.finding is not None and m is not None:
+                self._amend(c, reason=f"{m.reason}; {s.finding}", step_fault=s.step_fault)
             if s.candidate is None:
                 self.say(f"    no repair: {s.why}")
-                m = r.measured_of(c)
-                if m is not None and s.step_fault:
-                    r.candidates[r.candidates.index(m)] = Measured(
-                        m.candidate, m.row, False, f"{m.reason}; {s.why}", m.finite, m.deviation, True)
                 return
             if not self.fits():
                 return
@@ -156,31 +237,51 @@ class Search:
             c = s.candidate
 
     def retime(self) -> None:
+        """The fastest qualifying candidates and O0, interleaved; every repeat is judged again
+        (a finalist that fails on one no longer qualifies), and O0's raise the noise floor."""
         r = self.result
         qual = sorted((m for m in r.candidates if m.qualifies and m.step_ms), key=lambda m: m.step_ms)[:timing.RETIME]
         if not qual or self.rounds < 1:
             return
         by_label = {REFERENCE.label: REFERENCE, **{m.candidate.label: m.candidate for m in qual}}
         plan = timing.order(REFERENCE.label, [m.candidate.label for m in qual], self.rounds)
-        self.say(f"re-timing {', '.join(by_label)} interleaved ({self.rounds} round(s))")
-        for label in plan:
+        self.say(f"re-timing {', '.join(by_label)} interleaved ({self.rounds} round(s)); each run judged again")
+        ref_row = r.reference.row  # type: ignore[union-attr]
+        for n, label in enumerate(plan):
             if not self.fits():
                 r.notes.append("budget reached during re-timing: fewer repeats than planned.")
                 break
             c = by_label[label]
             self.runs += 1
             self.say(f"[{self.runs}] {label}: re-timing{self.left()}")
-            done = run_candidate(c, self.job, self.log)
-            ms = measured(c, done, None, r.tolerance).step_ms
-            if ms is not None:
-                r.timings.setdefault(label, []).append(ms)
-                r.repeats.setdefault(label, []).append(ms)
-                self.say(f"    {ms:.1f} ms/step")
+            again = measured(c, self._timed(c), ref_row, r.rule)
+            if c == REFERENCE:
+                self._floor(again.row)
+            else:
+                self._rejudge(c, again, n // len(by_label) + 1)
+            if again.step_ms is not None:
+                r.timings.setdefault(label, []).append(again.step_ms)
+                r.repeats.setdefault(label, []).append(again.step_ms)
+                self.say(f"    {again.step_ms:.1f} ms/step" + ("" if c == REFERENCE or again.qualifies
+                                                                else f"; fails: {again.reason}"))
         self.retimed = [m.candidate for m in qual]
 
+    def _rejudge(self, c: Candidate, again: Measured, round_: int) -> None:
+        """A finalist's repeat: it keeps qualifying only if this run qualifies too; its deviation
+        is its worst run's."""
+        m = self.result.measured_of(c)
+        if m is None:
+            return
+        worst = max((d for d in (m.deviation, again.deviation) if d is not None), default=None)
+        if again.qualifies:
+            self._amend(c, deviation=worst)
+        elif m.qualifies:
+            self._amend(c, qualifies=False, deviation=worst, finite=m.finite and again.finite,
+                        reason=f"its re-timing run {round_} fails: {again.reason} (its first run: {m.reason})")
+
     def choose(self) -> None:
-        """The fastest qualifying policy (ties, within the spread, to the simpler one); O0
-        when none qualifies or O0 is faster beyond the spread."""
+        """Among O0 and the finalists that qualified on every run, the fastest; a tie within the
+        spread goes to the simpler policy, O0 the simplest of all (see the module docstring)."""
         r = self.result
         r.spread = timing.spread(r.repeats if any(len(v) > 1 for v in r.repeats.values()) else r.timings)
         ms = timing.step_ms(r.compared())
@@ -193,19 +294,21 @@ class Search:
                      else "no candidate was measured") + ": O0 (FP32)."
             return
         labels = {c.label: c for c in qual}
-        best = labels[timing.simplest_of_fastest(list(labels), ms, r.spread, lambda x: labels[x].simplicity())]
         fastest = min(labels, key=lambda x: ms[x])
+        if REFERENCE.label in ms:
+            labels[REFERENCE.label] = REFERENCE
+        best = labels[timing.simplest_of_fastest(list(labels), ms, r.spread, lambda x: labels[x].simplicity())]
         o0 = ms.get(REFERENCE.label)
-        if o0 is not None and timing.faster(o0, ms[best.label], r.spread):
+        if best == REFERENCE:
             r.chosen = REFERENCE
-            r.why = (f"every qualifying half policy is slower than O0 here beyond the {r.spread:.1%} spread "
-                     f"between repeats (best: {best.label}, {ms[best.label]:.1f} ms against {o0:.1f}).")
+            beaten = "slower than O0 beyond" if timing.faster(o0, ms[fastest], r.spread) else "no faster than O0 beyond"
+            r.why = (f"every qualifying half policy is {beaten} the {r.spread:.1%} spread between repeats (fastest: "
+                     f"{fastest}, {ms[fastest]:.1f} ms against {o0:.1f}); a tie goes to the simpler policy, and O0 "
+                     "is the simplest.")
             return
         r.chosen = best
-        dev = r.measured_of(best).deviation
-        o0_text = "speed unknown" if not o0 else (
-            f"{o0 / ms[best.label]:.2f}x O0's speed" + ("" if timing.faster(ms[best.label], o0, r.spread) else
-                                                        f", within the {r.spread:.1%} spread of O0's"))
+        dev = r.measured_of(best).deviation  # type: ignore[union-attr]
+        o0_text = "speed unknown" if not o0 else f"{o0 / ms[best.label]:.2f}x O0's speed"
         tie = "" if best.label == fastest else (f"; as fast as {fastest} within the {r.spread:.1%} spread between "
                                                 "repeats, and simpler")
         r.why = f"the fastest policy that trains like FP32 ({o0_text}; deviation {dev:.2%}){tie}."

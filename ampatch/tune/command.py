@@ -1,0 +1,149 @@
+"""`ampatch tune` as a library call: `tune(...) -> TuneResult`, what the command line runs.
+
+    from ampatch.tune import tune
+    result = tune(["python", "train.py"], levels=["O1", "O5"], steps=40, out="policy.json")
+    print(result.render()); result.chosen      # the policy, also written to `out`
+
+It runs the search (`search.Search`) on a user script (stopped after `steps` optimizer steps
+by ``AMPATCH_MAX_STEPS``, as `compare` runs it) or on a built-in workload, writes the chosen
+policy to `out` (unless interrupted, or `out` is None) and returns everything it measured.
+Bad arguments raise `ValueError` before anything runs; a reference O0 run that cannot be the
+reference raises `NoReference`. Progress goes to `log`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from ampatch.config import levels as level_table
+from ampatch.config.policy_file import DEFAULT_PATH, Policy, save
+from ampatch.runs import builtin, runner
+from ampatch.runs.deviation import TOLERANCE
+from ampatch.tune import candidates, report, timing
+from ampatch.tune.candidates import Candidate
+from ampatch.tune.measure import Job
+from ampatch.tune.search import NoReference, Result, Search
+from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
+
+__all__ = ["tune", "TuneResult", "NoReference", "DEFAULT_STEPS", "DEFAULT_BUDGET_S", "DEFAULT_LEVELS", "DEFAULT_SIZE"]
+
+DEFAULT_STEPS = 40
+DEFAULT_BUDGET_S = 600.0
+DEFAULT_LEVELS = ("O1", "O2", "O3", "O4", "O5")
+DEFAULT_SIZE = {"lm": "large", "cnn": "medium", "lstm": "medium"}
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """A finished search: what ran (`what`, `steps`, `device`), everything it measured
+    (`search`), the chosen policy with what it was measured on (`policy`), where that was
+    written (`out`: None when not written), and how to rerun a script with it (`rerun`)."""
+
+    search: Result
+    what: str
+    steps: int
+    device: str
+    policy: Policy
+    out: str | None
+    rerun: str
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.search.chosen or candidates.REFERENCE
+
+    @property
+    def interrupted(self) -> int | None:
+        """The signal that stopped the search early (None: it finished)."""
+        return self.search.interrupted
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of ``--json``: `tolerance`, `deviation` (the measure, O0's progress, the noise
+        floor), `reference`, `candidates`, `chosen`, timings and notes."""
+        return {**report.to_json(self.search), "what": self.what, "steps": self.steps, "device": self.device,
+                "policy_file": self.out}
+
+    def write_json(self, path: str) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    def render(self) -> str:
+        """The table, the choice with its reason, and how to apply it."""
+        return report.render(self.search, f"ampatch tune: {self.what}, {self.steps} steps per run", self.out,
+                             self.rerun)
+
+
+def _check(command: Sequence[str] | None, workload: str | None, size: str | None, levels: Sequence[str],
+           tolerance: float, steps: int, budget: float | None, rounds: int, out: str | None) -> list[str]:
+    """The arguments checked (ValueError naming the fix); returns the levels, normalised."""
+    if command is not None and (workload is not None or size is not None):
+        raise ValueError("workload/size apply to the built-in workloads; give your script its own options after its "
+                         "command")
+    if workload is not None and workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    if size is not None and size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be above 0 (a relative deviation such as 0.02), got {tolerance!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if budget is not None and not budget > 0:
+        raise ValueError(f"budget must be a number of seconds above 0, or None for no limit, got {budget!r}")
+    if rounds < 0:
+        raise ValueError(f"rounds must be 0 or more (0: no re-timing), got {rounds}")
+    if out is not None and not Path(out).resolve().parent.is_dir():
+        raise ValueError(f"cannot write the policy to {out}: its directory does not exist")
+    return [level_table.normalize(x) for x in levels]
+
+
+def tune(command: Sequence[str] | None = None, *, workload: str | None = None, size: str | None = None,
+         device: str | None = None, levels: Sequence[str] = DEFAULT_LEVELS, half_dtype: str | None = None,
+         tolerance: float = TOLERANCE, steps: int = DEFAULT_STEPS, budget: float | None = DEFAULT_BUDGET_S,
+         out: str | None = DEFAULT_PATH, repair: bool = True, rounds: int = timing.ROUNDS, apex_alias: bool = False,
+         log: TextIO | None = None) -> TuneResult:
+    """The fastest precision policy that trains like FP32 for `command` (a script's command
+    line, e.g. ``["python", "train.py"]``; None: the built-in `workload`), written to `out`.
+
+    `levels`: the levels to try (O0 is the reference); `half_dtype`: "bfloat16"/"float16"
+    (None: those worth trying on `device`); `tolerance`: the largest deviation from O0's loss
+    curve, relative to what O0 learns over the run, above the measured noise floor
+    (`ampatch.runs.deviation`); `steps`: optimizer steps per run; `budget`: seconds for the
+    whole search (None: no limit); `repair`: repair failed candidates with diagnose's
+    recommendation; `rounds`: interleaved re-timing rounds (0: none). See the module docstring."""
+    log = log if log is not None else sys.stderr
+    chosen_levels = _check(command, workload, size, levels, tolerance, steps, budget, rounds, out)
+    half = None if half_dtype in (None, "auto") else half_dtype
+    if command is not None:
+        cmd = runner.resolve_command(list(command))
+        # the device the script trains on, as far as this machine tells (what candidates are worth trying)
+        dev, what = builtin.workload_device(device), " ".join(command)
+        job_cmd = lambda n: list(cmd)  # noqa: E731 - AMPATCH_MAX_STEPS stops it
+        rerun = f"ampatch run --policy {{policy}} -- {what}"
+    else:
+        name = workload or DEFAULT_WORKLOAD
+        dev = builtin.workload_device(device)
+        size = size or DEFAULT_SIZE[name]
+        what = f"built-in workload {name} ({size}, {dev}, 1 torch thread)"
+        base = [sys.executable, "-m", f"ampatch.workloads.{name}", "--device", dev, "--threads", "1",
+                "--size", size, "--seed", "0"]
+        job_cmd = lambda n: base + ["--steps", str(n)]  # noqa: E731
+        rerun = f"ampatch run --policy {{policy}} -- python -m ampatch.workloads.{name} --size {size} --threads 1"
+    cands = candidates.initial(chosen_levels, dev, half)
+    log.write(builtin.machine_notice(dev, ["O0", *chosen_levels], half) + "\n")
+    budget_text = "no budget" if budget is None else f"a {budget:g}s budget"
+    log.write(f"ampatch tune: {what}: O0 twice (the reference, the noise floor), then {len(cands)} candidate(s), "
+              f"{steps} steps each, repairs and re-timing, within {budget_text}; tolerance {tolerance:.2%}\n")
+    log.flush()
+    script = command is not None
+    started = nullcontext(runner.popen) if script else builtin.launcher(dev, log)
+    with started as launch:
+        job = Job(job_cmd, steps, launch, apex_alias, script)
+        result = Search(job, cands, tolerance, budget, log, repair=repair, rounds=rounds).run()
+    policy = report.policy_of(result, steps, what, dev)
+    written = None if result.interrupted is not None or out is None else out
+    if written is not None:
+        save(policy, written)
+    return TuneResult(result, what, steps, dev, policy, written, rerun)
