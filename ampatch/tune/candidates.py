@@ -12,8 +12,8 @@ from ampatch.config.policy_file import Policy
 
 __all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY"]
 
-# ties go to the simpler policy: O0 first, then fewer kept modules, then O1 over O2 over O3 (O4/O5 are O1/O2 in
-# bfloat16), then no loss scale or master weights set over one set
+# ties between half policies go to the simpler one: fewer kept modules, then O1 over O2 over O3 (O4/O5 are O1/O2
+# in bfloat16), then no loss scale or master weights set over one set (a tie with O0: see search.Search.choose)
 SIMPLICITY = {"O0": 0, "O1": 1, "O4": 2, "O2": 3, "O5": 4, "O3": 5}
 
 
@@ -37,7 +37,7 @@ class Candidate:
         return self.policy().describe()
 
     def simplicity(self) -> tuple[int, int, int, int]:
-        """Smaller is simpler (see `SIMPLICITY`); O0 (`REFERENCE`) is the simplest of all."""
+        """Smaller is simpler (see `SIMPLICITY`)."""
         return (len(self.keep_fp32), SIMPLICITY[self.opt_level], int(self.loss_scale is not None),
                 int(self.master_weights is not None))
 

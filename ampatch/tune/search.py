@@ -13,9 +13,10 @@ the choice, within a time budget.
 - The budget stops the search before a run that would not fit: the slowest plain run so far is
   the estimate for a plain run, the slowest recorded run (the diagnose recorder's shadows make
   it slower) for a recorded one, `RECORD_FACTOR` times a plain run until one is measured.
-- The choice: among the finalists that qualified on every run, and O0, the fastest; a tie
-  (within the spread between repeats) goes to the simpler policy, and O0 is the simplest: a
-  half policy is chosen only when it is faster than O0 beyond the spread.
+- The choice: the fastest finalist that qualified on every run; a tie (within the spread
+  between repeats) goes to the simpler policy. O0 is chosen when no half policy qualifies, or
+  when O0 is faster than that choice beyond the spread; a tie with O0 goes to the half policy
+  (it trains like FP32: the measurement cannot tell the two apart on speed).
 """
 from __future__ import annotations
 
@@ -280,8 +281,9 @@ class Search:
                         reason=f"its re-timing run {round_} fails: {again.reason} (its first run: {m.reason})")
 
     def choose(self) -> None:
-        """Among O0 and the finalists that qualified on every run, the fastest; a tie within the
-        spread goes to the simpler policy, O0 the simplest of all (see the module docstring)."""
+        """The fastest finalist that qualified on every run; a tie among them (within the spread)
+        goes to the simpler one. O0 when none qualifies, or when O0 is faster than that choice
+        beyond the spread: a tie with O0 goes to the half policy (see the module docstring)."""
         r = self.result
         r.spread = timing.spread(r.repeats if any(len(v) > 1 for v in r.repeats.values()) else r.timings)
         ms = timing.step_ms(r.compared())
@@ -294,21 +296,23 @@ class Search:
                      else "no candidate was measured") + ": O0 (FP32)."
             return
         labels = {c.label: c for c in qual}
-        fastest = min(labels, key=lambda x: ms[x])
-        if REFERENCE.label in ms:
-            labels[REFERENCE.label] = REFERENCE
         best = labels[timing.simplest_of_fastest(list(labels), ms, r.spread, lambda x: labels[x].simplicity())]
+        fastest = min(labels, key=lambda x: ms[x])
         o0 = ms.get(REFERENCE.label)
-        if best == REFERENCE:
+        if o0 is not None and timing.faster(o0, ms[best.label], r.spread):
             r.chosen = REFERENCE
-            beaten = "slower than O0 beyond" if timing.faster(o0, ms[fastest], r.spread) else "no faster than O0 beyond"
-            r.why = (f"every qualifying half policy is {beaten} the {r.spread:.1%} spread between repeats (fastest: "
-                     f"{fastest}, {ms[fastest]:.1f} ms against {o0:.1f}); a tie goes to the simpler policy, and O0 "
-                     "is the simplest.")
+            r.why = (f"every qualifying half policy is slower than O0 beyond the {r.spread:.1%} spread between repeats "
+                     f"(best: {best.label}, {ms[best.label]:.1f} ms against {o0:.1f}).")
             return
         r.chosen = best
         dev = r.measured_of(best).deviation  # type: ignore[union-attr]
-        o0_text = "speed unknown" if not o0 else f"{o0 / ms[best.label]:.2f}x O0's speed"
+        if not o0:
+            speed = "speed unknown"
+        elif timing.faster(ms[best.label], o0, r.spread):
+            speed = f"{o0 / ms[best.label]:.2f}x O0's speed"
+        else:
+            speed = (f"{o0 / ms[best.label]:.2f}x O0's speed, a tie with O0 within the {r.spread:.1%} spread between "
+                     "repeats, which goes to the half policy")
         tie = "" if best.label == fastest else (f"; as fast as {fastest} within the {r.spread:.1%} spread between "
                                                 "repeats, and simpler")
-        r.why = f"the fastest policy that trains like FP32 ({o0_text}; deviation {dev:.2%}){tie}."
+        r.why = f"the fastest policy that trains like FP32 ({speed}; deviation {dev:.2%}){tie}."
