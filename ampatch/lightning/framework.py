@@ -14,9 +14,7 @@ import torch
 
 try:
     from lightning.fabric import Fabric
-    from lightning.fabric import strategies as fabric_strategies
     from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
-    from lightning.pytorch import strategies as trainer_strategies
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.core import LightningModule
     from lightning.pytorch.plugins.precision import HalfPrecision as TrainerHalfPrecision
@@ -25,9 +23,7 @@ try:
 except ImportError:  # the standalone package names
     try:
         from lightning_fabric import Fabric
-        from lightning_fabric import strategies as fabric_strategies
         from lightning_fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
-        from pytorch_lightning import strategies as trainer_strategies
         from pytorch_lightning.callbacks import Callback
         from pytorch_lightning.core import LightningModule
         from pytorch_lightning.plugins.precision import HalfPrecision as TrainerHalfPrecision
