@@ -93,12 +93,12 @@ def note(s: Stall, level: str | None) -> str:
     """The stall in words: where, why, and what keeps the updates."""
     low_memory = (" (or, without the FP32 copy, master_weights='stochastic': no extra memory, or 'kahan': 2 bytes "
                   "per parameter)") if s.held_in == "bfloat16" else ""
-    where = f"{s.held_in} weights with no FP32 master copy" + (f" ({level})" if level else "")
+    where = f"{s.held_in} with no FP32 master copy" + (f" ({level})" if level else "")
     if s.finding:
         return (f"stalled updates: on average {s.unchanged:.0%} of the model's weights were left unchanged by each of "
                 f"the last {s.steps} optimizer steps ({_names(s)}): each update is below {s.held_in}'s resolution "
                 f"around its weight and rounds away, because the weights are {where}. The run learns little or "
                 f"nothing. Keep FP32 master weights: opt_level O2/O5, or master_weights=True{low_memory}.")
     return (f"some weights barely learn: {_names(s)} of their weights were left unchanged by each of the last "
-            f"{s.steps} optimizer steps (updates below {s.held_in}'s resolution; {where}); "
+            f"{s.steps} optimizer steps (updates below {s.held_in}'s resolution; the weights are {where}); "
             f"{s.unchanged:.0%} of the whole model's. FP32 master weights (O2/O5) would keep their updates.")
