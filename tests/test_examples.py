@@ -113,5 +113,6 @@ def test_checkpoint_crash_and_resume_is_bit_for_bit(capsys, tmp_path: Path) -> N
 def test_every_example_is_tested() -> None:
     tested = {name for name, _ in CASES}
     owned_elsewhere = {"cnn", "distributed", "fsdp", "apex_main_amp", "diagnose", "tune",  # their own tests
+                       "finetune_stall",  # tests/test_finetune_stall.py
                        "lightning_mlp", "lightning_fabric", "hf_trainer"}  # test_lightning*.py, test_trainer.py (need the integrations extra)
     assert {p.stem for p in EXAMPLES.glob("*.py")} - owned_elsewhere <= tested

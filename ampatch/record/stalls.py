@@ -10,7 +10,8 @@ its loss, computed from the same weights, looks like O0's start.
 master where there is one, else the parameter) before and after each optimizer step: at the
 first loss of a step (before backward, so before the step) it copies them; when the step
 ends it counts, per tensor, the elements with a non-zero gradient whose value did not change,
-and drops the copies. Numbers only, for the recorded steps only.
+and drops the copies. Numbers only, for the recorded steps only. A sharded parameter (FSDP2's
+DTensor) is counted on this rank's shard.
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ from .records import ParamRecord
 from .shadow import Masters
 
 __all__ = ["StallCounter"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (FSDP2's DTensor), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class StallCounter:
@@ -59,7 +65,7 @@ class StallCounter:
         accumulation, at the first of its losses)."""
         if self._before is None:
             with torch.no_grad():
-                self._before = [self._held(p).detach().clone() for p, _ in self._params]
+                self._before = [_local(self._held(p).detach()).clone() for p, _ in self._params]
 
     def after_step(self, skipped: bool) -> None:
         """The step ended: record each tensor's unchanged share (None when skipped or not seen)."""
@@ -69,13 +75,15 @@ class StallCounter:
                 record.unchanged.append(None if skipped or before is None else self._unchanged(p, before[i]))
 
     def _unchanged(self, p: torch.Tensor, before: torch.Tensor) -> float | None:
-        held = self._held(p)
+        source = self._held(p)
+        held = _local(source.detach())
         if held.is_sparse or held.shape != before.shape:
             return None
         same = held == before
-        grad = held.grad if held.grad is not None else p.grad
-        if grad is None and held is not p:  # a master whose gradient the step released: every element
+        grad = source.grad if source.grad is not None else p.grad
+        if grad is None and source is not p:  # a master whose gradient the step released: every element
             return float(same.sum()) / same.numel() if same.numel() else None
+        grad = _local(grad) if grad is not None else None
         if grad is None or grad.is_sparse or grad.shape != held.shape:
             return None           # not used this step (or a sparse gradient): no update to lose
         moved = grad != 0         # an element without a gradient has no update to lose
