@@ -60,3 +60,17 @@ def test_json_has_the_header_and_every_row(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["workload"] == "lm" and [r["level"] for r in data["rows"]] == ["O0", "O4", "O2"]
     assert data["rows"][1]["skipped_steps"] == [3, 4] and data["rows"][2]["error"] == "RuntimeError: boom"
+
+
+def test_the_deviation_footnote_says_what_the_column_is_relative_to() -> None:
+    """The "max dev vs O0" column is the measure tune judges by: relative to what O0 learns over
+    the run, or to its level when its loss does not fall; the footnote says which, with O0's figures."""
+    falling = [3.0 - 0.1 * i for i in range(10)]
+    flat = [2.0] * 10
+
+    def table(o0: list[float]) -> str:
+        rep = {"opt_level": "O0", "losses": o0, "step_times_s": [0.01], "steps": 10}
+        return format_table(summarize([LevelRun("O0", True, None, 0, 1.0, report(rep)),
+                                       LevelRun("O1", True, None, 0, 1.0, report(dict(rep, opt_level="O1")))]), "t")
+    assert "relative to O0's progress (its loss falls 0.5 over the run, from 2.8 to 2.3" in table(falling)
+    assert "relative to O0's loss level at each step (it falls by less than 0.5% of its level)" in table(flat)

@@ -247,3 +247,19 @@ def test_the_budget_counts_the_recorded_runs_of_repairs(monkeypatch):
 def test_negative_rounds_are_refused():
     with pytest.raises(ValueError, match="rounds must be 0 or more"):
         Search(Job(lambda n: [], 1), [], 0.02, None, io.StringIO(), rounds=-1)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"command": ["python", "x.py"], "workload": "lm"}, "apply to the built-in workloads"),
+    ({"rounds": -1}, "rounds must be 0 or more"),
+    ({"tolerance": 0.0}, "tolerance must be above 0"),
+    ({"steps": 0}, "steps must be at least 1"),
+    ({"levels": ["O9"]}, "Unknown opt_level"),
+    ({"out": "/no/such/dir/p.json"}, "directory does not exist"),
+])
+def test_tune_from_python_refuses_bad_arguments_before_running_anything(kwargs, words):
+    from ampatch.tune import tune
+    log = io.StringIO()
+    with pytest.raises(ValueError, match=words):
+        tune(**kwargs, log=log)
+    assert log.getvalue() == ""                      # nothing started
