@@ -50,7 +50,7 @@ TOLERANCE = 0.02    # tune's default --tolerance; diagnose holds a verified fix 
 MIN_FALL = 0.005    # O0 learns when its loss falls by at least this share of its level over the run ...
 NOISE_MARGIN = 2.0  # ... and by more than this many standard errors of that fall
 MIN_SHARE = 0.5     # a run that learns less than this share of what O0 learns never qualifies in tune
-DIVERGE = 0.25      # O0's loss ending this share above where it started: the reference diverges
+DIVERGE = 1.0       # a positive O0 loss ending this share above where it started (doubled): the reference diverges
 TINY = 1e-12        # a reference loss this close to 0 is compared against this instead
 
 
@@ -215,13 +215,14 @@ def learned(losses: Mapping[int, float], reference: Mapping[int, float] | Refere
 
 def unsound(reference: Mapping[int, float], per_step: int = 1, window: int = WINDOW) -> str | None:
     """Why O0's curve cannot be the reference (None when it can): a loss that is not finite,
-    or one that ends more than `DIVERGE` above where it started."""
+    or a positive one that ends more than `DIVERGE` above where it started (more than doubles:
+    a loss that rises a little, as a GAN's may, is not diverging; a signed loss is not judged)."""
     steps = sorted(reference)
     bad = next((s for s in steps if not math.isfinite(reference[s])), None)
     if bad is not None:
         return f"its loss is not finite from step {bad // max(1, per_step)} ({reference[bad]})"
     ends = _ends([reference[s] for s in steps], window)
-    if ends is not None and ends[1] > ends[0] + DIVERGE * abs(ends[0]):
+    if ends is not None and ends[0] > 0 and ends[1] > (1 + DIVERGE) * ends[0]:
         return (f"its loss rises from {ends[0]:.4g} to {ends[1]:.4g} over the run ({window}-loss means): it "
                 "diverges")
     return None
