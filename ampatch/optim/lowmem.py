@@ -12,7 +12,8 @@ while their chunk of parameters steps:
   copied, at `scale_loss` exit): clip `amp.master_params(optimizer)` as at O2/O5; the norm
   is computed from bfloat16 grads.
 - `step` splits the params with grads into chunks of at most `chunk_numel` elements
-  (`rounding.CHUNK_NUMEL`). For each chunk: the masters' data become FP32 views of one flat
+  (default `rounding.chunk_numel`: 512K on a CPU, 16M elsewhere; a param larger than
+  that is a chunk of its own). For each chunk: the masters' data become FP32 views of one flat
   buffer (weight, plus compensation for "kahan"), their grads FP32 views of another; the
   optimizer's step() runs with each param group narrowed to the chunk's members (groups
   without any are left out for that call); the new FP32 values go back into the bfloat16
@@ -50,7 +51,7 @@ from torch import nn
 
 from ..config.values import MasterMode
 from .masters import LOWMEM_KEY, Masters, Pair, add_grads, cast_state
-from .rounding import CHUNK_NUMEL, has_step_hooks, narrowed, plan_chunks, step_hooks_once, stochastic_round_
+from .rounding import chunk_numel, has_step_hooks, narrowed, plan_chunks, step_hooks_once, stochastic_round_
 from .scaler import distributed, overflowed, unscale_
 
 logger = logging.getLogger("ampatch")
@@ -77,7 +78,7 @@ class LowMemMasters(Masters):
                              "all of them at once (it re-evaluates a closure over the whole model); use "
                              "master_weights=True (FP32 masters) with LBFGS.")
         self.mode = mode
-        self.chunk_numel = CHUNK_NUMEL
+        self.chunk_numel: int | None = None  # elements per chunk; None: by device (rounding.chunk_numel)
         self.comp: dict[int, torch.Tensor] = {}     # id(master) -> bfloat16 compensation (kahan)
         self.baseline: dict[int, float] = {}        # id(master) -> sum of the weight it was made for (kahan)
         self.seed = (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
@@ -170,7 +171,8 @@ class LowMemMasters(Masters):
                     own.append(p)
                 elif p.grad is not None:
                     work.append((mp, p))
-        chunks = plan_chunks([m.numel() for _, m in work], self.chunk_numel) or [[]]
+        budget = self.chunk_numel or (chunk_numel(work[0][0].device) if work else 1)
+        chunks = plan_chunks([m.numel() for _, m in work], budget) or [[]]
         hooks = (step_hooks_once(self.optimizer, args, kwargs) if has_step_hooks(self.optimizer)
                  else contextlib.nullcontext(lambda: (args, kwargs)))
         out = None
