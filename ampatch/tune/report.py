@@ -54,7 +54,7 @@ def to_json(result: Result) -> dict[str, Any]:
                      and d["half_dtype"] == c.half_dtype and d["loss_scale"] == c.loss_scale
                      and d["master_weights"] == c.master_weights), None)
         chosen = base or {"opt_level": "O0", "half_dtype": None, "keep_fp32": [], "loss_scale": None,
-                          "master_weights": None, "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0, "finite": True,
+                          "master_weights": None, "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0, "learned": 1.0, "finite": True,
                           "qualifies": True, "reason": "the reference (FP32)"}
         chosen = {**chosen, "why": result.why}
     basis = result.basis

@@ -186,6 +186,8 @@ class Search:
             self._floor(again.row)
             self.say(f"    noise floor {r.floor:.2%}" + (f"; {again.step_ms:.1f} ms/step" if again.step_ms else "")
                      if again.row.ok else f"    it failed ({again.row.error}): floor 0")
+        else:
+            r.notes.append("budget reached before the noise-floor run: the floor is taken as 0.")
         runs = len(self.todo) + timing.RETIME * self.rounds + self.rounds
         self.say(f"trying {len(self.todo)} candidate(s): {', '.join(c.label for c in self.todo)}; about "
                  f"{self.last_wall:.1f}s a run: {runs} runs, about {runs * self.last_wall / 60:.1f} min, plus "
