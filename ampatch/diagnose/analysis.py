@@ -125,7 +125,8 @@ def _first_nonfinite(steps: list[StepRecord], fault: StepFault | None,
     notes += scaler_notes
     first = None
     if forward is not None:
-        first = FirstNonfinite(forward.step, "forward", forward.forward_culprit or "", forward.forward_kind or "nonfinite")
+        first = FirstNonfinite(forward.step, "forward", forward.forward_culprit or "",
+                               forward.forward_kind or "nonfinite")
     if backward is not None and (forward is None or backward.step < forward.step):
         first = FirstNonfinite(backward.step, "backward", backward.backward_culprit or "", "nonfinite gradient")
     keep: list[str] = []

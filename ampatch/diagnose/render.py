@@ -121,7 +121,8 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
     if first is None:
         out.append("first non-finite: none")
     else:
-        out.append(f"first non-finite: {first.phase} {first.kind} in {first.module or '(model)'!s} at step {first.step}")
+        out.append(f"first non-finite: {first.phase} {first.kind} in {first.module or '(model)'!s} at step "
+                   f"{first.step}")
     if result.stall is not None and result.stall.finding:
         out.append(f"stalled updates: {result.stall.unchanged:.0%} of the weights unchanged by each optimizer step "
                    f"({result.stall.held_in} weights, no FP32 masters)")
@@ -140,8 +141,8 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
                     f"{TOLERANCE:.0%} and learning at least {MIN_SHARE:.0%} of what O0 learns):"]
         out += ["  " + ln for ln in _verification(result, level or "")]
         if v.o0_progress is None and result.recommendation.settings.master_weights:
-            out.append(f"  O0's loss does not fall beyond its noise in {v.verified.steps} steps, so these runs cannot show "
-                       "whether a run learns: rerun with more --steps (e.g. 40) to see the fix at work.")
+            out.append(f"  O0's loss does not fall beyond its noise in {v.verified.steps} steps, so these runs cannot "
+                       "show whether a run learns: rerun with more --steps (e.g. 40) to see the fix at work.")
         if v.gave_up:
             out.append("  the fix did not make the run finite: gave up (see the last note).")
         else:

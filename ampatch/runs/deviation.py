@@ -42,8 +42,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["WINDOW", "TOLERANCE", "MIN_FALL", "NOISE_MARGIN", "MIN_SHARE", "DIVERGE", "Basis", "Reference", "initial_backoffs",
-           "losses_per_step", "deviation", "learned", "unsound"]
+__all__ = ["WINDOW", "TOLERANCE", "MIN_FALL", "NOISE_MARGIN", "MIN_SHARE", "DIVERGE", "Basis", "Reference",
+           "initial_backoffs", "losses_per_step", "deviation", "learned", "unsound"]
 
 WINDOW = 5          # losses averaged at each step before comparing (the compare table's final-loss window)
 TOLERANCE = 0.02    # tune's default --tolerance; diagnose holds a verified fix to it
@@ -109,14 +109,15 @@ class Reference:
     def describe(self) -> str:
         """One line for footnotes: what the deviation is relative to, with the figures."""
         if self.basis is Basis.PROGRESS:
-            return (f"relative to O0's progress (its loss falls {self.progress:.4g} over the run, from {self.first:.4g} "
-                    f"to {self.last:.4g}, {self.window}-loss means)")
+            return (f"relative to O0's progress (its loss falls {self.progress:.4g} over the run, from "
+                    f"{self.first:.4g} to {self.last:.4g}, {self.window}-loss means)")
         if self.progress is None:
             why = "too few finite losses to read a fall from"
         elif self.progress < MIN_FALL * abs(self.first):  # type: ignore[arg-type]
             why = f"it falls by less than {MIN_FALL:.1%} of its level"
         else:
-            why = f"its fall, {self.progress:.3g}, is within {NOISE_MARGIN:g} standard errors ({self.noise:.3g}) of its noise"
+            why = (f"its fall, {self.progress:.3g}, is within {NOISE_MARGIN:g} standard errors ({self.noise:.3g}) of "
+                   "its noise")
         return f"relative to O0's loss level at each step ({why})"
 
     def to_dict(self) -> dict[str, object]:

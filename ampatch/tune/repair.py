@@ -51,8 +51,9 @@ def suggest(candidate: Candidate, job: Job, log: TextIO | None) -> Suggestion:
     if found.step_fault is not None:
         return Suggestion(None, found.step_fault.note, step_fault=True, finding=found.step_fault.note)
     stall = found.stall if found.stall is not None and found.stall.finding else None
-    finding = (f"stalled updates: {stall.unchanged:.0%} of the weights unchanged by each optimizer step ({stall.held_in} "
-               "weights below their resolution, no FP32 masters)") if stall is not None else None
+    finding = None if stall is None else (
+        f"stalled updates: {stall.unchanged:.0%} of the weights unchanged by each optimizer step ({stall.held_in} "
+        "weights below their resolution, no FP32 masters)")
     rec = found.recommendation
     keep = [k for k in rec.keep_fp32 if k not in candidate.keep_fp32]
     if not keep and found.first_nonfinite is not None and candidate.keep_fp32:

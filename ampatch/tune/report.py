@@ -54,7 +54,8 @@ def to_json(result: Result) -> dict[str, Any]:
                      and d["half_dtype"] == c.half_dtype and d["loss_scale"] == c.loss_scale
                      and d["master_weights"] == c.master_weights), None)
         chosen = base or {"opt_level": "O0", "half_dtype": None, "keep_fp32": [], "loss_scale": None,
-                          "master_weights": None, "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0, "learned": 1.0, "finite": True,
+                          "master_weights": None, "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0,
+                          "learned": 1.0, "finite": True,
                           "qualifies": True, "reason": "the reference (FP32)"}
         chosen = {**chosen, "why": result.why}
     basis = result.basis
@@ -100,7 +101,8 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
     widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     out = [title, line(header), *(line(x) for x in rows), ""]
     if result.spread is not None:
@@ -112,9 +114,9 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
         else:
             out.append(f"step ms: median per step after warm-up, one run each (not re-timed): a policy is faster "
                        f"only beyond {result.spread:.1%}.")
-    basis = result.basis
-    out.append(f"deviation: largest gap between the loss curve and O0's ({WINDOW}-loss means, update for update after the "
-               f"loss scaler's initial back-offs), {basis.describe() if basis else 'relative to O0'}; tolerance "
+    basis = result.basis.describe() if result.basis is not None else "relative to O0"
+    out.append(f"deviation: largest gap between the loss curve and O0's ({WINDOW}-loss means, update for update "
+               f"after the loss scaler's initial back-offs), {basis}; tolerance "
                f"{result.tolerance:.2%} above the noise floor {result.floor:.2%} (O0 run again, same seed and data: "
                f"{'/'.join('-' if d is None else f'{d:.2%}' for d in result.floor_runs) or 'not run'}). learns: the "
                f"share of O0's progress the policy makes over the same updates; below {MIN_SHARE:.0%} it fails, "
