@@ -214,3 +214,26 @@ def test_compiled_cast_model_makes_half_tensors_inside(level: str) -> None:
     finally:
         torch._dynamo.reset()
         amp.deinitialize()
+
+
+@pytest.mark.parametrize("level,masters", [("O2", True), ("O5", True), ("O5", "kahan"), ("O3", False)])
+def test_a_step_taken_while_the_default_is_half(level: str, masters: object) -> None:
+    """A framework's step context (Lightning's manual optimization) may call scale_loss and
+    optimizer.step() while the default dtype is half: ampatch's own bookkeeping tensors (the
+    overflow flag, the masters' checks) are FP32 whatever the default, and the step applies."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=level, master_weights=masters, loss_scale="dynamic",
+                                verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with default_dtype(torch.bfloat16):
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert torch.get_default_dtype() == torch.float32
+    assert not amp.last_step_skipped(opt)
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    amp.deinitialize()
+

@@ -209,7 +209,7 @@ class OptimizerHandle:
         stash, self._stash = self._stash, []
         add_grads([p for p, _ in stash], [g for _, g in stash])
         if found_inf is None:
-            found_inf = torch.zeros(())
+            found_inf = torch.zeros((), dtype=torch.float32)  # never the default dtype: a framework step may have made it half
         return found_inf
 
     def skip_next_step(self) -> None:

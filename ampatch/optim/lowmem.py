@@ -267,7 +267,7 @@ class LowMemMasters(Masters):
                 return
             stale = any(abs(float(mp.detach().double().sum()) - self.baseline[id(m)]) > 1e-6 * (1 + abs(self.baseline[id(m)]))
                         for mp, m in pairs if id(m) in self.baseline)
-            if overflowed(torch.full((), float(stale), device=device), process_group):  # MAX: any rank
+            if overflowed(torch.full((), float(stale), dtype=torch.float32, device=device), process_group):  # MAX: any rank
                 for c in self.comp.values():
                     c.zero_()
                 logger.info("ampatch: the kahan compensations were dropped on every rank (the ranks' weights "

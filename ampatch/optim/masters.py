@@ -230,7 +230,7 @@ class Masters:
             return
         with torch.no_grad():
             stale = any(not torch.equal(mp, m.to(mp.dtype)) for mp, m in pairs)
-            if overflowed(torch.full((), float(stale), device=pairs[0][1].device), process_group):  # MAX: any rank
+            if overflowed(torch.full((), float(stale), dtype=torch.float32, device=pairs[0][1].device), process_group):  # MAX: any rank
                 torch._foreach_copy_([m for _, m in pairs], [mp for mp, _ in pairs])
                 logger.info("ampatch: FP32 master weights taken from the model on every rank (the ranks' "
                             "weights differed when amp.initialize made them); seed every rank alike to keep "

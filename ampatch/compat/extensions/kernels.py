@@ -101,7 +101,7 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
     tensors = list(tensors)
     device = tensors[0].device
     if ord == float("inf"):
-        out = [torch._foreach_norm([t], ord)[0].float() if t.numel() else torch.zeros((), device=t.device)
+        out = [torch._foreach_norm([t], ord)[0].float() if t.numel() else torch.zeros((), dtype=torch.float32, device=t.device)
                for t in tensors]
         return torch.stack([n.to(device) for n in out])
     pieces, owner = [], []
@@ -167,8 +167,8 @@ def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: Tensor, tensor_lists: Ten
     its results unwritten then; here they are zeros)."""
     (xs,) = check_lists("multi_tensor_l2norm_mp", tensor_lists, 1)
     if skipped(noop_flag):
-        zeros = torch.zeros(len(xs) if per_tensor else 0, device=xs[0].device)
-        return torch.zeros(1, device=xs[0].device), zeros
+        zeros = torch.zeros(len(xs) if per_tensor else 0, dtype=torch.float32, device=xs[0].device)
+        return torch.zeros(1, dtype=torch.float32, device=xs[0].device), zeros
     return _norm_results(noop_flag, norms(xs), per_tensor)
 
 

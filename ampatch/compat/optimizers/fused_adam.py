@@ -131,8 +131,8 @@ class FusedAdam(ApexOptimizer):
                 found_inf = grad_scaler._check_inf_per_device(self)[device]
                 inv_scale = grad_scaler._get_scale_async().double().reciprocal().float()
             else:
-                found_inf = torch.zeros(1, device=device)
-                inv_scale = torch.ones(1, device=device)
+                found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+                inv_scale = torch.ones(1, dtype=torch.float32, device=device)
             self._dummy_overflow_buf.copy_(found_inf.reshape(-1)[:1])
             clean = (self._dummy_overflow_buf != 1).to(torch.int)
             group["step"] = group["step"] + clean if "step" in group else torch.ones(1, dtype=torch.int,

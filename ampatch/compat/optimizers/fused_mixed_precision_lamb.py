@@ -87,9 +87,9 @@ class FusedMixedPrecisionLamb(ApexOptimizer):
             return loss
         device = self.param_groups[0]["params"][0].device
         found_inf = (grad_scaler._check_inf_per_device(self)[device] if grad_scaler is not None
-                     else torch.zeros(1, device=device))
+                     else torch.zeros(1, dtype=torch.float32, device=device))
         self._dummy_overflow_buf.copy_(found_inf.reshape(-1)[:1])
-        scale = grad_scaler._get_scale_async() if grad_scaler is not None else torch.ones(1, device=device)
+        scale = grad_scaler._get_scale_async() if grad_scaler is not None else torch.ones(1, dtype=torch.float32, device=device)
         inv_scale = scale.double().reciprocal().float()
         max_grad_norm = self.defaults["max_grad_norm"] * scale  # the norm below is of scaled gradients
         grad_norm = multi_tensor_l2norm_mp(0, self._dummy_overflow_buf, [grads], False)[0]

@@ -58,7 +58,7 @@ class FusedNovoGrad(ApexOptimizer):
         slots.extend([None] * (slot + 1 - len(slots)))
         if slots[slot] is None:
             if group["init_zero"]:
-                slots[slot] = torch.zeros(len(grads), device=grads[0].device)
+                slots[slot] = torch.zeros(len(grads), dtype=torch.float32, device=grads[0].device)
             else:  # the first step's norms, so that the first blend changes nothing
                 slots[slot] = norms(grads, float("inf") if group["norm_type"] == 0 else 2.0)
         elif slots[slot].numel() != len(grads):
