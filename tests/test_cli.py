@@ -414,3 +414,22 @@ def test_ctrl_c_during_a_built_in_workload_leaves_no_process_behind(tmp_path: Pa
     for pid in family:
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid), 0)
+
+
+def test_compare_levels_with_a_low_memory_master_mode(tmp_path: Path) -> None:
+    """`--levels O5+stochastic,O5+kahan` adds those rows beside O5, each run with that
+    master_weights, and the B/param column shows what each holds per trained parameter; a
+    mode on a level that does not cast the model is a usage error naming the levels."""
+    out = tmp_path / "c.json"
+    proc = ampatch("compare", "--levels", "O0,O5,o5+Stochastic,O5+kahan", "--steps", "6", "--size", "tiny",
+                   "--json", str(out), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["O0", "O5", "O5+stochastic", "O5+kahan"]
+    assert [rows[k]["report"]["master_weights"] for k in rows] == ["none", "fp32", "stochastic", "kahan"]
+    per_param = {k: r["train_bytes_per_param"] for k, r in rows.items()}
+    assert per_param["O5+stochastic"] < per_param["O5+kahan"] < per_param["O5"]   # 0, 2 and 4 bytes of masters
+    assert per_param["O5"] - per_param["O5+stochastic"] == pytest.approx(4.0, abs=0.01)
+    assert "B/param" in proc.stdout and "O5+kahan" in proc.stdout
+    bad = ampatch("compare", "--levels", "O0,O1+kahan", cwd=tmp_path)
+    assert bad.returncode == 2 and "applies to the levels that cast the model to bfloat16 (O2, O3, O5)" in bad.stderr

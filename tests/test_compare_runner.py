@@ -151,3 +151,18 @@ def test_a_policy_run_does_not_inherit_what_the_policy_decides() -> None:
     assert not set(runner.POLICY_DECIDES) & set(env)
     forced = runner.child_env("O2", None, base=shell, keep_fp32="norm", policy="p.json")
     assert forced[envvars.OPT_LEVEL] == "O2" and forced[envvars.KEEP_FP32] == "norm"  # the command's own, kept
+
+
+def test_a_level_with_a_low_memory_master_mode(tmp_path: Path) -> None:
+    """`compare --levels O5+kahan`: the run is forced to O5 with master_weights="kahan", and a
+    run that reports another mode fails its row instead of passing for what was asked."""
+    env = runner.child_env("O5+kahan", None, base={"PATH": "/bin"})
+    assert env[envvars.OPT_LEVEL] == "O5" and env[envvars.MASTER_WEIGHTS] == "kahan"
+    assert envvars.MASTER_WEIGHTS not in runner.child_env("O5", None, base={"PATH": "/bin"})
+    plain = write(tmp_path / "plain.py", """\
+        import json, os
+        json.dump({**REQUIRED, "opt_level": "O5", "master_weights": "fp32"}, open(os.environ["AMPATCH_REPORT"], "w"))
+    """)
+    run = runner.run_level([sys.executable, str(plain)], "O5+kahan", None)
+    assert run.error == "ran with master_weights='fp32' although O5+kahan was forced"
+    assert runner.run_level([sys.executable, str(plain)], "O5", None).ok

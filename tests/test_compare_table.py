@@ -34,7 +34,8 @@ def test_table_lines_cells_and_footnotes() -> None:
     o4 = table[5].split()
     assert o4[:2] == ["O4", "bfloat16"] and o4[3] == "1.00x" and o4[-3:] == ["2", "32768", "2"]
     assert table[6] == "O2     FAILED: RuntimeError: boom"
-    assert "first loss" in table[3] and o4[5:7] == ["1.0000", "0.7500"]  # first step's loss, then the last ones' mean
+    assert "first loss" in table[3] and o4[6:8] == ["1.0000", "0.7500"]  # first step's loss, then the last ones' mean
+    assert "B/param" in table[3] and o4[5] == "-"  # a hand-made report trained no parameter
     assert any(line.startswith("first loss: the first step's; final loss: mean of the last 5") for line in table)
     assert table[-1] == "a note"                        # empty notes are left out
 

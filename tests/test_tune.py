@@ -263,3 +263,48 @@ def test_tune_from_python_refuses_bad_arguments_before_running_anything(kwargs, 
     with pytest.raises(ValueError, match=words):
         tune(**kwargs, log=log)
     assert log.getvalue() == ""                      # nothing started
+
+
+# ------------------------------------------------------------------ --objective memory
+def _memory_search(footprints: dict[Candidate, tuple[float, float, float]]) -> Search:
+    """A search with the memory objective over candidates given (bytes per param, deviation, step ms)."""
+    s = Search(Job(lambda n: [], 1), [], 0.02, None, io.StringIO(), objective="memory")
+    base = _row("O0", O0_LOSSES)
+    ref_bytes, _, ref_ms = footprints.pop(REFERENCE)
+    base = dataclasses.replace(base, train_bytes_per_param=ref_bytes)
+    s.result.reference = Measured(REFERENCE, base, True, "reference", True, 0.0)
+    s.result.timings = {REFERENCE.label: [ref_ms]}
+    for c, (nbytes, dev, ms) in footprints.items():
+        m = _measured(c, [x * (1 + dev) for x in O0_LOSSES], base)
+        s.result.candidates.append(dataclasses.replace(m, row=dataclasses.replace(m.row, train_bytes_per_param=nbytes)))
+        s.result.timings[c.label] = [ms]
+    return s
+
+
+def test_the_memory_objective_tries_the_low_memory_masters_and_chooses_the_fewest_bytes():
+    cands = initial(["O1", "O2", "O3", "O5"], "cpu", "bfloat16", objective="memory")
+    low = [c for c in cands if c.master_weights is not None]
+    assert [(c.opt_level, c.master_weights) for c in low] == [("O5", "stochastic"), ("O5", "kahan")]
+    assert not [c for c in initial(["O1", "O5"], "cpu", "bfloat16") if c.master_weights]   # speed: not tried
+    with pytest.raises(ValueError, match="objective must be one of speed, memory"):
+        initial(["O1"], "cpu", None, objective="size")
+    o3, stoch, kahan, o5 = (Candidate("O3", "bfloat16"), Candidate("O5", "bfloat16", master_weights="stochastic"),
+                            Candidate("O5", "bfloat16", master_weights="kahan"), Candidate("O5", "bfloat16"))
+    # O3 fails (far from O0): the stochastic masters hold the least of what qualifies, though slower
+    s = _memory_search({REFERENCE: (12.0, 0.0, 10.0), o3: (6.0, 0.5, 5.0), stoch: (10.0, 0.001, 9.0),
+                        kahan: (12.0, 0.0, 8.0), o5: (14.0, 0.0, 6.0)})
+    s.choose()
+    assert s.result.chosen == stoch and "10.0 bytes per trained parameter" in s.result.why
+    assert "against O0's 12.0" in s.result.why
+    # the same footprint goes by speed: kahan (12 B) against O0 (12 B) and nothing smaller qualifies
+    s = _memory_search({REFERENCE: (12.0, 0.0, 10.0), kahan: (12.0, 0.0, 5.0), o5: (14.0, 0.0, 4.0)})
+    s.result.spread = None
+    s.choose()
+    assert s.result.chosen == kahan
+    s = _memory_search({REFERENCE: (12.0, 0.0, 4.0), kahan: (12.0, 0.0, 10.0), o5: (14.0, 0.0, 3.0)})
+    s.choose()
+    assert s.result.chosen == REFERENCE and "no qualifying half policy holds fewer bytes" in s.result.why
+    data = to_json(s.result)
+    assert data["objective"] == "memory" and data["reference"]["train_bytes_per_param"] == 12.0
+    assert {d["train_bytes_per_param"] for d in data["candidates"]} == {12.0, 14.0}
+    assert "B/param" in render(s.result, "t", None, "x") and "the objective is memory" in render(s.result, "t", None, "x")

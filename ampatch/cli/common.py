@@ -4,6 +4,7 @@ functions raise `ArgumentTypeError`, which the parser reports as a usage error),
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import re
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from ampatch.config.values import parse_loss_scale, parse_names
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "positive", "threads", "budget", "loss_scale", "module_names", "KEEP_FP32_HELP", "policy_path"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "positive", "threads", "budget", "loss_scale", "module_names", "KEEP_FP32_HELP", "policy_path"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -30,11 +31,28 @@ def opt_level(text: str) -> str:
         raise argparse.ArgumentTypeError(f"unknown opt level {text!r} (choose from {', '.join(LEVELS)})") from None
 
 
-def opt_levels(text: str) -> list[str]:
-    levels = [opt_level(t) for t in re.split(r"[,\s]+", text) if t]
+def level_variant(text: str) -> str:
+    """A level of `compare --levels`: "O5", or a level that casts the model with a low-memory
+    master mode, "O5+stochastic" / "O5+kahan" (`levels.variant`)."""
+    try:
+        return levels_policy.variant_label(*levels_policy.variant(text))
+    except ValueError as exc:
+        if "+" in text:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"unknown opt level {text!r} (choose from {', '.join(LEVELS)}, or e.g. "
+                                         "O5+kahan)") from None
+
+
+def opt_levels(text: str, each: Callable[[str], str] = opt_level) -> list[str]:
+    levels = [each(t) for t in re.split(r"[,\s]+", text) if t]
     if not levels:
         raise argparse.ArgumentTypeError("no opt level given")
     return list(dict.fromkeys(levels))
+
+
+def level_variants(text: str) -> list[str]:
+    """`compare --levels`: opt levels, each maybe with a low-memory master mode ("O5+kahan")."""
+    return opt_levels(text, level_variant)
 
 
 def positive(text: str) -> int:

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, module_names, opt_levels, policy_path, positive, threads)
+from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, level_variants, module_names, policy_path, positive, threads)
 from ampatch.config import env as envvars
 from ampatch.compare.plot import write_plot
 from ampatch.compare.rows import common_steps, summarize
@@ -25,8 +25,9 @@ WORKLOAD_OPTIONS = ("steps", "workload", "device", "threads", "size")  # and --b
 def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
     cmp = sub.add_parser("compare", help="train once per opt level and print one table",
                          usage="ampatch compare [options] [-- python train.py ARGS...]")
-    cmp.add_argument("--levels", type=opt_levels, default=list(LEVELS),
-                     help="comma-separated opt levels (default: O0,O1,O2,O3,O4,O5)")
+    cmp.add_argument("--levels", type=level_variants, default=list(LEVELS),
+                     help="comma-separated opt levels (default: O0,O1,O2,O3,O4,O5); a level that casts the model "
+                          "may carry a low-memory master mode: O5+stochastic, O5+kahan (master_weights)")
     cmp.add_argument("--steps", type=positive,
                      help=f"steps per run (built-in workloads only; default {DEFAULT_STEPS[DEFAULT_WORKLOAD]}, "
                           "within the budget)")

@@ -11,6 +11,7 @@ from ampatch.cli.common import CliError, budget, check_output_path, opt_levels, 
 from ampatch.config.policy_file import DEFAULT_PATH
 from ampatch.runs.deviation import MIN_SHARE, TOLERANCE, WINDOW
 from ampatch.tune.command import DEFAULT_BUDGET_S, DEFAULT_LEVELS, DEFAULT_STEPS
+from ampatch.tune.candidates import OBJECTIVES
 from ampatch.tune.timing import ROUNDS
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
@@ -76,6 +77,10 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
                    help=f"interleaved re-timing rounds of the fastest qualifying candidates against O0, each run "
                         f"judged again (default {ROUNDS}; 0: none)")
     t.add_argument("--apex-alias", action="store_true", help="the script's Apex imports load ampatch")
+    t.add_argument("--objective", choices=OBJECTIVES, default="speed",
+                   help="what to minimise among the policies that train like FP32: speed (default: the fastest), "
+                        "or memory (the fewest bytes per trained parameter for weights, masters and optimizer "
+                        "state; also tries master_weights='stochastic' and 'kahan', bfloat16 without FP32 masters)")
     t.set_defaults(func=cmd_tune)
 
 
@@ -93,7 +98,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result = tune(args.command, workload=args.workload, size=args.size, device=args.device, levels=args.levels,
                       half_dtype=args.half_dtype, tolerance=args.tolerance, steps=args.steps, budget=args.budget,
                       out=args.out, repair=not args.no_repair, rounds=args.rounds, apex_alias=args.apex_alias,
-                      log=sys.stderr)
+                      log=sys.stderr, objective=args.objective)
     except NoReference as exc:
         print(f"ampatch tune: {exc}", file=sys.stderr)
         return 1

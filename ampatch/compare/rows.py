@@ -61,6 +61,8 @@ class Row(LevelRun):
     max_loss_dev_vs_O0: float | None
     learned_vs_O0: float | None = None     # the share of O0's progress it makes (None: O0's loss does not fall)
     losses_per_step: int = 1               # scale_loss calls per optimizer step (gradient accumulation)
+    # bytes per trained parameter for training: weight, master or compensation, optimizer state
+    train_bytes_per_param: float | None = None
 
     @classmethod
     def of(cls, run: LevelRun, baseline: Row | None = None, upto: int | None = None) -> Row:
@@ -97,7 +99,8 @@ class Row(LevelRun):
             skipped_steps=skipped,
             final_loss_scale=rep.loss_scale.get("loss_scaler0"),
             speedup_vs_O0=base.median_step_ms / median_ms if base and base.median_step_ms and median_ms else None,
-            max_loss_dev_vs_O0=dev, learned_vs_O0=share, losses_per_step=per_step)
+            max_loss_dev_vs_O0=dev, learned_vs_O0=share, losses_per_step=per_step,
+            train_bytes_per_param=rep.training_bytes_per_param)
 
     def reference(self, upto: int | None = None) -> Reference:
         """This (O0's) curve, before step `upto`, as the reference other runs are measured against."""

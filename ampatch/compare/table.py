@@ -16,7 +16,8 @@ from ampatch.runs.deviation import WINDOW
 # (heading, Row attribute, format)
 COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
            ("step ms", "median_step_ms", "{:.1f}"), ("speed-up", "speedup_vs_O0", "{:.2f}x"),
-           ("peak MiB", "peak_memory_mib", "{:.0f}"), ("first loss", "first_loss", "{:.4f}"),
+           ("peak MiB", "peak_memory_mib", "{:.0f}"), ("B/param", "train_bytes_per_param", "{:.1f}"),
+           ("first loss", "first_loss", "{:.4f}"),
            ("final loss", "final_loss", "{:.4f}"),
            ("max dev vs O0", "max_loss_dev_vs_O0", "{:.2%}"),
            ("skipped", "skipped_steps", "{}"), ("loss scale", "final_loss_scale", "{:g}"),
@@ -54,7 +55,8 @@ def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
             f"first loss: the first step's; final loss: mean of the last {FINAL_LOSS_WINDOW} losses (all, if fewer); "
             f"max dev: largest gap between the loss curve and O0's ({WINDOW}-step means, compared update for update "
             f"after the loss scaler's initial back-offs), {deviation_basis(rows)}; see ampatch.runs.deviation.",
-            "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS."]
+            "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS; B/param: bytes held "
+            "per trained parameter for training (weight, master copy or compensation, optimizer state)."]
     out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
             for n in notes if n]
     return "\n".join(out)

@@ -4,7 +4,9 @@
 - `normalize(text)`: " o2 " -> "O2", or a ValueError listing the levels;
 - `fixed_half_dtype` / `half_dtype_conflict`: O4/O5 are O1/O2 in bfloat16, by definition;
 - `default_half_dtype` / `half_dtype_for`: float16 on CUDA, bfloat16 elsewhere, unless asked;
-- `half_name(level, dtype)`: the half dtype a level runs in, by name; None at O0 (FP32).
+- `half_name(level, dtype)`: the half dtype a level runs in, by name; None at O0 (FP32);
+- `variant(text)`: a level with a low-memory master mode, as the command line names it
+  ("O5+kahan" -> ("O5", "kahan")), and `variant_label` back.
 
 Data and pure functions only: `properties.resolve` turns a level plus overrides into a
 session's `Properties`.
@@ -17,11 +19,11 @@ from typing import Any
 import torch
 
 from ..base.dtypes import short_name
-from .values import DYNAMIC, parse_dtype
+from .values import DYNAMIC, LOW_MEMORY_MODES, parse_dtype
 
 __all__ = ["HALF", "Level", "LEVELS", "BFLOAT16_LEVELS", "PATCHING_LEVELS", "FP32_LEVEL", "normalize",
            "fixed_half_dtype", "half_dtype_conflict", "default_half_dtype", "half_dtype_for", "uses_half",
-           "half_name"]
+           "half_name", "variant", "variant_label", "CASTING_LEVELS"]
 
 HALF = "half"  # in the table: the session's half dtype
 FP32_LEVEL = "O0"  # the one level without a half dtype
@@ -48,6 +50,8 @@ LEVELS: dict[str, Level] = {
 }
 BFLOAT16_LEVELS = ("O4", "O5")
 PATCHING_LEVELS = ("O1", "O4")
+CASTING_LEVELS = ("O2", "O3", "O5")  # the model itself is cast to half
+VARIANT = "+"  # "O5+kahan": a level with a low-memory master mode (the command line's --levels)
 DESCRIPTION = ("O0 FP32, O1 patched casts, O2 half model + FP32 masters, O3 pure half, O4/O5 = O1/O2 in "
                "bfloat16")
 
@@ -120,3 +124,28 @@ def half_dtype_for(level: str, device: torch.device | str | None, requested: Any
     if half is not None:
         return half
     return default_half_dtype(torch.device(device) if isinstance(device, str) else device)
+
+
+def variant(text: Any, what: str = "level") -> tuple[str, str | None]:
+    """A level as the command line names it, with an optional low-memory master mode:
+    "O5" -> ("O5", None), " o5+Kahan" -> ("O5", "kahan"). The mode applies to the levels that
+    cast the model (O2, O3, O5); anything else raises ValueError naming what is accepted."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a string such as 'O5' or 'O5+kahan', got {type(text).__name__}.")
+    base, sep, mode = text.partition(VARIANT)
+    level = normalize(base, what)
+    if not sep:
+        return level, None
+    mode = mode.strip().lower()
+    if mode not in LOW_MEMORY_MODES:
+        raise ValueError(f"{what} {text!r}: after '+' comes a master_weights mode, one of "
+                         f"{', '.join(LOW_MEMORY_MODES)} (e.g. O5+kahan).")
+    if level not in CASTING_LEVELS:
+        raise ValueError(f"{what} {text!r}: master_weights={mode!r} applies to the levels that cast the model to "
+                         f"bfloat16 ({', '.join(CASTING_LEVELS)}), not to {level}.")
+    return level, mode
+
+
+def variant_label(level: str, mode: str | None) -> str:
+    """"O5" or "O5+kahan": the inverse of `variant`."""
+    return level if mode is None else f"{level}{VARIANT}{mode}"

@@ -143,6 +143,17 @@ class OptimizerHandle:
         """The model-side tensors the optimizer steps (the half param for a master)."""
         return self.masters.model_params()
 
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's state tensors (each counted once, views of one storage too)."""
+        seen: set[int] = set()
+        total = 0
+        for state in self.optimizer.state.values():
+            for t in state.values():
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+        return total
+
     def owns_master(self, p: torch.Tensor) -> bool:
         return id(p) in self.masters.master_of
 

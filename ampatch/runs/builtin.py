@@ -13,6 +13,7 @@ from typing import Any, ContextManager, TextIO
 import torch
 
 from ampatch.config import env as envvars
+from ampatch.config.levels import variant
 from ampatch.base import hardware
 from ampatch.base.device_text import machine_line
 from ampatch.runs import UsageError, sizing
@@ -84,9 +85,12 @@ class Plan:
         base = [sys.executable, "-m", f"ampatch.workloads.{self.workload}", "--device", self.device,
                 "--threads", str(self.threads), "--size", self.size.size]
 
-        def command_for(level: str) -> CommandFor:
+        def command_for(label: str) -> CommandFor:
+            level, mode = variant(label)  # "O5+kahan": O5 with master_weights="kahan"
+            masters = [] if mode is None else ["--master-weights", mode]
+
             def make(steps: int | None, deadline: float | None) -> list[str]:
-                return base + ["--opt-level", level, "--steps", str(steps)] + (
+                return base + ["--opt-level", level, *masters, "--steps", str(steps)] + (
                     [] if deadline is None else ["--deadline", f"{deadline:.3f}"])
             return make
         return {level: command_for(level) for level in levels}

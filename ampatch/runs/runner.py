@@ -87,7 +87,8 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
               base: Mapping[str, str] | None = None, keep_fp32: str | None = None,
               policy: str | None = None) -> dict[str, str]:
     """The environment of a run: ``base`` (default: this process's) with the forced level
-    (None: the script's own), the half type, the report path, the modules to keep in FP32
+    (None: the script's own; "O5+kahan": O5 with that master_weights, see
+    `levels.variant`), the half type, the report path, the modules to keep in FP32
     (comma-separated names, added to the script's ``keep_fp32``), a policy file
     (``AMPATCH_POLICY``: what it decides is not inherited; `run --policy`, `compare
     --policy` and every `tune` candidate run alike), and ampatch importable."""
@@ -96,8 +97,12 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
         for name in POLICY_DECIDES:
             env.pop(name, None)
         env[envvars.POLICY] = policy
+    mode = None
     if level is not None:
+        level, mode = levels.variant(level)
         env[envvars.OPT_LEVEL] = level
+        if mode is not None:
+            env[envvars.MASTER_WEIGHTS] = mode
     if keep_fp32:
         env[envvars.KEEP_FP32] = keep_fp32
     if report:
@@ -292,8 +297,10 @@ def level_run(done: Finished, level: str | None) -> LevelRun:
     error = f"unreadable report: {error}" if error is not None else failure_line(done.returncode, done.stderr)
     if error is None and report is None:
         error = "script never called amp.initialize"
-    elif error is None and level is not None and report.opt_level != level:
+    elif error is None and level is not None and report.opt_level != levels.variant(level)[0]:
         error = f"ran at {report.opt_level} although {level} was forced"
+    elif error is None and level is not None and levels.variant(level)[1] not in (None, report.master_weights):
+        error = f"ran with master_weights={report.master_weights!r} although {level} was forced"
     ran_at = level or (report.opt_level if report is not None else "?")
     return LevelRun(ran_at, error is None, error, done.returncode, round(done.wall_s, 3), report)
 

@@ -47,6 +47,16 @@ class Report:
     master_weights: str = ""
     trained_params: int = 0
     bytes_per_param: float = 0.0
+    optimizer_state_bytes: int = 0  # the optimizers' state tensors (Adam's moments, momentum buffers, ...)
+
+    @property
+    def training_bytes_per_param(self) -> float | None:
+        """Bytes held per trained parameter for training itself: the weight, its master or
+        compensation, and the optimizer's state (None: no parameter was trained). What
+        `ampatch compare`'s B/param column shows and `tune --objective memory` minimises."""
+        if not self.trained_params:
+            return None
+        return self.bytes_per_param + self.optimizer_state_bytes / self.trained_params
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain numbers, strings, lists and dicts (the device as its fields)."""
@@ -105,7 +115,8 @@ class Report:
                  *([f"  device: {self.device.to_dict()['summary']}"] if self.device is not None else []),
                  *([f"  kept in FP32: {', '.join(n or '(the whole model)' for n in self.keep_fp32)}"] if self.keep_fp32 else []),
                  *([f"  master weights: {self.master_weights}, {self.bytes_per_param:.2f} bytes per trained "
-                    f"parameter ({self.trained_params:,} parameters)"] if self.trained_params else []),
+                    f"parameter ({self.trained_params:,} parameters), "
+                    f"{self.training_bytes_per_param:.2f} with the optimizer's state"] if self.trained_params else []),
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
                  + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),
                  f"  cast cache: {self.cache['hits']} hits, {self.cache['misses']} misses",

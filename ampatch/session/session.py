@@ -260,7 +260,8 @@ class Session:
         self.resolve_pending()
         return self.telemetry.report(self.properties, {"hits": self.cache.hits, "misses": self.cache.misses},
                                      self.scalers, self.device, [k.label for k in self.kept],
-                                     [h.masters.footprint() for h in self.optimizers])
+                                     [h.masters.footprint() for h in self.optimizers],
+                                     sum(h.state_bytes() for h in self.optimizers))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

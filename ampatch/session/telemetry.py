@@ -101,11 +101,12 @@ class Telemetry:
                     self._progress = None
 
     def report(self, properties: Properties, cache: dict[str, int], scalers: Sequence[LossScaler],
-               device: SessionDevice | None, kept: Sequence[str], footprints: Sequence[tuple[int, int]] = ()) -> Report:
+               device: SessionDevice | None, kept: Sequence[str], footprints: Sequence[tuple[int, int]] = (),
+               state_bytes: int = 0) -> Report:
         """The `Report` of a session: these counters with its `properties`, cast-cache
         `{"hits", "misses"}`, loss scalers, device (`hardware.check_half`), the labels of
         the modules kept in FP32, and the optimizers' `(params, bytes)` footprints (weights
-        plus masters or compensations, `Masters.footprint`)."""
+        plus masters or compensations, `Masters.footprint`) and the bytes of their state."""
         params = sum(n for n, _ in footprints)
         size = sum(b for _, b in footprints)
         return Report(
@@ -129,6 +130,7 @@ class Telemetry:
             master_weights=properties.master_mode.value if properties.enabled else "",
             trained_params=params,
             bytes_per_param=size / params if params else 0.0,
+            optimizer_state_bytes=state_bytes,
         )
 
 

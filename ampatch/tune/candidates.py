@@ -1,4 +1,5 @@
-"""The policies `ampatch tune` tries: each opt level with each half dtype worth trying here."""
+"""The policies `ampatch tune` tries: each opt level with each half dtype worth trying here,
+and, when memory is the objective, the low-memory master modes of a bfloat16-cast level."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,10 +8,13 @@ from typing import Any
 
 from ampatch.base import hardware
 from ampatch.base.dtypes import HALF_NAMES, short_name
-from ampatch.config.levels import fixed_half_dtype, half_dtype_conflict, uses_half
+from ampatch.config.levels import CASTING_LEVELS, fixed_half_dtype, half_dtype_conflict, uses_half
 from ampatch.config.policy_file import Policy
+from ampatch.config.values import LOW_MEMORY_MODES
 
-__all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY"]
+__all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY", "OBJECTIVES", "low_memory_variants"]
+
+OBJECTIVES = ("speed", "memory")  # what tune minimises among the policies that train like FP32
 
 # ties between half policies go to the simpler one: fewer kept modules, then O1 over O2 over O3 (O4/O5 are O1/O2
 # in bfloat16), then no loss scale or master weights set over one set (a tie with O0: see search.Search.choose)
@@ -54,10 +58,13 @@ class Candidate:
 REFERENCE = Candidate("O0")
 
 
-def initial(levels: Sequence[str], device: str, half_dtype: str | None) -> list[Candidate]:
+def initial(levels: Sequence[str], device: str, half_dtype: str | None, objective: str = "speed") -> list[Candidate]:
     """Each level of `levels` (O0 aside) with each half dtype worth trying on `device`:
     `half_dtype` when given; else bfloat16, and float16 too where it is native (on a CPU
-    without native float16, only when asked). O4/O5 are bfloat16 by definition."""
+    without native float16, only when asked). O4/O5 are bfloat16 by definition. With the
+    "memory" objective, the low-memory master modes too (`low_memory_variants`)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     native = hardware.describe(device).native
     if half_dtype in HALF_NAMES:
         dtypes = [half_dtype]
@@ -72,4 +79,15 @@ def initial(levels: Sequence[str], device: str, half_dtype: str | None) -> list[
         fixed = fixed_half_dtype(level)
         for d in ([short_name(fixed)] if fixed is not None else dtypes):
             out.append(Candidate(level, d))
+    if objective == "memory":
+        out += low_memory_variants(out)
     return list(dict.fromkeys(out))
+
+
+def low_memory_variants(cands: Sequence[Candidate]) -> list[Candidate]:
+    """`master_weights="stochastic"` and `"kahan"` (no FP32 master copies) on one bfloat16-cast
+    level among `cands`: O5 when tried, else O2, else O3 in bfloat16 (on the others they train
+    alike: one level shows what the modes cost and save)."""
+    cast = [c for c in cands if c.opt_level in CASTING_LEVELS and c.half_dtype == "bfloat16"]
+    base = min(cast, key=lambda c: ("O5", "O2", "O3").index(c.opt_level), default=None)
+    return [] if base is None else [replace(base, master_weights=mode) for mode in LOW_MEMORY_MODES]

@@ -103,7 +103,7 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
          device: str | None = None, levels: Sequence[str] = DEFAULT_LEVELS, half_dtype: str | None = None,
          tolerance: float = TOLERANCE, steps: int = DEFAULT_STEPS, budget: float | None = DEFAULT_BUDGET_S,
          out: str | None = DEFAULT_PATH, repair: bool = True, rounds: int = timing.ROUNDS, apex_alias: bool = False,
-         log: TextIO | None = None) -> TuneResult:
+         log: TextIO | None = None, objective: str = "speed") -> TuneResult:
     """The fastest precision policy that trains like FP32 for `command` (a script's command
     line, e.g. ``["python", "train.py"]``; None: the built-in `workload`), written to `out`.
 
@@ -112,9 +112,13 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
     curve, relative to what O0 learns over the run, above the measured noise floor
     (`ampatch.runs.deviation`); `steps`: optimizer steps per run; `budget`: seconds for the
     whole search (None: no limit); `repair`: repair failed candidates with diagnose's
-    recommendation; `rounds`: interleaved re-timing rounds (0: none). See the module docstring."""
+    recommendation; `rounds`: interleaved re-timing rounds (0: none); `objective`: "speed"
+    (the fastest) or "memory" (the fewest bytes per trained parameter, the low-memory master
+    modes among the candidates). See the module docstring."""
     log = log if log is not None else sys.stderr
     chosen_levels = _check(command, workload, size, levels, tolerance, steps, budget, rounds, out)
+    if objective not in candidates.OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(candidates.OBJECTIVES)}, got {objective!r}")
     half = None if half_dtype in (None, "auto") else half_dtype
     if command is not None:
         cmd = runner.resolve_command(list(command))
@@ -131,17 +135,18 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
                 "--size", size, "--seed", "0"]
         job_cmd = lambda n: base + ["--steps", str(n)]  # noqa: E731
         rerun = f"ampatch run --policy {{policy}} -- python -m ampatch.workloads.{name} --size {size} --threads 1"
-    cands = candidates.initial(chosen_levels, dev, half)
+    cands = candidates.initial(chosen_levels, dev, half, objective)
     log.write(builtin.machine_notice(dev, ["O0", *chosen_levels], half) + "\n")
     budget_text = "no budget" if budget is None else f"a {budget:g}s budget"
     log.write(f"ampatch tune: {what}: O0 twice (the reference, the noise floor), then {len(cands)} candidate(s), "
-              f"{steps} steps each, repairs and re-timing, within {budget_text}; tolerance {tolerance:.2%}\n")
+              f"{steps} steps each, repairs{' and re-timing' if objective == 'speed' else ''}, within {budget_text}; "
+              f"tolerance {tolerance:.2%}; objective: {objective}\n")
     log.flush()
     script = command is not None
     started = nullcontext(runner.popen) if script else builtin.launcher(dev, log)
     with started as launch:
         job = Job(job_cmd, steps, launch, apex_alias, script)
-        result = Search(job, cands, tolerance, budget, log, repair=repair, rounds=rounds).run()
+        result = Search(job, cands, tolerance, budget, log, repair=repair, rounds=rounds, objective=objective).run()
     policy = report.policy_of(result, steps, what, dev)
     written = None if result.interrupted is not None or out is None else out
     if written is not None:

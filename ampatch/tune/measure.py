@@ -59,7 +59,8 @@ class Measured:
                 "speedup": reference_ms / ms if reference_ms and ms else None,
                 "deviation": self.deviation if self.deviation is None or math.isfinite(self.deviation) else None,
                 "learned": self.learned, "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
-                "peak_memory_mib": self.row.peak_memory_mib, "final_loss": self.row.final_loss,
+                "peak_memory_mib": self.row.peak_memory_mib, "train_bytes_per_param": self.row.train_bytes_per_param,
+                "final_loss": self.row.final_loss,
                 "repairs": c.repairs, "step_fault": self.step_fault}
 
 

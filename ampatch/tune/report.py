@@ -59,14 +59,15 @@ def to_json(result: Result) -> dict[str, Any]:
                           "qualifies": True, "reason": "the reference (FP32)"}
         chosen = {**chosen, "why": result.why}
     basis = result.basis
-    return {"tolerance": result.tolerance,
+    return {"tolerance": result.tolerance, "objective": result.objective,
             "deviation": {"measure": MEASURE, "basis": basis.basis.value if basis else None,
                           "o0_progress": basis.progress if basis else None, "o0_first": basis.first if basis else None,
                           "o0_last": basis.last if basis else None, "window": WINDOW, "min_learned": MIN_SHARE,
                           "noise_floor": result.floor, "noise_floor_runs": result.floor_runs,
                           "noise_floor_measured_by": FLOOR},
             "reference": {"step_ms": o0, "final_loss": ref.row.final_loss if ref else None,
-                          "peak_memory_mib": ref.row.peak_memory_mib if ref else None},
+                          "peak_memory_mib": ref.row.peak_memory_mib if ref else None,
+                          "train_bytes_per_param": ref.row.train_bytes_per_param if ref else None},
             "candidates": cands, "chosen": chosen, "spread": result.spread,
             "timings_ms": result.timings, "repeats_ms": result.repeats, "interrupted": result.interrupted is not None, "notes": result.notes}
 
@@ -85,23 +86,24 @@ def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
 def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
     """The table of every candidate, the choice with its reason, and how to apply it."""
     o0 = result.step_ms(REFERENCE)
-    header = ["policy", "step ms", "speed-up", "peak MiB", "final loss", "deviation", "learns", "verdict"]
+    header = ["policy", "step ms", "speed-up", "peak MiB", "B/param", "final loss", "deviation", "learns", "verdict"]
     rows = []
     if result.reference is not None:
         r = result.reference.row
         rows.append(["O0 (reference)", _fmt(o0, ".1f"), "1.00x", _fmt(r.peak_memory_mib, ".0f"),
-                     _fmt(r.final_loss, ".4f"), "-", "-", "reference"])
+                     _fmt(r.train_bytes_per_param, ".1f"), _fmt(r.final_loss, ".4f"), "-", "-", "reference"])
     for m in result.candidates:
         c = m.candidate
         sp = _speedup(result, c)
         rows.append([c.label, _fmt(result.step_ms(c) or m.step_ms, ".1f"), _fmt(sp, ".2f") + ("x" if sp else ""),
-                     _fmt(m.row.peak_memory_mib, ".0f"), _fmt(m.row.final_loss, ".4f"),
+                     _fmt(m.row.peak_memory_mib, ".0f"), _fmt(m.row.train_bytes_per_param, ".1f"),
+                     _fmt(m.row.final_loss, ".4f"),
                      "inf" if m.deviation == math.inf else _fmt(m.deviation, ".2%"), _fmt(m.learned, ".0%"),
                      ("ok: " if m.qualifies else "FAIL: ") + m.reason])
     widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w)
+        return "  ".join(c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     out = [title, line(header), *(line(x) for x in rows), ""]
@@ -120,7 +122,10 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
                f"{result.tolerance:.2%} above the noise floor {result.floor:.2%} (O0 run again, same seed and data: "
                f"{'/'.join('-' if d is None else f'{d:.2%}' for d in result.floor_runs) or 'not run'}). learns: the "
                f"share of O0's progress the policy makes over the same updates; below {MIN_SHARE:.0%} it fails, "
-               "whatever the tolerance.")
+               "whatever the tolerance. B/param: bytes held per trained parameter for training (weight, master "
+               "copy or compensation, optimizer state)"
+               + ("; the objective is memory: the fewest B/param wins, speed breaks ties." if result.objective == "memory"
+                  else "."))
     out += [f"note: {n}" for n in result.notes]
     chosen = result.chosen or REFERENCE
     out += ["", f"chosen: {chosen.label}: {result.why}"]

@@ -17,6 +17,10 @@ the choice, within a time budget.
   between repeats) goes to the simpler policy. O0 is chosen when no half policy qualifies, or
   when O0 is faster than that choice beyond the spread; a tie with O0 goes to the half policy
   (it trains like FP32: the measurement cannot tell the two apart on speed).
+- With the "memory" objective: the qualifying policy (O0 included) that holds the fewest
+  bytes per trained parameter for training (weight, master copy or compensation, optimizer
+  state: `Report.training_bytes_per_param`, counted, not timed); equal footprints go by speed
+  as above. No re-timing: one timing each breaks those ties.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from ampatch.compare.rows import Row
 from ampatch.runs import process
 from ampatch.runs.deviation import Reference, unsound
 from ampatch.tune import timing
-from ampatch.tune.candidates import REFERENCE, Candidate
+from ampatch.tune.candidates import OBJECTIVES, REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
 from ampatch.tune.repair import MAX_REPAIRS, suggest
 from ampatch.tune.verdict import Rule
@@ -38,6 +42,7 @@ from ampatch.tune.verdict import Rule
 __all__ = ["Result", "Search", "NoReference", "RECORD_FACTOR"]
 
 RECORD_FACTOR = 3.0   # a recorded run's time against a plain run's, until one is measured
+SAME_BYTES = 0.1      # footprints (bytes per trained parameter) this close are the same memory
 
 
 class NoReference(RuntimeError):
@@ -60,6 +65,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     floor: float = 0.0                                          # O0's largest deviation from itself
     floor_runs: list[float | None] = field(default_factory=list)  # each O0 repeat's deviation (None: it failed)
+    objective: str = "speed"   # "memory": the fewest bytes per trained parameter (see the module docstring)
 
     @property
     def rule(self) -> Rule:
@@ -88,11 +94,14 @@ class Search:
     """One search (see the module docstring); progress lines go to `log`."""
 
     def __init__(self, job: Job, candidates: Sequence[Candidate], tolerance: float, budget_s: float | None,
-                 log: TextIO, repair: bool = True, rounds: int = timing.ROUNDS) -> None:
+                 log: TextIO, repair: bool = True, rounds: int = timing.ROUNDS, objective: str = "speed") -> None:
         if rounds < 0:
             raise ValueError(f"rounds must be 0 or more (0: no re-timing), got {rounds}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.job, self.todo, self.log, self.repair, self.rounds = job, list(candidates), log, repair, rounds
-        self.result = Result(tolerance)
+        self.result = Result(tolerance, objective=objective)
+        self.objective = objective
         self.deadline = None if budget_s is None else time.time() + budget_s
         self.last_wall = 0.0                 # the slowest plain run so far
         self.record_wall: float | None = None  # the slowest recorded run so far
@@ -205,7 +214,8 @@ class Search:
         if self.repair:
             for c in sorted(failed, key=Candidate.simplicity):
                 self.repair_one(c)
-        self.retime()
+        if self.objective == "speed":
+            self.retime()
 
     def _amend(self, c: Candidate, **changes: object) -> None:
         """Replace `c`'s measurement with `changes` made (its reason, verdict, ...)."""
@@ -290,6 +300,8 @@ class Search:
         r = self.result
         r.spread = timing.spread(r.repeats if any(len(v) > 1 for v in r.repeats.values()) else r.timings)
         ms = timing.step_ms(r.compared())
+        if self.objective == "memory":
+            return self.choose_memory(ms)
         qual = [m.candidate for m in r.candidates if m.qualifies and m.candidate.label in ms]
         if self.retimed:  # the finalists: the others were slower at their first timing
             qual = [c for c in qual if c in self.retimed]
@@ -319,3 +331,31 @@ class Search:
         tie = "" if best.label == fastest else (f"; as fast as {fastest} within the {r.spread:.1%} spread between "
                                                 "repeats, and simpler")
         r.why = f"the fastest policy that trains like FP32 ({speed}; deviation {dev:.2%}){tie}."
+
+    def choose_memory(self, ms: dict[str, float]) -> None:
+        """The "memory" objective: the qualifying policy, O0 included, with the fewest bytes per
+        trained parameter; footprints within `SAME_BYTES` of each other go to the faster (within
+        the spread: the simpler), as `choose` decides."""
+        r = self.result
+        held = {m.candidate.label: (m.candidate, m.row.train_bytes_per_param)
+                for m in ([r.reference] if r.reference is not None else []) + r.candidates
+                if (m.qualifies or m.candidate == REFERENCE) and m.row.train_bytes_per_param is not None
+                and m.candidate.label in ms}
+        if not held:
+            r.chosen = REFERENCE
+            r.why = "no policy's footprint was measured: O0 (FP32)."
+            return
+        least = min(b for _, b in held.values())
+        tied = {label: c for label, (c, b) in held.items() if b <= least + SAME_BYTES}
+        best = tied[timing.simplest_of_fastest(list(tied), ms, r.spread, lambda x: tied[x].simplicity())]
+        r.chosen = best
+        o0 = held.get(REFERENCE.label)
+        if best == REFERENCE:
+            r.why = (f"no qualifying half policy holds fewer bytes per trained parameter than O0 ({least:.1f}): "
+                     "O0 (FP32).")
+            return
+        dev = r.measured_of(best).deviation  # type: ignore[union-attr]
+        speed = f"{ms[REFERENCE.label] / ms[best.label]:.2f}x O0's speed" if ms.get(REFERENCE.label) else "speed unknown"
+        r.why = (f"the policy that trains like FP32 with the least memory: {held[best.label][1]:.1f} bytes per trained "
+                 f"parameter (weight, masters, optimizer state)"
+                 + (f" against O0's {o0[1]:.1f}" if o0 is not None else "") + f" ({speed}; deviation {dev:.2%}).")

@@ -14,6 +14,7 @@ import torch
 import ampatch as amp
 from ampatch import workloads
 from ampatch.base.dtypes import HALF_NAMES
+from ampatch.config.values import LOW_MEMORY_MODES
 
 log = logging.getLogger("ampatch.workloads")
 
@@ -31,6 +32,9 @@ def parse_args(name: str, argv: Sequence[str] | None, default_steps: int) -> arg
     p.add_argument("--size", choices=workloads.SIZES, default=workloads.DEFAULT_SIZE,
                    help="model and batch size (this module's SIZES table; default %(default)s)")
     p.add_argument("--opt-level", default="O1", help="amp opt level (O0-O5)")
+    p.add_argument("--master-weights", choices=LOW_MEMORY_MODES, default=None,
+                   help="O2/O3/O5 without FP32 masters: bfloat16 weights rounded stochastically, or with a Kahan "
+                        "compensation (default: the level's own master weights)")
     p.add_argument("--half-dtype", choices=HALF_NAMES, default=None,
                    help="half type (default: ampatch's auto choice)")
     p.add_argument("--log-every", type=int, default=0, help="log the loss every N steps")
@@ -93,7 +97,8 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Seq
     """The standard amp loop; returns the last loss. With ``args.deadline`` it stops before
     the step that would end past it (estimated from the last steps), never before MIN_STEPS."""
     half = getattr(torch, args.half_dtype) if args.half_dtype else None
-    model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, half_dtype=half)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, half_dtype=half,
+                                      master_weights=args.master_weights)
     model.train()
     durations: list[float] = []
     for step, batch in enumerate(batches, start=1):

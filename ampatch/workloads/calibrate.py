@@ -40,7 +40,10 @@ FP32 = "float32"
 
 def step_kinds(level_names: Sequence[str], device: str, half_dtype: str | None) -> dict[str, str]:
     """Level -> its step kind: ``float32`` for O0, else the name of the half dtype it runs in."""
-    return {lv: levels.half_name(lv, levels.half_dtype_for(lv, device, half_dtype)) or FP32 for lv in level_names}
+    def kind(label: str) -> str:
+        level = levels.variant(label)[0]  # "O5+kahan" steps bfloat16 weights as O5 does
+        return levels.half_name(level, levels.half_dtype_for(level, device, half_dtype)) or FP32
+    return {lv: kind(lv) for lv in level_names}
 
 
 def time_kind(module: Any, size: str, level: str, args: argparse.Namespace) -> dict[str, float]:
