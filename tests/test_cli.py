@@ -433,3 +433,18 @@ def test_compare_levels_with_a_low_memory_master_mode(tmp_path: Path) -> None:
     assert "B/param" in proc.stdout and "O5+kahan" in proc.stdout
     bad = ampatch("compare", "--levels", "O0,O1+kahan", cwd=tmp_path)
     assert bad.returncode == 2 and "applies to the levels that cast the model to bfloat16 (O2, O3, O5)" in bad.stderr
+
+
+def test_run_forces_master_weights(tmp_path: Path) -> None:
+    """`ampatch run --master-weights kahan` reaches every amp.initialize (AMPATCH_MASTER_WEIGHTS);
+    a bad mode is a usage error naming the values."""
+    script = write(tmp_path / "train.py", textwrap.dedent("""\
+        import torch, ampatch as amp
+        m = torch.nn.Linear(4, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)
+        m, o = amp.initialize(m, o, opt_level="O2", verbosity=0)
+        print(amp.report().master_weights)
+    """))
+    done = ampatch("run", "--opt-level", "O5", "--master-weights", "kahan", "--", "python", str(script), cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "kahan", done.stderr
+    bad = ampatch("run", "--master-weights", "fp8", "--", "python", str(script), cwd=tmp_path)
+    assert bad.returncode == 2 and "use True, False, 'stochastic' or 'kahan'" in bad.stderr

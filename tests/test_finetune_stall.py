@@ -63,6 +63,6 @@ def test_diagnose_names_the_stalled_modules_recommends_masters_and_verifies_them
     assert v.verified.settings.master_weights is True
     text = render(found, "python examples/finetune_stall.py", "ampatch run --opt-level O3 {options}-- python x.py")
     assert "stalled updates: " in text and "recommendation: master_weights=True" in text
-    assert "AMPATCH_MASTER_WEIGHTS=True ampatch run --opt-level O3 -- python x.py" in text
+    assert "ampatch run --opt-level O3 --master-weights True -- python x.py" in text
     data = found.to_dict()
     assert data["recommendation"]["settings"] == {"master_weights": True} and data["verification"]["follows_O0"]

@@ -11,11 +11,11 @@ from typing import Any
 
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import levels as levels_policy
-from ampatch.config.values import parse_loss_scale, parse_names
+from ampatch.config.values import parse_loss_scale, parse_master_weights, parse_names
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "positive", "threads", "budget", "loss_scale", "module_names", "KEEP_FP32_HELP", "policy_path"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "positive", "threads", "budget", "loss_scale", "master_weights", "module_names", "KEEP_FP32_HELP", "policy_path"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -83,6 +83,16 @@ def loss_scale(text: str) -> str:
     """A loss scale as `initialize` takes it: a number or "dynamic" (checked here, passed on as text)."""
     try:
         parse_loss_scale(text.strip())
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
+def master_weights(text: str) -> str:
+    """`master_weights` as `initialize` takes it: True, False, stochastic or kahan (checked
+    here, passed on as text for AMPATCH_MASTER_WEIGHTS)."""
+    try:
+        parse_master_weights(text.strip())
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text.strip()

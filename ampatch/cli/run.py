@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from ampatch.config import env as envvars
-from ampatch.cli.common import (KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, module_names, opt_level, policy_path)
+from ampatch.cli.common import (KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, master_weights, module_names, opt_level, policy_path)
 from ampatch.runs import process, runner
 
 
@@ -20,6 +20,9 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
     run.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
     run.add_argument("--loss-scale", type=loss_scale, metavar="SCALE",
                      help="force the loss scale of every amp.initialize: a number or 'dynamic' (AMPATCH_LOSS_SCALE)")
+    run.add_argument("--master-weights", type=master_weights, metavar="MODE",
+                     help="force master_weights of every amp.initialize: True, False, stochastic or kahan (the last "
+                          "two: a bfloat16 model at O2/O3/O5 without FP32 masters; AMPATCH_MASTER_WEIGHTS)")
     run.add_argument("--policy", type=policy_path, metavar="PATH",
                      help="apply a policy file (ampatch tune --out) to every amp.initialize, over the script's own "
                           "keywords (AMPATCH_POLICY)")
@@ -42,6 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                            keep_fp32=args.keep_fp32, policy=args.policy)
     if args.loss_scale is not None:
         env[envvars.LOSS_SCALE] = args.loss_scale
+    if args.master_weights is not None:
+        env[envvars.MASTER_WEIGHTS] = args.master_weights
     if args.apex_alias:
         env = runner.with_apex_alias(env)
     return process.attached(cmd, env)

@@ -92,8 +92,8 @@ def _apply(rec: Recommendation, rerun: str | None) -> list[str]:
     if rerun is not None:
         options = (f"--keep-fp32 {','.join(rec.keep_fp32)} " if rec.keep_fp32 else "")
         options += (f"--loss-scale {settings['loss_scale']} " if "loss_scale" in settings else "")
-        prefix = f"AMPATCH_MASTER_WEIGHTS={settings['master_weights']} " if "master_weights" in settings else ""
-        lines.append("  or, without editing the script: " + prefix + rerun.format(options=options))
+        options += (f"--master-weights {settings['master_weights']} " if "master_weights" in settings else "")
+        lines.append("  or, without editing the script: " + rerun.format(options=options))
     return lines
 
 
