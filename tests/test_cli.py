@@ -205,7 +205,8 @@ def test_table_without_matplotlib_still_prints_then_fails(
     assert code == 1 and not (tmp_path / "p.png").exists()
     assert "pip install matplotlib" in err
     o1 = next(line for line in out.splitlines() if line.startswith("O1")).split()
-    assert o1[3] == "2.00x" and o1[7] == "2.71%"    # speed-up and max deviation from O0 (relative: 0.01 at ~0.37)
+    # speed-up and max deviation from O0, relative to what O0 learns: 0.01 against its fall of 0.92 (5-loss means)
+    assert o1[3] == "2.00x" and o1[8] == "1.09%"
 
 
 # ----------------------------------------------------------------------------- --keep-fp32

@@ -144,14 +144,13 @@ class OptimizerHandle:
         return self.masters.model_params()
 
     def state_bytes(self) -> int:
-        """Bytes of the optimizer's state tensors (each counted once, views of one storage too)."""
-        seen: set[int] = set()
+        """Bytes of the optimizer's state tensors on this rank (a sharded DTensor's local shard)."""
         total = 0
         for state in self.optimizer.state.values():
             for t in state.values():
-                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
+                if torch.is_tensor(t):
+                    local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: the state is sharded too
+                    total += local.numel() * local.element_size()
         return total
 
     def owns_master(self, p: torch.Tensor) -> bool:
