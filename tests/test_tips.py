@@ -234,7 +234,7 @@ def test_cast_model_hint_names_what_helps_there_not_registrations(level: str) ->
     text = _notes(exc)
     half = "bfloat16" if level == "O5" else str(amp_half_for(level)).removeprefix("torch.")
     assert f"a {half} tensor met an FP32 one" in text
-    for helps in ("t.to(x.dtype)", "register_buffer", "module.float()", "x.float()", 'opt_level="O1"',
+    for helps in ("t.to(x.dtype)", "register_buffer", "keep_fp32=", ".float()", 'opt_level="O1"',
                   "cast_model_outputs"):
         assert helps in text, helps
     # the O1 registrations are named only as what does NOT help here
@@ -260,10 +260,9 @@ def test_the_fixes_the_cast_model_hint_names_fix_the_repro(level: str) -> None:
     model = amp.initialize(_ConstantNet(), opt_level="O1", verbosity=0)  # ... or use O1
     assert torch.isfinite(model(torch.randn(3, 4))).all()
 
-    # a module kept in FP32: the hint says to call it on x.float(), which fixes it
-    assert "x.float()" in _notes(_o2_error(_Fp32HeadNet(), level))
-    model = amp.initialize(_Fp32HeadNet(fix=True), opt_level=level, verbosity=0)
-    model.head.float()
+    # a layer that must run in FP32: the hint says keep_fp32, which fixes it with no change to forward
+    assert 'keep_fp32=["name"]' in _notes(_o2_error(_Fp32HeadNet(), level))
+    model = amp.initialize(_Fp32HeadNet(), opt_level=level, keep_fp32=["head"], verbosity=0)
     out = model(torch.randn(3, 4))
     assert out.dtype == torch.float32 and model.head.weight.dtype == torch.float32
 

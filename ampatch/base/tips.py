@@ -181,12 +181,13 @@ def explain_dtype_error(exc: BaseException, op_name: str | None = None,
 
 def _model_hint(half: str) -> str:
     return (f"ampatch: inside the model's forward a {half} tensor met an FP32 one. At O2/O3/O5 the model's "
-            f"parameters, buffers and forward inputs are cast to {half}; a tensor the cast does not reach stays "
-            "FP32: one kept as a plain attribute, created inside forward (torch.ones(...), torch.tensor(...)), "
-            "or reaching the model other than through forward's arguments. Fixes: cast it to the activations' "
-            "dtype (`t.to(x.dtype)`, or create it with `dtype=x.dtype`), or make it a buffer "
-            "(`self.register_buffer(\"name\", t)`) so the model cast converts it; for a layer that must run "
-            "in FP32, keep its module in FP32 (`module.float()` after amp.initialize) and call it on `x.float()`; "
+            f"parameters, buffers and forward inputs are cast to {half}, and tensors created inside its forward "
+            f"without a dtype are {half}; a tensor the cast does not reach stays FP32: one made FP32 on purpose "
+            "(`.float()`, `dtype=torch.float32`), kept as a plain attribute, or reaching the model other than "
+            "through forward's arguments. Fixes: cast it to the activations' dtype (`t.to(x.dtype)`, or create "
+            "it with `dtype=x.dtype`), or make it a buffer (`self.register_buffer(\"name\", t)`) so the model "
+            "cast converts it; for a layer that must run in FP32, keep its module in FP32 "
+            "(`amp.initialize(..., keep_fp32=[\"name\"])`: its inputs are upcast, its outputs cast back); "
             "or use opt_level=\"O1\", which casts op by op. The model's outputs come back FP32 by default "
             "(`cast_model_outputs=` picks another dtype), so code after the model needs no change. "
             "(amp.register_*_function and amp.disable_casts act on O1/O4's patches: they change nothing here.)")
