@@ -124,7 +124,9 @@ def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """The params `optimizer` steps (FP32 masters under O2/O5): clip these."""
+    """The params `optimizer` steps: clip these. FP32 masters under O2/O5; with
+    `master_weights="stochastic"`/`"kahan"` the bfloat16 weights themselves (their grads
+    bfloat16); the model's own params where there are no masters."""
     for group in optimizer.param_groups:
         yield from group["params"]
 
