@@ -6,6 +6,7 @@ session does to batches and step code, and the FP32 masters seen from the model'
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -13,12 +14,16 @@ from typing import Any
 
 import torch
 
+from .. import load_state_dict, state_dict
 from ..config.integration import DEFAULT_LEVEL, LevelChoice
 from ..model.default_dtype import default_dtype
 from ..model.forwards import cast_tree
 from ..session.current import current
 
-__all__ = ["DEFAULT_LEVEL", "PluginState", "LevelChoice", "Facts", "pairs_of", "HookGrads", "sync_requires_grad"]
+logger = logging.getLogger("ampatch")
+
+__all__ = ["DEFAULT_LEVEL", "PluginState", "LevelChoice", "Facts", "pairs_of", "HookGrads", "sync_requires_grad",
+           "ScalerCheckpoint"]
 
 
 class PluginState(Enum):
@@ -126,3 +131,45 @@ class HookGrads:
             yield grads
         finally:
             grads.close()
+
+
+class ScalerCheckpoint:
+    """A plugin's checkpoint entry: the live session's loss scalers (Apex's format) and the
+    level they ran at. An entry loaded before the session exists (a resume restores the
+    plugin first) waits for it: `resume` applies it once the plugin has initialized."""
+
+    def __init__(self, plugin: str) -> None:
+        self.plugin = plugin
+        self.pending: dict[str, Any] | None = None
+
+    def save(self, facts: Facts, active: bool) -> dict[str, Any]:
+        """The entry; empty when no session with optimizers is running (`active` False)."""
+        return {"opt_level": facts.opt_level, "loss_scalers": state_dict()} if active else {}
+
+    def load(self, entry: dict[str, Any], facts: Facts, active: bool) -> None:
+        """Restore `entry` now (`active`: a session with optimizers runs) or at `resume`."""
+        if not entry:
+            return
+        if "loss_scalers" not in entry:
+            raise ValueError(f"{self.plugin}.load_state_dict: this checkpoint entry was not written by an ampatch "
+                             f"plugin (keys {sorted(entry)}).")
+        if active:
+            self._apply(entry, facts)
+        else:
+            self.pending = entry
+
+    def resume(self, facts: Facts, carried: dict[str, Any] | None = None) -> None:
+        """After the plugin initialized: the entry loaded before it, else `carried` (the loss
+        scalers of the session this one replaces)."""
+        entry, self.pending = self.pending, None
+        if entry is not None:
+            self._apply(entry, facts)
+        elif carried is not None:
+            load_state_dict(carried)
+
+    @staticmethod
+    def _apply(entry: dict[str, Any], facts: Facts) -> None:
+        if entry.get("opt_level") != facts.opt_level:
+            logger.warning("ampatch: resuming an %s checkpoint at %s; its loss scale is loaded as it is.",
+                           entry.get("opt_level"), facts.opt_level)
+        load_state_dict(entry["loss_scalers"])

@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,9 +34,8 @@ from torch import nn
 import ampatch as amp
 
 from . import framework
-from .common import Facts, LevelChoice, PluginState
+from .common import Facts, LevelChoice, PluginState, ScalerCheckpoint
 
-logger = logging.getLogger("ampatch")
 
 __all__ = ["AmpatchFabricPrecision"]
 
@@ -60,7 +58,7 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
         self.state = PluginState.IDLE
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
-        self._pending: dict | None = None  # scaler state loaded before the first setup
+        self.checkpoint = ScalerCheckpoint("AmpatchFabricPrecision")
         framework.set_compute_dtype(self, torch.float32)
 
     # ------------------------------------------------------------------ set-up
@@ -104,9 +102,8 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
         self.facts = Facts.of_session()
         self.precision = self.facts.precision
         framework.set_compute_dtype(self, self.facts.compute_dtype)
-        pending, self._pending = (self._pending if self._pending is not None else scalers), None
-        if pending is not None and self.optimizers:
-            amp.load_state_dict(pending)
+        if self.optimizers:
+            self.checkpoint.resume(self.facts, carried=scalers)
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
         """Modules and tensors are made in FP32 (`fabric.init_module()`): masters start exact."""
@@ -155,24 +152,14 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler (Apex's format); put the plugin in `fabric.save`'s state to keep it."""
-        if self.state is not PluginState.CONNECTED or not self.optimizers:
-            return {}
-        return {"opt_level": self.facts.opt_level, "loss_scalers": amp.state_dict()}
+        return self.checkpoint.save(self.facts, self._active())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the loss scaler of a checkpoint (kept until the first setup if it comes first)."""
-        if not state_dict:
-            return
-        if "loss_scalers" not in state_dict:
-            raise ValueError("AmpatchFabricPrecision.load_state_dict: this entry was not written by an ampatch "
-                             f"plugin (keys {sorted(state_dict)}).")
-        if state_dict.get("opt_level") != self.facts.opt_level and self.state is PluginState.CONNECTED:
-            logger.warning("ampatch: resuming an %s checkpoint at %s; its loss scale is loaded as it is.",
-                           state_dict.get("opt_level"), self.facts.opt_level)
-        if self.state is PluginState.CONNECTED and self.optimizers:
-            amp.load_state_dict(state_dict["loss_scalers"])
-        else:
-            self._pending = state_dict["loss_scalers"]
+        self.checkpoint.load(state_dict, self.facts, self._active())
+
+    def _active(self) -> bool:
+        return self.state is PluginState.CONNECTED and bool(self.optimizers)
 
     # ------------------------------------------------------------------ end
     def teardown(self) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,9 +41,8 @@ from ..model.forwards import InputCast, install_forward, is_wrapped
 from ..optim import scheduler_guard as lr_guard
 from ..patching import Patcher
 from . import framework
-from .common import Facts, HookGrads, LevelChoice, PluginState, pairs_of, sync_requires_grad
+from .common import Facts, HookGrads, LevelChoice, PluginState, ScalerCheckpoint, pairs_of, sync_requires_grad
 
-logger = logging.getLogger("ampatch")
 
 __all__ = ["AmpatchPrecision"]
 
@@ -92,7 +90,7 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         self.facts = Facts()
         self.state = PluginState.IDLE
         self.optimizers: list[torch.optim.Optimizer] = []
-        self._pending: dict | None = None  # scaler state loaded before connect
+        self.checkpoint = ScalerCheckpoint("AmpatchPrecision")
         self._patches = Patcher()  # the schedulers' holds, the module's toggling
         self._listens = False  # a hook reads the model's grads between backward and step
         self._lent: HookGrads | None = None  # the grads lent to the model during optimizer_step's hooks
@@ -141,9 +139,7 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         self.facts = Facts.of_session()
         self.precision = self.facts.precision
         framework.set_compute_dtype(self, self.facts.compute_dtype)
-        if self._pending is not None:
-            self._load_scalers(self._pending)
-            self._pending = None
+        self.checkpoint.resume(self.facts)
         self._cast_child_inputs(bare)
         if fitting:
             self._guard_schedulers(bare, lr_schedulers)
@@ -270,27 +266,11 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler (Apex's format), for Lightning's checkpoint."""
-        if self.state is not PluginState.CONNECTED or not self.optimizers:
-            return {}
-        return {"opt_level": self.facts.opt_level, "loss_scalers": amp.state_dict()}
+        return self.checkpoint.save(self.facts, self.state is PluginState.CONNECTED and bool(self.optimizers))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the loss scaler of a checkpoint (kept until connect if it comes first)."""
-        if not state_dict:
-            return
-        if "loss_scalers" not in state_dict:
-            raise ValueError("AmpatchPrecision.load_state_dict: this checkpoint entry was not written by "
-                             f"AmpatchPrecision (keys {sorted(state_dict)}).")
-        if self.state is PluginState.CONNECTED:
-            self._load_scalers(state_dict)
-        else:
-            self._pending = state_dict
-
-    def _load_scalers(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("opt_level") != self.facts.opt_level:
-            logger.warning("ampatch: resuming an %s checkpoint at %s; its loss scale is loaded as it is.",
-                           state_dict.get("opt_level"), self.facts.opt_level)
-        amp.load_state_dict(state_dict["loss_scalers"])
+        self.checkpoint.load(state_dict, self.facts, self.state is PluginState.CONNECTED)
 
     # ------------------------------------------------------------------ end
     def teardown(self) -> None:
