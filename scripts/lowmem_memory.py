@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import resource
-import subprocess
 import sys
 
 import torch
 from torch import nn
 
 import ampatch as amp
-from bench.meter import MALLOC_ENV, PeakMeter, persistent_bytes, rss_measurable
+from bench.meter import PeakMeter, measure_each_fresh, persistent_bytes, rss_measurable
 
 # mode name -> initialize keywords
 MODES = {"O5": {"opt_level": "O5"},
@@ -97,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(a.one, a)))
         return 0
     args = [f"--width={a.width}", f"--layers={a.layers}", f"--batch={a.batch}"]
-    res = {}
-    for mode in MODES:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--one", mode],
-                              capture_output=True, text=True, check=True, env=dict(os.environ, **MALLOC_ENV))
-        res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = measure_each_fresh(__file__, args, MODES)
     n = res["O5"]["params"]
     mib = 2 ** 20
     print(f"peak training memory, CPU: {a.layers} x Linear({a.width}, {a.width}) = {n / 1e6:.1f}M params, SGD "

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import sys
 
 import torch
@@ -34,7 +32,7 @@ from torch import nn
 import ampatch as amp
 # bench's memory section measures with the same meter (exact storage bytes + peak RSS growth),
 # so the two scripts' figures stay comparable
-from bench.meter import MALLOC_ENV, PeakMeter, persistent_bytes, rss_measurable
+from bench.meter import PeakMeter, measure_each_fresh, persistent_bytes, rss_measurable
 
 MODES = ("autocast", "O2")
 
@@ -103,11 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = [f"--d-model={a.d_model}", f"--heads={a.heads}", f"--layers={a.layers}", f"--batch={a.batch}",
             f"--seq={a.seq}", f"--dtype={a.dtype}"]
-    res = {}
-    for mode in MODES:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--one", mode],
-                              capture_output=True, text=True, check=True, env=dict(os.environ, **MALLOC_ENV))
-        res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = measure_each_fresh(__file__, args, MODES)
     mib = 2 ** 20
     print(f"O2 memory vs autocast, CPU proxy: TransformerEncoder(d_model {a.d_model}, {a.heads} heads, {a.layers} "
           f"layers), batch {a.batch} x {a.seq}, AdamW, {a.dtype}; {res['O2']['params'] / 1e6:.1f}M params, "

@@ -7,7 +7,10 @@ through /proc/self/clear_refs), on CUDA torch's max_memory_allocated.
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -19,6 +22,17 @@ CLEAR_REFS = "/proc/self/clear_refs"
 # Child processes that measure the RSS run with this environment: malloc returns freed
 # blocks of 64 KiB and more to the OS, so the RSS follows the tensors alive.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def measure_each_fresh(script: str, args: list[str], modes: Iterable[str]) -> dict[str, dict]:
+    """Run `script ARGS --one MODE` for each mode, each in a fresh process with `MALLOC_ENV`,
+    and return the JSON each printed last: peaks that earlier modes cannot raise."""
+    out = {}
+    for mode in modes:
+        proc = subprocess.run([sys.executable, os.path.abspath(script), *args, "--one", mode],
+                              capture_output=True, text=True, check=True, env=dict(os.environ, **MALLOC_ENV))
+        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
 
 
 def rss_measurable() -> bool:
