@@ -23,7 +23,7 @@ EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "finetune_stall
 
 def test_tune_from_python_rejects_the_stalled_level_and_qualifies_the_ones_with_masters(tmp_path):
     out = tmp_path / "policy.json"
-    result = tune(["python", EXAMPLE], levels=["O2", "O3", "O5"], half_dtype="bfloat16", steps=40, rounds=1,
+    result = tune(["python", EXAMPLE], levels=["O2", "O3", "O5"], half_dtype="bfloat16", steps=40, rounds=0,
                   budget=None, out=str(out), log=open(tmp_path / "log.txt", "w"))
     assert isinstance(result, TuneResult) and result.out == str(out)
     by_label = {m.candidate.label: m for m in result.search.candidates}
