@@ -143,16 +143,6 @@ class OptimizerHandle:
         """The model-side tensors the optimizer steps (the half param for a master)."""
         return self.masters.model_params()
 
-    def state_bytes(self) -> int:
-        """Bytes of the optimizer's state tensors on this rank (a sharded DTensor's local shard)."""
-        total = 0
-        for state in self.optimizer.state.values():
-            for t in state.values():
-                if torch.is_tensor(t):
-                    local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: the state is sharded too
-                    total += local.numel() * local.element_size()
-        return total
-
     def owns_master(self, p: torch.Tensor) -> bool:
         return id(p) in self.masters.master_of
 

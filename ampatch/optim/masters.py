@@ -331,3 +331,15 @@ class Masters:
         for p in list(state):
             if isinstance(p, torch.Tensor):
                 state[p] = cast_state(state[p], p.dtype)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of `optimizer`'s state tensors on this rank (a sharded DTensor's local shard): with
+    `Masters.footprint`, what training holds per parameter (`Report.training_bytes_per_param`)."""
+    total = 0
+    for state in optimizer.state.values():
+        for t in state.values():
+            if torch.is_tensor(t):
+                local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: the state is sharded too
+                total += local.numel() * local.element_size()
+    return total

@@ -30,6 +30,7 @@ from ..base.notices import warn
 from ..o1.install import O1Patches
 from ..optim.context import HandleContext, OptState
 from ..optim.handle import OptimizerHandle
+from ..optim.masters import state_bytes
 from ..config.options import Options, Prepared, optimizer_list
 from .param_guard import ParamGuard
 from ..patching import Patcher, WrapContext
@@ -261,7 +262,7 @@ class Session:
         return self.telemetry.report(self.properties, {"hits": self.cache.hits, "misses": self.cache.misses},
                                      self.scalers, self.device, [k.label for k in self.kept],
                                      [h.masters.footprint() for h in self.optimizers],
-                                     sum(h.state_bytes() for h in self.optimizers))
+                                     sum(state_bytes(h.optimizer) for h in self.optimizers))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
