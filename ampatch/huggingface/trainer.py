@@ -26,7 +26,7 @@ import ampatch as amp
 
 from ..config.integration import LevelChoice
 from ..config.values import MasterMode
-from ..optim import scheduler_guard as lr_guard
+from ..optim import scheduler_guard
 from ..patching import Patcher
 from ..session.current import current
 from .checks import check_accelerator, check_args, check_environment
@@ -110,7 +110,7 @@ class AmpatchTrainerMixin:
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         if self._amp_optimizer is not None and (scheduler, "step") not in self._patches:
             opt = self._amp_optimizer
-            lr_guard.hold_on_skip(scheduler, lambda: amp.last_step_skipped(opt), self._patches)
+            scheduler_guard.hold_on_skip(scheduler, lambda: amp.last_step_skipped(opt), self._patches)
         return scheduler
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

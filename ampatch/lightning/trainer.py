@@ -38,7 +38,7 @@ import ampatch as amp
 
 from ..model.default_dtype import fp32_default
 from ..model.forwards import InputCast, install_forward, is_wrapped
-from ..optim import scheduler_guard as lr_guard
+from ..optim import scheduler_guard
 from ..patching import Patcher
 from . import framework
 from .common import Facts, HookGrads, LevelChoice, PluginState, ScalerCheckpoint, pairs_of, sync_requires_grad
@@ -170,7 +170,7 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
             if not any(optimizer is o for o in self.optimizers) or (scheduler, "step") in self._patches:
                 continue
             if manual or getattr(config, "interval", "step") == "step":
-                lr_guard.hold_on_skip(scheduler, functools.partial(self._skipped, optimizer), self._patches)
+                scheduler_guard.hold_on_skip(scheduler, functools.partial(self._skipped, optimizer), self._patches)
 
     def _skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         return self.state is PluginState.CONNECTED and amp.last_step_skipped(optimizer)

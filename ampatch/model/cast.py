@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf_conventions as hf_models
+from . import hf_conventions
 from ..base.dtypes import LOW
 from .forwards import CastForward, install_forward
 
@@ -118,10 +118,10 @@ class ModelHandle:
         install_forward(model, CastForward(inner, self.dtype, output_dtype), patcher)
         # Hugging Face entry points that reach submodules without passing forward (generate,
         # get_image_features, ...): inputs cast the same way; their calls of forward cast as usual
-        for name in hf_models.entry_points(model):
+        for name in hf_conventions.entry_points(model):
             patcher.patch(model, name, CastForward(getattr(model, name), self.dtype, output_dtype, nests=False))
-        if self.original_dtype is not None and hf_models.saves_config_dtype(model):
-            patcher.patch(model, "save_pretrained", hf_models.SavePretrained(model.save_pretrained,
+        if self.original_dtype is not None and hf_conventions.saves_config_dtype(model):
+            patcher.patch(model, "save_pretrained", hf_conventions.SavePretrained(model.save_pretrained,
                                                                                self.original_dtype))
 
     def on_load(self, callback: Callable[[dict[int, torch.Tensor], list[torch.Tensor]], None]) -> None:
