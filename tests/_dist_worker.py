@@ -216,7 +216,7 @@ LOWMEM_MODES = ("stochastic", "kahan")
 def lowmem_ranks(rank: int, mode: str) -> dict[str, Any]:
     """master_weights="stochastic"/"kahan" under DDP (issue 30). Each rank starts from its own
     weights and its own global seed (`manual_seed(100 + rank)`): DDP's broadcast makes the
-    weights agree, and the first scale_loss must make the rounding generators (stochastic)
+    weights agree, and the first scale_loss must make the rounding seeds and step counts (stochastic)
     and the compensations (kahan) agree too, or the ranks drift apart. Rank 1 alone sees an
     inf at INJECT_STEP: both skip. Then two micro-batches, the first under `no_sync()`."""
     from ampatch.session.current import current
@@ -243,7 +243,8 @@ def lowmem_ranks(rank: int, mode: str) -> dict[str, Any]:
         opt.step()
         snap = _snapshot(model, opt)
         snap["comp"] = [c.clone() for c in masters.comp.values()]
-        snap["rng"] = [g.get_state() for _, g in sorted(masters.generators.items(), key=lambda kv: str(kv[0]))]
+        if mode == "stochastic":  # kahan keeps each rank's own seed: it never draws from it
+            snap["rounding"] = [masters.seed, masters.rounds]
         out["steps"].append(snap)
     out["skipped"] = list(amp.report().skipped_steps)
     out["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})

@@ -349,7 +349,7 @@ class OptimizerHandle:
         model's shapes, tampered masters) leaves the optimizer, its masters and the model as
         they were. Saved FP32 masters go into whatever this optimizer steps: its masters, or,
         at a level without them (an O2 checkpoint resumed at O1), the model params themselves.
-        The entry of master_weights "stochastic"/"kahan" (compensations, rounding generators)
+        The entry of master_weights "stochastic"/"kahan" (compensations, rounding seed)
         is loaded where this session uses that mode."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")

@@ -31,12 +31,17 @@ itself would advance once per chunk, and params without a grad are not stepped (
 torch.optim does). Gradient accumulation (several `scale_loss` before a step) adds in
 bfloat16, as a bfloat16 model's own backward does.
 
+Stochastic rounding draws its thresholds from a generator reseeded alike at every step, per
+chunk (from `seed` and the chunk's first master), and shifted by the step count `rounds`
+(`rounding.rotation`): unbiased at each step, evenly spread over the steps for each element
+(see `rounding.stochastic_round_`). The seed comes from `torch.initial_seed()` (the script's
+`torch.manual_seed`); the global RNG is never drawn from.
+
 Checkpoints: `optimizer.state_dict()` carries `LOWMEM_KEY` with the mode, the kahan
 compensations (one per param, None for params that are their own) and the stochastic
-rounding's generator states and seed, so a resumed run repeats bit for bit. Load the model's
-state dict before the optimizer's (a model load re-derives the compensation from the tensors
-it loads: zero for bfloat16 values). The generators are seeded from `torch.initial_seed()`
-(the script's `torch.manual_seed`) and never touch the global RNG.
+rounding's seed and step count, so a resumed run repeats bit for bit. Load the model's state
+dict before the optimizer's (a model load re-derives the compensation from the tensors it
+loads: zero for bfloat16 values).
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ from torch import nn
 
 from ..config.values import MasterMode
 from .masters import LOWMEM_KEY, Masters, Pair, add_grads, cast_state
-from .rounding import chunk_numel, has_step_hooks, narrowed, plan_chunks, step_hooks_once, stochastic_round_
+from .rounding import chunk_numel, has_step_hooks, narrowed, plan_chunks, rotation, step_hooks_once, stochastic_round_
 from .scaler import distributed, overflowed, unscale_
 
 logger = logging.getLogger("ampatch")
@@ -60,6 +65,13 @@ __all__ = ["LowMemMasters"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 SEED_SALT = 0x5EED_A3C7  # the rounding stream differs from the script's own draws of the same seed
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd 64-bit constants: a chunk's seed from (seed, ordinal)
+
+
+def chunk_seed(seed: int, ordinal: int, part: int) -> int:
+    """The rounding generator's seed for the chunk whose first master is the `ordinal`-th made,
+    its `part`-th device: the same at every step and on every rank."""
+    return (seed * _MIX[0] + ordinal * _MIX[1] + part) % (1 << 63)
 
 
 class LowMemMasters(Masters):
@@ -82,7 +94,9 @@ class LowMemMasters(Masters):
         self.comp: dict[int, torch.Tensor] = {}     # id(master) -> bfloat16 compensation (kahan)
         self.baseline: dict[int, float] = {}        # id(master) -> sum of the weight it was made for (kahan)
         self.seed = (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
-        self.generators: dict[torch.device, torch.Generator] = {}
+        self.rounds = 0  # optimizer steps taken: the stochastic rounding's shift (`rounding.rotation`)
+        self.ordinal: dict[int, int] = {}  # id(master) -> its place in the order masters were made
+        self.generators: dict[torch.device, torch.Generator] = {}  # scratch, reseeded per chunk
         super().__init__(optimizer, ids)
 
     # ------------------------------------------------------------------ making and aliasing
@@ -103,6 +117,7 @@ class LowMemMasters(Masters):
                 self.baseline[id(master)] = float(w.double().sum())
         self.model_of[id(master)] = p
         self.master_of[id(p)] = master
+        self.ordinal[id(master)] = len(self.ordinal)
         state = self.optimizer.state
         if p in state:
             state[master] = cast_state(state.pop(p), F32)
@@ -186,7 +201,8 @@ class LowMemMasters(Masters):
                         a, kw = arguments()
                         out = call(*a, **kw)
                 finally:
-                    self._lower(lifted)
+                    self._lower(lifted, self.ordinal[id(chunk[0][1])] if chunk else 0)
+        self.rounds += 1
         return out
 
     def _lift(self, chunk: list[Pair]) -> list[tuple[list[Pair], torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
@@ -217,14 +233,17 @@ class LowMemMasters(Masters):
                 lifted.append((items, flat, gflat, views))
         return lifted
 
-    def _lower(self, lifted: list[tuple[list[Pair], torch.Tensor, torch.Tensor, list[torch.Tensor]]]) -> None:
+    def _lower(self, lifted: list[tuple[list[Pair], torch.Tensor, torch.Tensor, list[torch.Tensor]]],
+               ordinal: int) -> None:
         """The chunk's new FP32 values back into the bfloat16 weights (and compensations); the
-        masters alias the model again, without grads."""
+        masters alias the model again, without grads. `ordinal`: of the chunk's first master
+        (the stochastic rounding's draws depend on it, not on the step)."""
         with torch.no_grad():
-            for items, flat, gflat, views in lifted:
+            for part, (items, flat, gflat, views) in enumerate(lifted):
                 model = [mp for mp, _ in items]
                 if self.mode is MasterMode.STOCHASTIC:
-                    stochastic_round_(flat, gflat, self.generator(flat.device))
+                    g = self.generator(flat.device).manual_seed(chunk_seed(self.seed, ordinal, part))
+                    stochastic_round_(flat, gflat, g, rotation(self.rounds))
                     torch._foreach_copy_(model, views)  # exact: the low bits are zero
                 else:
                     torch._foreach_copy_(model, views)  # to nearest
@@ -235,18 +254,16 @@ class LowMemMasters(Masters):
                     m.data = mp.data
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The stochastic rounding's generator on `device` (made on first use from `seed`)."""
+        """A scratch generator on `device` for the stochastic rounding (reseeded per chunk)."""
         g = self.generators.get(device)
         if g is None:
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed)
-            self.generators[device] = g
+            g = self.generators[device] = torch.Generator(device=device)
         return g
 
     # ------------------------------------------------------------------ ranks, checkpoints
     def agree(self, process_group: Any) -> None:
         """Under torch.distributed, at the first scale_loss: every rank takes rank 0's rounding
-        generators (the ranks' weights stay identical only if they round alike); and if on any
+        seed and step count (the ranks' weights stay identical only if they round alike); and if on any
         rank a weight changed since its compensation was made (DDP broadcast rank 0's weights
         into the model), every rank drops its compensation."""
         pairs = list(self.pairs())
@@ -256,14 +273,9 @@ class LowMemMasters(Masters):
         src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         with torch.no_grad():
             if self.mode is MasterMode.STOCHASTIC:
-                seed = torch.tensor([self.seed], dtype=torch.int64, device=device)
-                dist.broadcast(seed, src=src, group=process_group)
-                self.seed = int(seed.item())
-                for d in sorted({mp.device for mp, _ in pairs} | set(self.generators), key=str):
-                    state = self.generator(d).get_state()
-                    moved = state.to(device)
-                    dist.broadcast(moved, src=src, group=process_group)
-                    self.generators[d].set_state(moved.cpu())
+                agreed = torch.tensor([self.seed, self.rounds], dtype=torch.int64, device=device)
+                dist.broadcast(agreed, src=src, group=process_group)
+                self.seed, self.rounds = (int(v) for v in agreed.tolist())
                 return
             stale = any(abs(float(mp.detach().double().sum()) - self.baseline[id(m)]) > 1e-6 * (1 + abs(self.baseline[id(m)]))
                         for mp, m in pairs if id(m) in self.baseline)
@@ -288,7 +300,7 @@ class LowMemMasters(Masters):
                                      for p in self.params()]
         else:
             entry["seed"] = self.seed
-            entry["rng"] = {str(d): g.get_state() for d, g in self.generators.items()}
+            entry["rounds"] = self.rounds
         return {LOWMEM_KEY: entry}
 
     @contextlib.contextmanager
@@ -317,11 +329,12 @@ class LowMemMasters(Masters):
         self._note_baseline(p for p, v in zip(params, saved) if v is not None)
 
     def load_lowmem(self, entry: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """The checked `LOWMEM_KEY` entry of a checkpoint: compensations and generator states."""
+        """The checked `LOWMEM_KEY` entry of a checkpoint: compensations, or the rounding's seed
+        and step count."""
         if entry["mode"] != self.mode.value:
             logger.info("ampatch: the optimizer checkpoint was saved with master_weights=%r, this session uses %r: "
                         "its %s not loaded.", entry["mode"], self.mode.value,
-                        "compensation is" if entry["mode"] == "kahan" else "rounding generators are")
+                        "compensation is" if entry["mode"] == "kahan" else "rounding seed is")
         comp = entry.get("compensation")
         if comp is not None and self.mode is MasterMode.KAHAN:
             with torch.no_grad():
@@ -331,9 +344,11 @@ class LowMemMasters(Masters):
             self._note_baseline(params)
         if self.mode is MasterMode.STOCHASTIC and entry["mode"] == self.mode.value:
             self.seed = int(entry.get("seed", self.seed))
-            self.generators.clear()
-            for name, state in entry.get("rng", {}).items():
-                self.generator(torch.device(name)).set_state(state.cpu())
+            self.rounds = int(entry.get("rounds", 0))
+            if "rounds" not in entry:
+                logger.info("ampatch: the optimizer checkpoint has no stochastic rounding step count ('rounds'): "
+                            "rounding goes on from step 0, unbiased as before, but the resumed run will not repeat "
+                            "the uninterrupted one bit for bit.")
 
     def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
                           params: list[torch.Tensor] | None = None) -> None:

@@ -68,7 +68,7 @@ def check_masters(masters: Any, params: list[torch.Tensor]) -> None:
 def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
     """The `LOWMEM_KEY` entry of an optimizer checkpoint fits `params` (checked before anything
     is loaded): {"mode": str, "compensation": [None | tensor of the param's shape, ...] (kahan),
-    "rng": {device: uint8 state}, "seed": int (stochastic)}."""
+    "seed": int, "rounds": int >= 0 (stochastic)}."""
     bad = "it was not saved by ampatch's optimizer.state_dict(), or from another model. Nothing was loaded."
     if not isinstance(entry, dict) or entry.get("mode") not in (m.value for m in MasterMode if m.low_memory):
         raise ValueError(f"optimizer checkpoint: '{LOWMEM_KEY}' must be a dict with 'mode' 'stochastic' or 'kahan'; "
@@ -82,13 +82,11 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
             if c is not None and not (isinstance(c, torch.Tensor) and c.is_floating_point() and c.shape == p.shape):
                 raise ValueError(f"optimizer checkpoint: compensation {i} does not fit its param of shape "
                                  f"{tuple(p.shape)}; " + bad)
-    rng = entry.get("rng", {})
-    if not isinstance(rng, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8
-                                            for k, v in rng.items()):
-        raise ValueError("optimizer checkpoint: the stochastic rounding's 'rng' must map device names to uint8 "
-                         "generator states; " + bad)
-    if not isinstance(entry.get("seed", 0), int):
-        raise ValueError("optimizer checkpoint: the stochastic rounding's 'seed' must be an int; " + bad)
+    for key in ("seed", "rounds"):
+        value = entry.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"optimizer checkpoint: the stochastic rounding's {key!r} must be an int >= 0, got "
+                             f"{value!r}; " + bad)
 
 
 def cast_state(state: dict, dtype: torch.dtype) -> dict:
@@ -292,10 +290,10 @@ class Masters:
 
     def load_lowmem(self, entry: dict[str, Any], params: list[torch.Tensor]) -> None:
         """A checkpoint of master_weights 'stochastic'/'kahan' loaded here: its compensations and
-        rounding generators have no place in this session (the weights come with the model)."""
+        rounding seed have no place in this session (the weights come with the model)."""
         logger.info("ampatch: the optimizer checkpoint was saved with master_weights=%r; this session keeps %s, so "
                     "its %s not loaded.", entry.get("mode"), "FP32 masters" if self.enabled else "no masters",
-                    "compensation is" if entry.get("mode") == "kahan" else "rounding generators are")
+                    "compensation is" if entry.get("mode") == "kahan" else "rounding seed is")
 
     def footprint(self) -> tuple[int, int]:
         """(params, bytes) of what the optimizer steps: each model weight plus its master."""
