@@ -55,9 +55,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.values import MasterMode
-from .masters import LOWMEM_KEY, Masters, Pair, add_grads, cast_state
+from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
 from .rounding import chunk_numel, has_step_hooks, narrowed, plan_chunks, rotation, step_hooks_once, stochastic_round_
-from .scaler import distributed, overflowed, unscale_
+from .scaler import distributed, overflowed
 
 logger = logging.getLogger("ampatch")
 
@@ -160,12 +160,7 @@ class LowMemMasters(Masters):
                 grads.append(g if g.dtype == m.dtype else g.to(m.dtype))
         if not masters:
             return found_inf
-        if check:
-            found_inf = unscale_(grads, inv_scale, found_inf)
-        elif inv_scale != 1.0:
-            torch._foreach_mul_(grads, inv_scale)
-        add_grads(masters, grads)
-        return found_inf
+        return scale_into(masters, grads, inv_scale, found_inf, check)
 
     # ------------------------------------------------------------------ the step
     def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:

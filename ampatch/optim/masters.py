@@ -46,6 +46,18 @@ def add_grads(params: Sequence[torch.Tensor], extra: Sequence[torch.Tensor]) -> 
         torch._foreach_add_(to, frm)
 
 
+def scale_into(params: Sequence[torch.Tensor], grads: list[torch.Tensor], inv_scale: float,
+               found_inf: torch.Tensor | None, check: bool) -> torch.Tensor | None:
+    """`grads` (new tensors, scaled) times `inv_scale` in place, then added to `params`' grads
+    (`add_grads`). With `check`, the unscale also ORs inf/NaN into `found_inf` (returned)."""
+    if check:
+        found_inf = unscale_(grads, inv_scale, found_inf)
+    elif inv_scale != 1.0:
+        torch._foreach_mul_(grads, inv_scale)
+    add_grads(params, grads)
+    return found_inf
+
+
 def check_masters(masters: Any, params: list[torch.Tensor]) -> None:
     """The saved masters of an optimizer checkpoint fit `params` (one entry per param, in
     param_groups order: None or a floating tensor of the param's shape)."""
@@ -263,12 +275,7 @@ class Masters:
             for i, o in zip(chunk, out):
                 new[i] = o
                 model_grads[i] = None
-        if check:
-            found_inf = unscale_(new, inv_scale, found_inf)
-        elif inv_scale != 1.0:
-            torch._foreach_mul_(new, inv_scale)
-        add_grads(masters, new)
-        return found_inf
+        return scale_into(masters, new, inv_scale, found_inf, check)
 
     def checkpoint(self) -> dict[str, Any]:
         """What `optimizer.state_dict()` carries besides torch's own entries."""

@@ -2,7 +2,8 @@
 
     from ampatch.tune import tune
     result = tune(["python", "train.py"], levels=["O1", "O5"], steps=40, out="policy.json")
-    print(result.render()); result.chosen      # the policy, also written to `out`
+    result.render()    # the table and the choice, as the command line prints them
+    result.chosen      # the policy, also written to `out`
 
 It runs the search (`search.Search`) on a user script (stopped after `steps` optimizer steps
 by ``AMPATCH_MAX_STEPS``, as `compare` runs it) or on a built-in workload, writes the chosen
