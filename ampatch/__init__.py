@@ -32,8 +32,8 @@ from .config.values import DEFAULT_MAX_LOSS_SCALE
 from .model.checks import check_incoming_dtypes as _check_incoming_dtypes
 from .o1.lists import user as _user_policy
 from .optim.scaler import check_loss_id as _check_loss_id
-from .patching import BFLOAT16, FLOAT, HALF, PROMOTE
-from .patching import disable_casts as _disable_casts
+from .base.patcher import disable_casts as _disable_casts
+from .o1.plans import BFLOAT16, FLOAT, HALF, PROMOTE
 from .session.current import current as _current
 from .session.current import set_current as _set_current
 from .session.report import Report

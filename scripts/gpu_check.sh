@@ -45,8 +45,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 "$PY" - <<'EOF' 2>&1 | tee -a "$REPORT"
 import platform, torch, wrapt
-from ampatch.base import hardware
-from ampatch.base.device_text import machine_line
+from ampatch.machine import hardware
+from ampatch.machine.device_text import machine_line
 print(f"python {platform.python_version()}, torch {torch.__version__}, wrapt {wrapt.__version__}, "
       f"CUDA available: {torch.cuda.is_available()}")
 print("cpu  ", machine_line(hardware.describe("cpu"), ["bfloat16", "float16"]))

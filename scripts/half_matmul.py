@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from ampatch.base import hardware
-from ampatch.base.device_text import machine_line
+from ampatch.machine import hardware
+from ampatch.machine.device_text import machine_line
 
 
 def time_matmul(a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:

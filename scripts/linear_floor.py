@@ -16,7 +16,7 @@ from torch import nn
 
 import ampatch as amp
 from ampatch.session.current import current
-from ampatch.patching import cast_switch
+from ampatch.base.patcher import cast_switch
 
 N = 100_000
 

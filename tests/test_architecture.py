@@ -237,7 +237,7 @@ def test_ls_ampatch_shows_the_architecture() -> None:
     assert len(top) <= 8, top
     assert {"__init__.py", "__main__.py"} <= set(top)
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
-    assert {"base", "config", "o1", "patching", "model", "optim", "session", "record", "runs", "compare", "diagnose",
+    assert {"base", "machine", "config", "o1", "model", "optim", "session", "record", "runs", "compare", "diagnose",
             "tune", "cli", "compat"} <= packages
     for name in packages:  # each says what its job is
         doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))

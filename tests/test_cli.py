@@ -304,7 +304,7 @@ def test_budget_values() -> None:
 @pytest.mark.slow
 def test_compare_within_a_budget(tmp_path: Path) -> None:
     """The default size is calibrated first, within the budget; the title says what it chose."""
-    from ampatch.base import hardware
+    from ampatch.machine import hardware
     from ampatch.runs.builtin import FEW_STEPS
     out = tmp_path / "out.json"
     proc = ampatch("compare", "--levels", "O0,O5", "--budget", "25s", "--device", "cpu",

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ampatch.base import hardware
+from ampatch.machine import hardware
 from ampatch.runs import budget as budget_module
 from ampatch.runs.budget import MARGIN, SLOW_HALF_WEIGHT, TARGET_STEPS, Budget, step_weights
 

@@ -1,4 +1,4 @@
-"""ampatch.base.hardware: device detection, the once-only slow-half warning at initialize, the
+"""ampatch.machine.hardware: device detection, the once-only slow-half warning at initialize, the
 device in report(), and the lines `ampatch compare` prints. Fake devices make every branch
 run on any machine; the real-device checks compare with torch's own probes."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ampatch as amp
-from ampatch.base import hardware
-from ampatch.base.device_text import machine_line, slow_half_note
+from ampatch.machine import hardware
+from ampatch.machine.device_text import machine_line, slow_half_note
 from ampatch.session.report import Report
 
 SLOW = "has no fast path"

@@ -542,7 +542,7 @@ def _standalone(model: nn.Module, opt: torch.optim.Optimizer, **context):
     weights before the model goes to half; the optimizer patched; no Session anywhere."""
     from ampatch.optim.context import HandleContext
     from ampatch.optim.handle import OptimizerHandle
-    from ampatch.patching import Patcher
+    from ampatch.base.patcher import Patcher
     handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
                              context=HandleContext(**context))
     model.half()

@@ -15,8 +15,10 @@ import torch
 from torch.nn.utils.rnn import pack_sequence
 
 from ampatch.o1 import install as o1
-from ampatch.patching import (BANNED, BFLOAT16, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Action, CastFunctionWrapper, Kind, ModuleFunctionWrapper, WrapContext, is_traced, plan, traced, wrap)
-from ampatch.patching.proxies import MethodWrapper, check_builtin_binding
+from ampatch.o1.plans import BANNED, BFLOAT16, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Action, Kind, plan
+from ampatch.o1.proxies import CastFunctionWrapper, MethodWrapper, ModuleFunctionWrapper, check_builtin_binding, wrap
+from ampatch.o1.twins import is_traced, traced
+from ampatch.o1.wrappers import WrapContext
 from ampatch.base.counters import Counters
 from ampatch.base.tree import map_tensors
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ampatch.patching import resolve_owner
+from ampatch.base.patcher import resolve_owner
 from ampatch.o1.lists import NAMESPACES, torch_ops, vf
 
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")

@@ -12,7 +12,7 @@ from torch import nn
 import ampatch as amp
 from ampatch.config import env, properties
 from ampatch.cli import main
-from ampatch.base.hardware import Machine
+from ampatch.machine.hardware import Machine
 from ampatch.config.policy_file import Policy, PolicyError, fingerprint, from_outside, load, machine_warning, save
 
 

@@ -1,4 +1,4 @@
-"""ampatch.base.tips: the multiple-of-8 layer listing and the dtype-mismatch hint, checked
+"""ampatch.machine.tips: the multiple-of-8 layer listing and the dtype-mismatch hint, checked
 against real torch error messages."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampatch.base import tips
+from ampatch.machine import tips
 
 
 class Net(nn.Module):

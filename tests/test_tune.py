@@ -8,7 +8,7 @@ import io
 import pytest
 from _reports import report
 
-from ampatch.base import hardware
+from ampatch.machine import hardware
 from ampatch.cli.tune import tolerance
 from ampatch.compare.rows import Row
 from ampatch.runs.runner import LevelRun

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ampatch.base import hardware
-from ampatch.base.device_text import machine_line, slow_half_note
+from ampatch.machine import hardware
+from ampatch.machine.device_text import machine_line, slow_half_note
 from ampatch.compare.rows import BASELINE, FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
 from ampatch.runs.deviation import WINDOW
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import hardware
+from ..machine import hardware
 from ..base.notices import warn
 from ..model import hf_conventions
 from . import properties

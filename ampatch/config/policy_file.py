@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..base import hardware
+from ..machine import hardware
 from ..base.dtypes import HALF_NAMES
 from ..base.notices import warn
 from . import env, levels

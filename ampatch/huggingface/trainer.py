@@ -24,10 +24,10 @@ import torch
 
 import ampatch as amp
 
-from ..config.integration import LevelChoice
+from ..frameworks.level import LevelChoice
 from ..config.values import MasterMode
-from ..optim import scheduler_guard
-from ..patching import Patcher
+from ..frameworks import scheduler_guard
+from ..base.patcher import Patcher
 from ..session.current import current
 from .checks import check_accelerator, check_args, check_environment
 

@@ -1,7 +1,7 @@
 """What the Trainer plugin and the Fabric plugin share: their state, what the running
 session does to batches and step code, and the FP32 masters seen from the model's side
 (grads for hooks, `requires_grad` for toggling). The level they initialize at is
-`config.integration.LevelChoice` (the Trainer integration of transformers uses it too).
+`frameworks.level.LevelChoice` (the Trainer integration of transformers uses it too).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import load_state_dict, state_dict
-from ..config.integration import DEFAULT_LEVEL, LevelChoice
+from ..frameworks.level import DEFAULT_LEVEL, LevelChoice
 from ..model.default_dtype import default_dtype
 from ..model.forwards import cast_tree
 from ..session.current import current

@@ -38,8 +38,8 @@ import ampatch as amp
 
 from ..model.default_dtype import fp32_default
 from ..model.forwards import InputCast, install_forward, is_wrapped
-from ..optim import scheduler_guard
-from ..patching import Patcher
+from ..frameworks import scheduler_guard
+from ..base.patcher import Patcher
 from . import framework
 from .common import Facts, HookGrads, LevelChoice, PluginState, ScalerCheckpoint, pairs_of, sync_requires_grad
 

@@ -30,8 +30,8 @@ from torch import nn
 
 from ..base.dtypes import LOW
 from .default_dtype import DEFAULT_DTYPE
-from ..patching import disable_casts
-from ..base.tips import hint_dtype_error
+from ..base.patcher import disable_casts
+from ..machine.tips import hint_dtype_error
 from ..base.tree import map_tensors
 
 __all__ = ["CastForward", "KeepForward", "UncastForward", "InputCast", "Replicate", "cast_tree", "wrap_outputs",

@@ -1,7 +1,7 @@
 """torch.compile under O1/O4: Tensor methods and operators, as Dynamo sees them.
 
 Patched functions (`torch.*`, `F.*`, `torch.linalg.*`, `torch.Tensor.softmax(x)`) carry
-their own plain-Python twin, which Dynamo inlines (`patching.CastFunctionWrapper`). Method
+their own plain-Python twin, which Dynamo inlines (`proxies.CastFunctionWrapper`). Method
 calls and operators on tensors (`x.softmax(-1)`, `x @ w`, `x ** 2`) never look at
 `torch.Tensor`'s attributes inside Dynamo: it records the method name or the operator
 directly. So, while a session patches torch, two Dynamo entry points are wrapped (and put
@@ -46,12 +46,15 @@ from typing import Any
 import torch
 import wrapt
 
-from ..patching import cache
+from . import cache
 from . import rnn
 from ..base import tree
 from ..model.forwards import UncastForward
-from ..patching import CastFunctionWrapper, Patcher, disable_casts, is_traced
-from ..patching import plans, proxies, registry, switch, wrappers
+from ..base import patcher
+from ..base.patcher import Patcher, disable_casts
+from . import plans, proxies, wrappers
+from .proxies import CastFunctionWrapper
+from .twins import is_traced
 
 logger = logging.getLogger("ampatch")
 
@@ -121,10 +124,10 @@ def _eager_codes() -> Iterator[types.CodeType]:
     Dynamo must never compile these frames on its own (it would happen in the eager parts
     of a compiled function, after a graph break): they read per-thread state that Dynamo
     cannot guard and look up parameters by id, so each parameter would recompile. The
-    twins (`patching.twins`, and whatever is marked `traced`) are what Dynamo traces; it
+    twins (`o1.twins`, and whatever is marked `traced`) are what Dynamo traces; it
     still inlines the helpers they call from here, as skipping a frame does not stop that.
     """
-    for module in (registry, switch, plans, wrappers, proxies, tree, cache, rnn):
+    for module in (patcher, plans, wrappers, proxies, tree, cache, rnn):
         for obj in vars(module).values():
             if getattr(obj, "__module__", None) != module.__name__ or is_traced(obj):
                 continue

@@ -4,7 +4,7 @@ wrapt's patching takes), then the parts that are not one wrapper per op: RNN mod
 `Tensor.data`, TorchScript and torch.compile.
 
 `find` reads the cast lists (`o1.lists`: the built-in ones and the user's registrations)
-against this torch; `build` makes one proxy (`ampatch.patching.wrap`); `O1Patches` applies them through
+against this torch; `build` makes one proxy (`proxies.wrap`); `O1Patches` applies them through
 the session's `Patcher`, which restores everything on `deinitialize`.
 """
 from __future__ import annotations
@@ -16,9 +16,12 @@ from types import ModuleType
 from typing import Any
 
 from . import dynamo, jit
-from ..base import tips
-from ..patching.cache import CastCache, watch_data
-from ..patching import (BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, CastFunctionWrapper, Patcher, WrapContext, resolve_owner, wrap)
+from ..machine import tips
+from .cache import CastCache, watch_data
+from ..base.patcher import Patcher, resolve_owner
+from .plans import BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE
+from .proxies import CastFunctionWrapper, wrap
+from .wrappers import WrapContext
 from .rnn import patch_rnn_modules
 
 logger = logging.getLogger("ampatch")

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import wrapt
 
-from ..patching.cache import CastCache
-from ..patching import Patcher
+from .cache import CastCache
+from ..base.patcher import Patcher
 
 logger = logging.getLogger("ampatch")
 

@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 
-from ..patching import HALF, CastPlan, ModuleFunctionWrapper, Patcher, cast_switch, plan, traced
+from ..base.patcher import Patcher, cast_switch
+from .plans import HALF, CastPlan, plan
+from .proxies import ModuleFunctionWrapper
+from .twins import traced
 from ..base.tree import map_tensors
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)

@@ -5,6 +5,5 @@
 - `masters`: the master weights an optimizer steps in place of half params;
 - `lowmem`: master_weights "stochastic"/"kahan", bfloat16 weights as the only copy, the
   optimizer stepped in FP32 a chunk at a time; `rounding`: their arithmetic and chunking;
-- `scaler`: loss scalers and the fused unscale + inf/NaN check;
-- `scheduler_guard`: LR schedulers held on a skipped step (for the frameworks).
+- `scaler`: loss scalers and the fused unscale + inf/NaN check.
 """

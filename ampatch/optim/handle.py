@@ -49,7 +49,7 @@ from .context import HandleContext, OptState, StepGuard
 from .lowmem import LowMemMasters
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
 from ..base.notices import warn
-from ..patching import Patcher, disable_casts
+from ..base.patcher import Patcher, disable_casts
 from .scaler import distributed, unscale_
 
 logger = logging.getLogger("ampatch")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..model.forwards import forward_casts_bypassed
-from ..patching import disable_casts
+from ..base.patcher import disable_casts
 from ..base.tree import map_tensors
 
 __all__ = ["RandomState", "upcast", "run_shadow", "quiet", "is_quiet"]

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ampatch.base import hardware
+from ampatch.machine import hardware
 from ampatch.config.levels import uses_half
 from ampatch.workloads.calibrate import step_kinds
 

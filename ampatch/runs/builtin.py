@@ -14,8 +14,8 @@ import torch
 
 from ampatch.config import env as envvars
 from ampatch.config.levels import variant
-from ampatch.base import hardware
-from ampatch.base.device_text import machine_line
+from ampatch.machine import hardware
+from ampatch.machine.device_text import machine_line
 from ampatch.runs import UsageError, sizing
 from ampatch.runs.budget import DEFAULT_BUDGET_S, FIRST_STEP_S, Budget, half_dtypes, step_weights
 from ampatch.runs.forkserver import WarmLauncher

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base.hardware import SessionDevice
+from ..machine.hardware import SessionDevice
 
 __all__ = ["Report"]
 

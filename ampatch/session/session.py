@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from . import fsdp, observers, setup
-from ..base import hardware, tips
+from ..machine import hardware, tips
 from ..model import keep
 from ..o1 import lists
-from ..patching.cache import CastCache
+from ..o1.cache import CastCache
 from ..config import levels
 from ..config.env import Overrides
 from ..config.properties import Properties
@@ -33,7 +33,8 @@ from ..optim.handle import OptimizerHandle
 from ..optim.masters import state_bytes
 from ..config.options import Options, Prepared, optimizer_list
 from .param_guard import ParamGuard
-from ..patching import Patcher, WrapContext
+from ..base.patcher import Patcher
+from ..o1.wrappers import WrapContext
 from ..o1.lists import user as user_policy
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
 from .report import Report

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..base.counters import Counters
-from ..base.hardware import SessionDevice
+from ..machine.hardware import SessionDevice
 from ..config.properties import Properties
 from ..optim.scaler import LossScaler
 from .report import Report

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ampatch.base import hardware
+from ampatch.machine import hardware
 from ampatch.base.dtypes import HALF_NAMES, short_name
 from ampatch.config.levels import CASTING_LEVELS, fixed_half_dtype, half_dtype_conflict, uses_half
 from ampatch.config.policy_file import Policy

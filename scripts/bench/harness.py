@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ampatch.base import hardware
-from ampatch.base.device_text import machine_line as describe_machine
+from ampatch.machine import hardware
+from ampatch.machine.device_text import machine_line as describe_machine
 from ampatch.base.dtypes import short_name
 
 # The modes every training section compares: plain FP32, torch.autocast, ampatch's levels.
@@ -159,11 +159,11 @@ def scaled(values: dict[str, float], factor: float) -> dict[str, float]:
 
 
 def cpu_name() -> str:
-    """The CPU model and its core count, as ampatch.base.hardware detected them."""
+    """The CPU model and its core count, as ampatch.machine.hardware detected them."""
     cpu = hardware.describe("cpu")
     return f"{cpu.name}, {cpu.cores} cores"
 
 
 def machine_line(env: Env) -> str:
-    """ampatch.base.hardware's line for the bench's device: name, flags or capability, half native?"""
+    """ampatch.machine.hardware's line for the bench's device: name, flags or capability, half native?"""
     return describe_machine(hardware.describe(env.device), [env.half_name])

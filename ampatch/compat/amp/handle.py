@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...patching import disable_casts as casts_off
+from ...base.patcher import disable_casts as casts_off
 from ...session.current import current as _current
 
 logger = logging.getLogger("ampatch")

@@ -23,7 +23,7 @@ from ...base.dtypes import LOW
 from ...optim.masters import MASTERS_KEY
 from ...optim.context import HandleContext, OptState
 from ...optim.handle import OptimizerHandle
-from ...patching import Patcher
+from ...base.patcher import Patcher
 from ...config.values import check_scale_value
 from ...optim.scaler import LossScaler, Verdict
 from ...session.current import current as current_session

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dtypes import half_key
+from ..base.dtypes import half_key
 
 if TYPE_CHECKING:  # hardware uses this module's wording; this one only reads DeviceInfo's fields
     from .hardware import DeviceInfo

@@ -1,19 +1,24 @@
-"""The registry of patches: sets attributes on torch objects and puts every one back
-exactly as it was (`restore_all`), whatever wrapped it.
+"""The undo registry every patch goes through, and the per-thread switch of O1's casts.
 
-Some names are inherited (`torch.Tensor.matmul` lives on `torch._C.TensorBase`), others are
-the owner's own: each record says which, so a restore deletes what was not there instead of
-setting it.
+`Patcher` sets attributes (on torch, on a user's model or optimizer) and puts each back
+exactly as it was; the core and the framework plugins share it. Some names are inherited
+(`torch.Tensor.matmul` lives on `torch._C.TensorBase`), others are the owner's own: each
+record says which, so a restore deletes what was not there instead of setting it.
+`disable_casts()` turns casting off for a block in the calling thread only.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger("ampatch")
+
+__all__ = ["Patcher", "resolve_owner", "CastSwitch", "cast_switch", "disable_casts"]
 
 
 def resolve_owner(path: str) -> Any:
@@ -84,3 +89,24 @@ class Patcher:
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+class CastSwitch(threading.local):
+    """`enabled`: whether casts run in this thread; the class attribute is each new
+    thread's start value. Change it only through `disable_casts()`."""
+
+    enabled = True
+
+
+cast_switch = CastSwitch()
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Run the block without any ampatch casting, in this thread only."""
+    previous = cast_switch.enabled
+    cast_switch.enabled = False
+    try:
+        yield
+    finally:
+        cast_switch.enabled = previous

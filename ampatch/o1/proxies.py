@@ -27,7 +27,7 @@ from typing import Any
 import wrapt
 
 from .plans import plan
-from .switch import cast_switch
+from ..base.patcher import cast_switch
 from .twins import make_traceable
 from .wrappers import WrapContext, make_wrapper, with_dtype_hint
 
@@ -99,7 +99,7 @@ def check_builtin_binding(*classes: type[CastFunctionWrapper]) -> None:
         if seen != ("builtin", (probe, None, (1,), {"k": 2})):
             raise ImportError(
                 f"ampatch: wrapt {wrapt.__version__} no longer builds a wrapper with the \"builtin\" binding the "
-                f"way ampatch.patching.proxies relies on ({cls.__name__} gave {seen!r}). Install a wrapt release "
+                f"way ampatch.o1.proxies relies on ({cls.__name__} gave {seen!r}). Install a wrapt release "
                 "this ampatch supports (pip install 'wrapt>=2.0,<3'), or report the wrapt version.")
 
 

@@ -20,10 +20,10 @@ import torch
 
 from ..base.dtypes import short_name
 from ..base.counters import Counters
-from ..base.tips import hint_dtype_error
+from ..machine.tips import hint_dtype_error
 from ..base.tree import ATOMS, CONTAINERS, holds_dtype, map_tensors
 from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
-from .switch import cast_switch
+from ..base.patcher import cast_switch
 
 Caster = Callable[[torch.Tensor], torch.Tensor]
 _Tensor = torch.Tensor

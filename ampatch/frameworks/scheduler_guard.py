@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..patching import Patcher
+from ..base.patcher import Patcher
 
 logger = logging.getLogger("ampatch")
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .device_text import half_advice, machine_line
-from .dtypes import HALF_NAMES, half_key
+from ..base.dtypes import HALF_NAMES, half_key
 
 logger = logging.getLogger("ampatch")
 
