@@ -15,7 +15,7 @@ from ampatch.config.values import parse_loss_scale, parse_master_weights, parse_
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "positive", "threads", "budget", "loss_scale", "master_weights", "module_names", "KEEP_FP32_HELP", "policy_path"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "positive", "threads", "budget", "loss_scale", "master_weights", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -24,23 +24,28 @@ HALF_OPTION: dict[str, Any] = dict(choices=("auto", *HALF_NAMES), default=None,
                                         "elsewhere; O4/O5 always use bfloat16)")
 
 
-def opt_level(text: str) -> str:
-    try:
-        return levels_policy.normalize(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"unknown opt level {text!r} (choose from {', '.join(LEVELS)})") from None
+def argument(parse: Callable[[str], Any], message: Callable[[str, Exception], str] | None = None
+             ) -> Callable[[str], Any]:
+    """An argparse `type=` from a parser of ampatch's: its ValueError/TypeError becomes the
+    `ArgumentTypeError` argparse reports as a usage error (`message(text, error)` words it;
+    default: the parser's own message)."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(message(text, exc) if message else str(exc)) from None
+    convert.__name__ = getattr(parse, "__name__", "argument")  # argparse names the type in its errors
+    return convert
 
 
-def level_variant(text: str) -> str:
-    """A level of `compare --levels`: "O5", or a level that casts the model with a low-memory
-    master mode, "O5+stochastic" / "O5+kahan" (`levels.variant`)."""
-    try:
-        return levels_policy.variant_label(*levels_policy.variant(text))
-    except ValueError as exc:
-        if "+" in text:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        raise argparse.ArgumentTypeError(f"unknown opt level {text!r} (choose from {', '.join(LEVELS)}, or e.g. "
-                                         "O5+kahan)") from None
+opt_level = argument(levels_policy.normalize,
+                     lambda text, _: f"unknown opt level {text!r} (choose from {', '.join(LEVELS)})")
+# A level of `compare --levels`: "O5", or a level that casts the model with a low-memory
+# master mode, "O5+stochastic" / "O5+kahan" (`levels.variant`).
+level_variant = argument(
+    lambda text: levels_policy.variant_label(*levels_policy.variant(text)),
+    lambda text, exc: str(exc) if "+" in text else (f"unknown opt level {text!r} (choose from {', '.join(LEVELS)}, "
+                                                   "or e.g. O5+kahan)"))
 
 
 def opt_levels(text: str, each: Callable[[str], str] = opt_level) -> list[str]:
@@ -67,11 +72,7 @@ def threads(text: str) -> int:
     return int(text)
 
 
-def budget(text: str) -> float | None:
-    try:
-        return parse_seconds(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+budget = argument(parse_seconds)
 
 
 KEEP_FP32_HELP = ("comma-separated module names, as model.named_modules() gives them ('1.head' with several "
@@ -79,23 +80,17 @@ KEEP_FP32_HELP = ("comma-separated module names, as model.named_modules() gives 
                   "(AMPATCH_KEEP_FP32)")
 
 
-def loss_scale(text: str) -> str:
-    """A loss scale as `initialize` takes it: a number or "dynamic" (checked here, passed on as text)."""
-    try:
-        parse_loss_scale(text.strip())
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text.strip()
+def _checked_text(parse: Callable[[str], Any]) -> Callable[[str], str]:
+    """The stripped text, once `parse` accepted it (passed on as text, to an AMPATCH_* variable)."""
+    def check(text: str) -> str:
+        parse(text.strip())
+        return text.strip()
+    check.__name__ = parse.__name__
+    return check
 
 
-def master_weights(text: str) -> str:
-    """`master_weights` as `initialize` takes it: True, False, stochastic or kahan (checked
-    here, passed on as text for AMPATCH_MASTER_WEIGHTS)."""
-    try:
-        parse_master_weights(text.strip())
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text.strip()
+loss_scale = argument(_checked_text(parse_loss_scale))          # a number or "dynamic"
+master_weights = argument(_checked_text(parse_master_weights))  # True, False, stochastic or kahan
 
 
 def module_names(text: str) -> str:
@@ -127,9 +122,19 @@ def check_half_dtype(level: str | None, half_dtype: str | None) -> None:
 def policy_path(text: str) -> str:
     """A policy file (``--policy``): read and checked now, so a broken one stops the command
     before any run; its absolute path, for the runs' ``AMPATCH_POLICY``."""
-    from ampatch.config.policy_file import PolicyError, load  # imports torch: only when the option is given
-    try:
-        load(text)
-    except PolicyError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    from ampatch.config.policy_file import load  # imports torch: only when the option is given
+    load(text)  # a PolicyError is a ValueError: `argument` reports it
     return str(Path(text).resolve())
+
+
+policy_path = argument(policy_path)
+
+
+def add_level_options(parser: argparse.ArgumentParser, half: dict, level_help: str, keep_help: str,
+                      alias_help: str) -> None:
+    """The options of a subcommand that runs a script at a level (`run`, `diagnose`):
+    --opt-level, --half-dtype, --keep-fp32 and --apex-alias."""
+    parser.add_argument("--opt-level", type=opt_level, default=None, help=level_help)
+    parser.add_argument("--half-dtype", **half)
+    parser.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=keep_help)
+    parser.add_argument("--apex-alias", action="store_true", help=alias_help)

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ampatch.cli.common import CliError, check_half_dtype, check_output_path, module_names, opt_level, positive
+from ampatch.cli.common import CliError, add_level_options, check_half_dtype, check_output_path, positive
 from ampatch.diagnose import command as diagnosis
 from ampatch.record.child import DEFAULT_STEPS as DIAGNOSE_STEPS
 from ampatch.diagnose.render import render
@@ -20,16 +20,13 @@ from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 def add_diagnose(sub: argparse._SubParsersAction, half: dict) -> None:
     diag = sub.add_parser("diagnose", help="find where half precision hurts, and verify a fix",
                           usage="ampatch diagnose [options] [-- python train.py ARGS...]")
-    diag.add_argument("--opt-level", type=opt_level, default=None,
-                      help="the level to diagnose (default: the script's own; O1 for a built-in workload)")
-    diag.add_argument("--half-dtype", **half)
+    add_level_options(diag, half, "the level to diagnose (default: the script's own; O1 for a built-in workload)",
+                      "modules already kept in FP32: diagnosed, and verified, with them",
+                      "the script's Apex imports load ampatch")
     diag.add_argument("--steps", type=positive, default=DIAGNOSE_STEPS,
                       help=f"optimizer steps recorded; each run stops after them (default {DIAGNOSE_STEPS})")
     diag.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     diag.add_argument("--size", choices=SIZES, default="small", help="size of the built-in workload (default small)")
-    diag.add_argument("--keep-fp32", type=module_names, metavar="NAMES",
-                      help="modules already kept in FP32: diagnosed, and verified, with them")
-    diag.add_argument("--apex-alias", action="store_true", help="the script's Apex imports load ampatch")
     diag.add_argument("--json", metavar="PATH", help="write the diagnosis (every module) as JSON")
     diag.add_argument("--plot", metavar="PATH", help="write a PNG of each module's error and headroom")
     diag.set_defaults(func=cmd_diagnose)

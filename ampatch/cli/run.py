@@ -7,17 +7,17 @@ import argparse
 from pathlib import Path
 
 from ampatch.config import env as envvars
-from ampatch.cli.common import (KEEP_FP32_HELP, check_half_dtype, check_output_path, loss_scale, master_weights, module_names, opt_level, policy_path)
+from ampatch.cli.common import (KEEP_FP32_HELP, add_level_options, check_half_dtype, check_output_path, loss_scale,
+                                master_weights, policy_path)
 from ampatch.runs import process, runner
 
 
 def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
     run = sub.add_parser("run", help="run a script once, optionally forced to one opt level",
                          usage="ampatch run [--opt-level LEVEL] [--apex-alias] [options] -- python train.py ARGS")
-    run.add_argument("--opt-level", type=opt_level, default=None,
-                     help="force every amp.initialize to this level (default: the script's own level)")
-    run.add_argument("--half-dtype", **half)
-    run.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
+    add_level_options(run, half, "force every amp.initialize to this level (default: the script's own level)",
+                      KEEP_FP32_HELP, "make 'from apex import amp' (and apex.parallel, apex.optimizers, ...) in the "
+                      "script load ampatch")
     run.add_argument("--loss-scale", type=loss_scale, metavar="SCALE",
                      help="force the loss scale of every amp.initialize: a number or 'dynamic' (AMPATCH_LOSS_SCALE)")
     run.add_argument("--master-weights", type=master_weights, metavar="MODE",
@@ -27,9 +27,6 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
                      help="apply a policy file (ampatch tune --out) to every amp.initialize, over the script's own "
                           "keywords (AMPATCH_POLICY)")
     run.add_argument("--report", metavar="PATH", help="write the run's report() JSON here")
-    run.add_argument("--apex-alias", action="store_true",
-                     help="make 'from apex import amp' (and apex.parallel, apex.optimizers, ...) in the "
-                          "script load ampatch")
     run.set_defaults(func=cmd_run)
 
 
