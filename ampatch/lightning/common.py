@@ -19,11 +19,12 @@ from ..frameworks.level import DEFAULT_LEVEL, LevelChoice
 from ..model.default_dtype import default_dtype
 from ..model.forwards import cast_tree
 from ..session.current import current
+from .framework import set_compute_dtype
 
 logger = logging.getLogger("ampatch")
 
 __all__ = ["DEFAULT_LEVEL", "PluginState", "LevelChoice", "Facts", "pairs_of", "HookGrads", "sync_requires_grad",
-           "ScalerCheckpoint"]
+           "ScalerCheckpoint", "start_plugin"]
 
 
 class PluginState(Enum):
@@ -173,3 +174,16 @@ class ScalerCheckpoint:
             logger.warning("ampatch: resuming an %s checkpoint at %s; its loss scale is loaded as it is.",
                            entry.get("opt_level"), facts.opt_level)
         load_state_dict(entry["loss_scalers"])
+
+
+def start_plugin(plugin: Any, who: str, opt_level: str | None, policy: Any, initialize_kwargs: dict[str, Any]) -> None:
+    """What both plugins' `__init__` sets (not their Lightning base's `__init__`: the dtype
+    is known once the session resolved it): the level choice, the session's facts, the state,
+    the optimizers, the scaler's checkpoint entry; the compute dtype FP32 until then."""
+    plugin.choice = LevelChoice(who, opt_level, policy, initialize_kwargs)
+    plugin.opt_level = opt_level
+    plugin.facts = Facts()
+    plugin.state = PluginState.IDLE
+    plugin.optimizers = []
+    plugin.checkpoint = ScalerCheckpoint(who)
+    set_compute_dtype(plugin, torch.float32)

@@ -34,7 +34,7 @@ from torch import nn
 import ampatch as amp
 
 from . import framework
-from .common import Facts, LevelChoice, PluginState, ScalerCheckpoint
+from .common import Facts, PluginState, start_plugin
 
 
 __all__ = ["AmpatchFabricPrecision"]
@@ -52,14 +52,8 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
     precision = "32-true"
 
     def __init__(self, opt_level: str | None = None, policy: Any = None, **initialize_kwargs: Any) -> None:
-        self.choice = LevelChoice("AmpatchFabricPrecision", opt_level, policy, initialize_kwargs)
-        self.opt_level = opt_level
-        self.facts = Facts()
-        self.state = PluginState.IDLE
+        start_plugin(self, "AmpatchFabricPrecision", opt_level, policy, initialize_kwargs)
         self.models: list[nn.Module] = []
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.checkpoint = ScalerCheckpoint("AmpatchFabricPrecision")
-        framework.set_compute_dtype(self, torch.float32)
 
     # ------------------------------------------------------------------ set-up
     def convert_module(self, module: nn.Module) -> nn.Module:

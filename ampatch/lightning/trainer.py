@@ -41,7 +41,7 @@ from ..model.forwards import InputCast, install_forward, is_wrapped
 from ..frameworks import scheduler_guard
 from ..base.patcher import Patcher
 from . import framework
-from .common import Facts, HookGrads, LevelChoice, PluginState, ScalerCheckpoint, pairs_of, sync_requires_grad
+from .common import Facts, HookGrads, PluginState, pairs_of, start_plugin, sync_requires_grad
 
 
 __all__ = ["AmpatchPrecision"]
@@ -84,17 +84,10 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
     precision = "32-true"
 
     def __init__(self, opt_level: str | None = None, policy: Any = None, **initialize_kwargs: Any) -> None:
-        # (not HalfPrecision.__init__: the dtype is known once the session resolved it)
-        self.choice = LevelChoice("AmpatchPrecision", opt_level, policy, initialize_kwargs)
-        self.opt_level = opt_level
-        self.facts = Facts()
-        self.state = PluginState.IDLE
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.checkpoint = ScalerCheckpoint("AmpatchPrecision")
+        start_plugin(self, "AmpatchPrecision", opt_level, policy, initialize_kwargs)
         self._patches = Patcher()  # the schedulers' holds, the module's toggling
         self._listens = False  # a hook reads the model's grads between backward and step
         self._lent: HookGrads | None = None  # the grads lent to the model during optimizer_step's hooks
-        framework.set_compute_dtype(self, torch.float32)
 
     # ------------------------------------------------------------------ set-up
     def convert_module(self, module: nn.Module) -> nn.Module:
