@@ -16,6 +16,8 @@ arguments to ``self``'s dtype and leaves ``self`` alone.
 """
 from __future__ import annotations
 
+from .torch_ops import SHARED_NATIVELY_PROMOTING
+
 # Deliberate differences
 # ----------------------
 # From the torch.autocast op reference:
@@ -155,32 +157,7 @@ BANNED: dict[str, str] = {}
 # Promote candidates measured to handle mixed float dtypes natively (out-of-place: the
 # widest dtype; in-place: self's dtype): no wrapper. masked_fill(_) / index_fill(_) are not
 # candidates: their value is a scalar (a 0-dim tensor too) and the result keeps self's dtype.
-NATIVELY_PROMOTING: tuple[str, ...] = (
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "true_divide",
-    "addcmul",
-    "addcdiv",
-    "atan2",
-    "hypot",
-    "maximum",
-    "minimum",
-    "fmax",
-    "fmin",
-    "clamp",
-    "where",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "equal",
-    "outer",
-    "ger",
-    "kron",
+NATIVELY_PROMOTING: tuple[str, ...] = SHARED_NATIVELY_PROMOTING + (
     # operators
     "__add__",
     "__radd__",

@@ -212,7 +212,8 @@ BANNED: dict[str, str] = {}
 # Not candidates: masked_fill / index_fill (their value is a scalar, a 0-dim tensor
 # included, and the result keeps self's dtype by design), broadcast_tensors (reshapes only),
 # searchsorted / bucketize (integer results).
-NATIVELY_PROMOTING: tuple[str, ...] = (
+# The functions that torch and torch.Tensor share (tensor.py lists them as methods too).
+SHARED_NATIVELY_PROMOTING: tuple[str, ...] = (
     "add",
     "sub",
     "mul",
@@ -238,6 +239,8 @@ NATIVELY_PROMOTING: tuple[str, ...] = (
     "outer",
     "ger",
     "kron",
+)
+NATIVELY_PROMOTING: tuple[str, ...] = SHARED_NATIVELY_PROMOTING + (
     "block_diag",
     "trapezoid",
     "cat",
