@@ -1,47 +1,10 @@
 """bfloat16 training without FP32 master copies: `master_weights="stochastic"` and `"kahan"`.
 
-The model's bfloat16 weights are the only copy of the weights (plus, for "kahan", a bfloat16
-compensation per parameter holding what rounding to bfloat16 dropped). The optimizer, any
-`torch.optim` optimizer, still runs its arithmetic in FP32, on FP32 values that exist only
-while their chunk of parameters steps:
-
-- Each bfloat16 model parameter has a persistent master `nn.Parameter` in the optimizer's
-  param_groups (so the optimizer's state is keyed by objects that never change, and
-  `amp.master_params` yields them). Outside a step a master *aliases* its model parameter
-  (same storage, bfloat16, no extra bytes) and holds its grad, bfloat16 (moved there, not
-  copied, at `scale_loss` exit): clip `amp.master_params(optimizer)` as at O2/O5; the norm
-  is computed from bfloat16 grads.
-- `step` splits the params with grads into chunks of at most `chunk_numel` elements
-  (default `rounding.chunk_numel`: 512K on a CPU, 16M elsewhere; a param larger than
-  that is a chunk of its own). For each chunk: the masters' data become FP32 views of one flat
-  buffer (weight, plus compensation for "kahan"), their grads FP32 views of another; the
-  optimizer's step() runs with each param group narrowed to the chunk's members (groups
-  without any are left out for that call); the new FP32 values go back into the bfloat16
-  model weights, rounded stochastically (unbiased: small updates survive in expectation) or
-  to nearest with the remainder kept in the compensation; the masters alias the model again.
-  Params that are their own masters (FP32 ones: batch norm, keep_fp32) step with the first
-  chunk. Optimizer state is created and kept in FP32 (its dtype is not touched).
-- The step hooks of the optimizer (`register_step_pre_hook`, global ones too) run once per
-  step, not per chunk (`rounding.step_hooks_once`).
-
-Limits, by construction: the optimizer's step() is called once per chunk, so an optimizer
-must treat each parameter on its own (all of torch.optim's do, except LBFGS, which is
-refused: it re-evaluates a closure over all params); per-group counters an optimizer keeps
-itself would advance once per chunk, and params without a grad are not stepped (as
-torch.optim does). Gradient accumulation (several `scale_loss` before a step) adds in
-bfloat16, as a bfloat16 model's own backward does.
-
-Stochastic rounding draws its thresholds from a generator reseeded alike at every step, per
-chunk (from `seed` and the chunk's first master), and shifted by the step count `rounds`
-(`rounding.rotation`): unbiased at each step, evenly spread over the steps for each element
-(see `rounding.stochastic_round_`). The seed comes from `torch.initial_seed()` (the script's
-`torch.manual_seed`); the global RNG is never drawn from.
-
-Checkpoints: `optimizer.state_dict()` carries `LOWMEM_KEY` with the mode, the kahan
-compensations (one per param, None for params that are their own) and the stochastic
-rounding's seed and step count, so a resumed run repeats bit for bit. Load the model's state
-dict before the optimizer's (a model load re-derives the compensation from the tensors it
-loads: zero for bfloat16 values).
+The bfloat16 model weights are the only copy (plus, for "kahan", a bfloat16 compensation of
+what rounding dropped). Each has a master that aliases it outside a step; `step` runs the
+user's optimizer in FP32 a chunk of parameters at a time (`chunks`), then rounds the new
+values back stochastically or with the compensation (`rounding`). The whole design, its
+limits and the checkpoint format: docs/lowmem.md.
 """
 from __future__ import annotations
 
@@ -56,7 +19,8 @@ from torch import nn
 
 from ..config.values import MasterMode
 from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
-from .rounding import chunk_numel, has_step_hooks, narrowed, plan_chunks, rotation, step_hooks_once, stochastic_round_
+from .chunks import chunk_numel, has_step_hooks, narrowed, plan_chunks, step_hooks_once
+from .rounding import rotation, stochastic_round_
 from .scaler import distributed, overflowed
 
 logger = logging.getLogger("ampatch")
@@ -90,7 +54,7 @@ class LowMemMasters(Masters):
                              "all of them at once (it re-evaluates a closure over the whole model); use "
                              "master_weights=True (FP32 masters) with LBFGS.")
         self.mode = mode
-        self.chunk_numel: int | None = None  # elements per chunk; None: by device (rounding.chunk_numel)
+        self.chunk_numel: int | None = None  # elements per chunk; None: by device (chunks.chunk_numel)
         self.comp: dict[int, torch.Tensor] = {}     # id(master) -> bfloat16 compensation (kahan)
         self.baseline: dict[int, float] = {}        # id(master) -> sum of the weight it was made for (kahan)
         self.seed = (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
