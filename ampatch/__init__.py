@@ -6,10 +6,12 @@
     optimizer.step()
 
 This module is the public API and nothing else: `initialize` turns its keywords into one
-checked `config.options.Options` (with the environment read once, `config.env`), and each
+checked `config.options.Options`, with the environment read once (`session.build.outside`);
+`session.build.prepare` checks the call as a whole before anything changes, and each
 function delegates to the live `Session` (`session.session`, held by `session.current`).
 Apex's compatibility names (`_amp_state`, `init`, the optimizers' `_amp_stash`) come from
-`ampatch.compat`, imported only when first used; no framework is imported here either.
+`ampatch.compat`, and diagnose's recorder from `ampatch.record`, each imported only when
+first used; no framework is imported here either.
 """
 from __future__ import annotations
 
@@ -17,23 +19,20 @@ import contextlib
 import functools
 import importlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import wrapt
 
 from .base.notices import set_verbosity
-from .config import env as _env
-from .config import policy_file as _policy_file
-from .config.options import Options, prepare
-from .config.settings import SETTINGS as _SETTINGS
-from .config.values import DEFAULT_MAX_LOSS_SCALE
-from .model.checks import check_incoming_dtypes as _check_incoming_dtypes
-from .o1.lists import user as _user_policy
-from .optim.scaler import check_loss_id as _check_loss_id
 from .base.patcher import disable_casts as _disable_casts
+from .config.options import Options
+from .config.values import DEFAULT_MAX_LOSS_SCALE
+from .o1.lists import user as _user_policy
 from .o1.plans import BFLOAT16, FLOAT, HALF, PROMOTE
+from .optim.scaler import check_loss_id as _check_loss_id
+from .session.build import outside, prepare, takes_policy
 from .session.current import current as _current
 from .session.current import set_current as _set_current
 from .session.report import Report
@@ -77,7 +76,13 @@ def _session(what: str) -> Session:
     return s
 
 
-@_policy_file.takes_policy  # policy=: its fields set the keywords the call does not give
+def _recorder(session: Session, models: Sequence[torch.nn.Module], path: str, eps_lost: Sequence[str]) -> Any:
+    """Diagnose's recorder (``AMPATCH_DIAGNOSE``), which sits beside the session, not below it."""
+    from .record.child import attach
+    return attach(session, models, path, eps_lost)
+
+
+@takes_policy  # policy=: its fields set the keywords the call does not give
 def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type: Any = None, patch_torch_functions: Any = None, keep_batchnorm_fp32: Any = None,
                master_weights: Any = None, loss_scale: Any = None, cast_model_outputs: Any = None,
@@ -89,29 +94,20 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
 
     Returns the models and optimizers in the shape they came in (only the models when no
     optimizers are given). Calling it again first undoes the previous session. Every keyword
-    is checked, with the environment's overrides (`env.read()`, read once per call, with the
-    policy file ``AMPATCH_POLICY`` names merged in), before anything changes: a call rejected
+    is checked, with the environment's overrides, before anything changes: a call rejected
     there leaves the previous session and the "ampatch" logger as they were.
     `keep_fp32` names modules (names as `named_modules()` gives them, "1.head" with several
     models; classes; callables `(name, module) -> bool`) that run in FP32 with everything
     inside them, at any level. `policy`: a policy file `ampatch tune` wrote (a path, or a
     dict): its fields set the keywords this call does not give (see `ampatch.config.policy_file`).
     """
-    options = Options(enabled=enabled, opt_level=opt_level, cast_model_type=cast_model_type,
-                      patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
-                      master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
-                      num_losses=num_losses, verbosity=verbosity, min_loss_scale=min_loss_scale,
-                      max_loss_scale=max_loss_scale, half_dtype=half_dtype, allow_banned=allow_banned,
-                      patch_torch_functions_type=patch_torch_functions_type, process_group=process_group,
-                      keep_fp32=keep_fp32)
-    overrides = _policy_file.from_outside(_env.read(), verbosity if isinstance(verbosity, int) else 1)
-    prepared = prepare(options, models, optimizers, overrides)
+    keywords = dict(locals())
+    options = Options(**{k: v for k, v in keywords.items() if k not in ("models", "optimizers", "policy")})
+    prepared = prepare(options, models, optimizers, outside(options.verbosity))
     deinitialize()  # first: a model cast by the previous session is back in FP32
-    set_verbosity(verbosity)
+    set_verbosity(options.verbosity)
     prepared.announce()
-    if prepared.properties.enabled:
-        _check_incoming_dtypes(prepared.models, _SETTINGS.allow_incoming_model_not_fp32, _SETTINGS.hard_override)
-    _set_current(Session.open(prepared, attributes=_apex_attributes))
+    _set_current(Session.open(prepared, attributes=_apex_attributes, recorder=_recorder))
     return prepared.returned()
 
 
@@ -221,7 +217,7 @@ def register_bfloat16_function(module: Any, name: str) -> None:
 
 def __getattr__(name: str) -> Any:
     """`_amp_state`, Apex's global state, made on first use as a view of the live session
-    (ampatch.compat.state); Apex `amp` names ampatch does not have (AmpHandle, LossScaler,
+    (`ampatch.compat.amp._amp_state.AmpState`); Apex `amp` names ampatch does not have (AmpHandle, LossScaler,
     ...) fail with the ampatch way."""
     if name.startswith("__"):  # dunder probes (copy, pickle, doctest) are not Apex names
         raise AttributeError(f"module 'ampatch' has no attribute {name!r}")
@@ -237,7 +233,7 @@ def _decorator(kind: str) -> Callable[[Callable], Callable]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             s = _current()
-            if s is None or not s.properties.enabled or not s.properties.patch_torch_functions:
+            if s is None or not s.properties.patches_torch:
                 return fn(*args, **kwargs)
             return s.decorated(kind, fn)(*args, **kwargs)
         return wrapper

@@ -335,7 +335,7 @@ def bad_input(rank: int) -> dict[str, Any]:
     unsharded models together at O2, FSDP2 internals other than ampatch knows (nothing changed)."""
     from unittest import mock
 
-    import ampatch.session.fsdp
+    import ampatch.model.sharded
 
     def refused(make: Callable[[], None]) -> str | None:
         try:
@@ -358,8 +358,8 @@ def bad_input(rank: int) -> dict[str, Any]:
         amp.initialize(models, opt, opt_level="O2", verbosity=0)
 
     model, opt = build(None)
-    internals = dict(ampatch.session.fsdp._INTERNALS, group=(*ampatch.session.fsdp._INTERNALS["group"], "renamed_by_a_later_torch"))
-    with mock.patch.dict(ampatch.session.fsdp._INTERNALS, internals):
+    internals = dict(ampatch.model.sharded._INTERNALS, group=(*ampatch.model.sharded._INTERNALS["group"], "renamed_by_a_later_torch"))
+    with mock.patch.dict(ampatch.model.sharded._INTERNALS, internals):
         other_torch = refused(lambda: amp.initialize(model, opt, opt_level="O2", verbosity=0))
     return {"no_root": refused(no_root), "mixed": refused(mixed), "other_torch": other_torch,
             "unchanged": model._get_fsdp_state()._mp_policy == MixedPrecisionPolicy()

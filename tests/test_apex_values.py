@@ -15,6 +15,7 @@ from torch import nn
 
 import ampatch as amp
 from ampatch.config import env, levels, properties
+from _config import props
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
@@ -44,8 +45,8 @@ class Mixed(nn.Module):
 # ------------------------------------------------------------------ cast_model_type=False
 @pytest.mark.parametrize("level", LEVELS)
 def test_cast_model_type_false_leaves_the_model_alone_at_every_level(level) -> None:
-    props = properties.resolve(level, cast_model_type=False)
-    assert props.cast_model_type is None and not props.casts_model
+    got = props(level, cast_model_type=False)
+    assert got.cast_model_type is None and not got.casts_model
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     out = amp.initialize(model, opt_level=level, cast_model_type=False, verbosity=0)
     assert all(p.dtype == F32 for p in out.parameters())
@@ -148,7 +149,7 @@ ACCEPTED = [  # (level, override, attribute, value): accepted by Apex, with its 
 @pytest.mark.parametrize("level, override", REFUSED, ids=lambda v: str(v))
 def test_what_apex_refused_raises(level, override) -> None:
     with pytest.raises(properties.OverrideError) as err:
-        properties.resolve(level, **override)
+        props(level, **override)
     assert isinstance(err.value, ValueError) and isinstance(err.value, RuntimeError)  # ours, and Apex's type
     assert "O2" in str(err.value) or "O1" in str(err.value)  # names the level that does what was meant
 
@@ -156,10 +157,10 @@ def test_what_apex_refused_raises(level, override) -> None:
 @pytest.mark.parametrize("level, override", REFUSED, ids=lambda v: str(v))
 def test_hard_override_turns_refusals_into_warnings(level, override) -> None:
     with pytest.warns(UserWarning, match="hard_override"):
-        props = properties.resolve(level, hard_override=True, **override)
+        got = props(level, hard_override=True, **override)
     name, value = next(iter(override.items()))
     expected = {"True": True, "False": False}.get(value, value) if isinstance(value, str) else value
-    assert getattr(props, name) == expected  # the value stands, as in Apex
+    assert getattr(got, name) == expected  # the value stands, as in Apex
 
 
 def test_hard_override_through_amp_state() -> None:
@@ -174,23 +175,23 @@ def test_hard_override_through_amp_state() -> None:
 
 @pytest.mark.parametrize("level, override, attr, value", ACCEPTED, ids=lambda v: str(v))
 def test_what_apex_accepted_is_accepted(level, override, attr, value) -> None:
-    props = properties.resolve(level, half_dtype=F16, **override)
-    assert getattr(props, attr) == value
+    got = props(level, half_dtype=F16, **override)
+    assert getattr(got, attr) == value
 
 
 def test_unknown_level_is_apex_runtime_error_too() -> None:
     with pytest.raises(RuntimeError, match="O0, O1, O2, O3"):
         amp.initialize(nn.Linear(2, 2), opt_level="O9")
     with pytest.raises(TypeError):  # Apex's argparse-friendly strings yes, other types no
-        properties.resolve("O2", cast_model_type=True)
+        props("O2", cast_model_type=True)
 
 
 def test_env_float16_does_not_apply_at_bfloat16_levels(monkeypatch, caplog) -> None:
     monkeypatch.setenv("AMPATCH_HALF_DTYPE", "float16")
     forced = env.read()  # initialize reads the environment once and hands it to properties.resolve
-    assert properties.resolve("O1", overrides=forced).half_dtype == F16
+    assert props("O1", overrides=forced).half_dtype == F16
     with caplog.at_level("WARNING", logger="ampatch"):
-        assert properties.resolve("O4", overrides=forced).half_dtype == BF16
+        assert props("O4", overrides=forced).half_dtype == BF16
     assert "AMPATCH_HALF_DTYPE=float16 does not apply to O4" in caplog.text
     with pytest.raises(ValueError):  # an explicit argument still contradicts
-        properties.resolve("O5", half_dtype=F16)
+        props("O5", half_dtype=F16)

@@ -1,15 +1,13 @@
 """The layout rules of the package, checked on its source (see docs/reference.md, "Layout").
 
-- no module imports another module's underscore name (`from .patching import _switch`,
-  or `patching._switch` on an imported ampatch module): what a module shares is public;
-  the same holds for `scripts/` (the benchmark and the tools use ampatch's public names);
-- the module-level imports inside `ampatch/` form no cycle, and none runs upward: the core
-  never imports `compat`, the command line or the tools built on the core at import time
-  (it may import them lazily, inside a function, for a compatibility name);
-- the core never imports them lazily either (inside a function), except the package's own
-  Apex-compatibility names (`amp.init`, `amp._amp_state`, ...);
-- `ampatch.record` (the in-process half of diagnose) sits below the session: nothing in it
-  imports the session, the set-up or the public API above it;
+- no module imports another module's underscore name (`from .o1 import _switch`, or
+  `o1._switch` on an imported ampatch module): what a module shares is public; the same
+  holds for `scripts/` (the benchmark and the tools use ampatch's public names);
+- the module-level imports inside `ampatch/` form no cycle;
+- the rooms are layers (`LAYERS`, bottom first): a room imports only rooms below it,
+  function-level imports included, so no cycle runs through rooms either; rooms on one
+  layer (`session` and `record`, ...) never import each other. The one exception: the
+  public API loads `compat` (Apex's names) and `record` (diagnose's recorder) on first use;
 - no file in `ampatch/` grows past the size where it should be split by job.
 """
 from __future__ import annotations
@@ -25,14 +23,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "ampatch"
 SCRIPTS = PACKAGE.parent / "scripts"
 MAX_LINES = 420  # "~400 lines": split a file by job before it grows further
-# Layers above the core: they may import the core; the core may not import them at module level.
-UPPER = ("ampatch.compat", "ampatch.cli", "ampatch.compare", "ampatch.runs", "ampatch.tune", "ampatch.diagnose",
-         "ampatch.workloads", "ampatch.__main__")
-# The core modules that may import an upper layer inside a function: the public API's Apex names.
-LAZY_UPWARD_ALLOWED = {("ampatch", "ampatch.compat")}
-# What sits above `ampatch.record` inside the core: the session, its set-up and the public API.
-ABOVE_RECORD = ("ampatch", "ampatch.session.session", "ampatch.session.current", "ampatch.session.observers", "ampatch.config.options",
-                "ampatch.session.setup")
+# The rooms, bottom first; a room imports only rooms on a lower line. "api" is ampatch/__init__.py.
+LAYERS = (("base",), ("machine",), ("config",), ("o1",), ("model",), ("optim",), ("session", "record"), ("api",),
+          ("compat", "frameworks", "workloads"), ("lightning", "huggingface", "runs"), ("compare",), ("diagnose",),
+          ("tune",), ("cli",))
+RANK = {room: i for i, line in enumerate(LAYERS) for room in line}
+# What a room may import above itself, inside a function, first used: the public API's Apex
+# names (`amp._amp_state`, `amp.init`, `_amp_stash`) and diagnose's recorder.
+LAZY_UPWARD_ALLOWED = {("api", "compat"), ("api", "record")}
 
 
 def _modules(root: Path, base: Path) -> dict[str, Path]:
@@ -157,38 +155,49 @@ def test_module_level_imports_have_no_cycle() -> None:
             visit(m)
 
 
-def _layer(module: str) -> bool:
-    return any(module == u or module.startswith(u + ".") for u in UPPER)
+def _room(module: str) -> str:
+    """"ampatch.optim.handle" -> "optim"; the package itself -> "api"; `__main__` is the command."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    return "cli" if parts[1] == "__main__" else parts[1]
 
 
-def test_the_core_never_imports_the_layers_above_it_at_import_time() -> None:
-    bad = [f"{m} imports {n}" for m, targets in _graph().items() if not _layer(m)
-           for n in targets if _layer(n)]
-    assert not bad, "\n".join(bad)
-
-
-def test_the_core_never_imports_the_layers_above_it_even_lazily() -> None:
-    bad = []
+def _room_imports(top_level_only: bool) -> list[tuple[str, str, str, int]]:
+    """(importing module, its room, imported room, line) for every import between rooms."""
+    found = []
     for m in MODULES:
-        if _layer(m):
-            continue
-        for target, _, line in _imports(m, top_level_only=False):
-            layer = next((u for u in UPPER if target == u or target.startswith(u + ".")), None)
-            if layer is not None and (m, layer) not in LAZY_UPWARD_ALLOWED:
-                bad.append(f"{m}:{line} imports {target}")
-    assert not bad, "\n".join(bad)
+        for target, _, line in _imports(m, top_level_only):
+            if target == "ampatch" or target.startswith("ampatch."):
+                mine, theirs = _room(m), _room(target)
+                if mine != theirs:
+                    found.append((m, mine, theirs, line))
+    return found
 
 
-def test_record_sits_below_the_session() -> None:
-    record = [m for m in MODULES if m == "ampatch.record" or m.startswith("ampatch.record.")]
-    assert record, "ampatch.record is gone: update ABOVE_RECORD"
+def test_every_room_has_a_layer() -> None:
+    rooms = {_room(m) for m in MODULES}
+    assert rooms <= set(RANK), f"rooms without a layer in LAYERS: {sorted(rooms - set(RANK))}"
+
+
+def test_rooms_import_only_rooms_below_them() -> None:
+    """At import time and inside functions alike (LAZY_UPWARD_ALLOWED aside, lazily only)."""
+    lazy = {(m, t, line) for m, _, t, line in _room_imports(True)}
     bad = []
-    for m in record:
-        for target, name, line in _imports(m, top_level_only=False):
-            full = f"{target}.{name}" if name else target
-            if target in ABOVE_RECORD or full in ABOVE_RECORD or _layer(target):
-                bad.append(f"{m}:{line} imports {full}")
-    assert not bad, "ampatch.record imports upward:\n" + "\n".join(bad)
+    for m, mine, theirs, line in _room_imports(False):
+        if RANK[theirs] < RANK[mine]:
+            continue
+        if (mine, theirs) in LAZY_UPWARD_ALLOWED and (m, theirs, line) not in lazy:
+            continue
+        where = "on one layer" if RANK[theirs] == RANK[mine] else "upward"
+        bad.append(f"{m}:{line} ({mine}) imports {theirs}: {where}")
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_config_imports_nothing_above_base() -> None:
+    bad = [f"{m}:{line} imports {theirs}" for m, mine, theirs, line in _room_imports(False)
+           if mine == "config" and theirs != "base"]
+    assert not bad, "\n".join(bad)
 
 
 def test_no_file_in_the_package_is_past_the_split_size() -> None:
@@ -211,6 +220,10 @@ def test_the_checks_above_can_fail(tmp_path: Path) -> None:
             test_no_module_imports_another_modules_underscore_names()
         with pytest.raises(pytest.fail.Exception, match="import cycle"):
             test_module_level_imports_have_no_cycle()
+        (tmp_path / "low.py").write_text("def f():\n    from ampatch.cli import main\n")
+        MODULES = {"ampatch.base.low": tmp_path / "low.py"}
+        with pytest.raises(AssertionError, match="base.low:2 .base. imports cli: upward"):
+            test_rooms_import_only_rooms_below_them()
     finally:
         MODULES = saved
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import ampatch as amp
 from ampatch.config import levels, properties
+from _config import props
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
@@ -56,26 +57,26 @@ def bn_model() -> nn.Module:
     if not (half == F16 and level in ("O4", "O5"))  # a contradiction, tested below
 ])
 def test_table_without_overrides(level, half):
-    props = properties.resolve(level, device=torch.device("cpu"), half_dtype=half)
+    got = props(level, device=torch.device("cpu"), half_dtype=half)
     resolved_half = half or BF16  # auto on CPU is bfloat16
     if level in ("O4", "O5"):
         resolved_half = BF16
-    assert props.opt_level == level
-    assert props.enabled is True
-    assert props.half_dtype == resolved_half
-    assert row_of(props) == expected_row(level, resolved_half)
-    assert props.casts_model == (level in ("O2", "O3", "O5"))
+    assert got.opt_level == level
+    assert got.enabled is True
+    assert got.half_dtype == resolved_half
+    assert row_of(got) == expected_row(level, resolved_half)
+    assert got.casts_model == (level in ("O2", "O3", "O5"))
 
 
 def test_auto_half_dtype_follows_device():
     assert levels.default_half_dtype(torch.device("cpu")) == BF16
     assert levels.default_half_dtype(None) == BF16
     assert levels.default_half_dtype(torch.device("cuda")) == F16
-    props = properties.resolve("O2", device=torch.device("cuda"))
-    assert props.half_dtype == F16 and props.cast_model_type == F16 and props.loss_scale == "dynamic"
+    got = props("O2", device=torch.device("cuda"))
+    assert got.half_dtype == F16 and got.cast_model_type == F16 and got.loss_scale == "dynamic"
     # O5 stays bfloat16 with scale 1.0 even where float16 is the default
-    props = properties.resolve("O5", device=torch.device("cuda"))
-    assert props.half_dtype == BF16 and props.loss_scale == 1.0
+    got = props("O5", device=torch.device("cuda"))
+    assert got.half_dtype == BF16 and got.loss_scale == 1.0
 
 
 def test_cpu_default_loss_scale_is_one_for_bfloat16():
@@ -89,16 +90,16 @@ def test_cpu_default_loss_scale_is_one_for_bfloat16():
 
 
 def test_bfloat16_with_explicit_loss_scale_keeps_it():
-    assert properties.resolve("O2", loss_scale="dynamic").loss_scale == "dynamic"
-    assert properties.resolve("O5", loss_scale=128).loss_scale == 128.0
-    assert properties.resolve("O1", half_dtype=F16, loss_scale=1.0).loss_scale == 1.0
+    assert props("O2", loss_scale="dynamic").loss_scale == "dynamic"
+    assert props("O5", loss_scale=128).loss_scale == 128.0
+    assert props("O1", half_dtype=F16, loss_scale=1.0).loss_scale == 1.0
 
 
 @pytest.mark.parametrize("level", ["O4", "O5"])
 @pytest.mark.parametrize("spelling", [F16, "float16", "torch.float16", "half"])
 def test_bfloat16_levels_refuse_float16(level, spelling):
     with pytest.raises(ValueError, match="bfloat16") as err:
-        properties.resolve(level, half_dtype=spelling)
+        props(level, half_dtype=spelling)
     assert ("O1" if level == "O4" else "O2") in str(err.value)  # names the level to use instead
     with pytest.raises(ValueError):
         amp.initialize(bn_model(), opt_level=level, half_dtype=spelling)
@@ -122,20 +123,20 @@ def test_patch_torch_functions_type_is_an_alias_of_half_dtype():
 
 
 def test_level_names_are_case_and_space_tolerant():
-    assert properties.resolve(" o2 ").opt_level == "O2"
+    assert props(" o2 ").opt_level == "O2"
 
 
 # ------------------------------------------------------------------ overrides
 def test_string_forms_of_overrides():
-    assert properties.resolve("O2", keep_batchnorm_fp32="False").keep_batchnorm_fp32 is False
-    assert properties.resolve("O3", keep_batchnorm_fp32="True").keep_batchnorm_fp32 is True
-    assert properties.resolve("O2", master_weights="False").master_weights is False
-    assert properties.resolve("O2", half_dtype=F16, loss_scale="128.0").loss_scale == 128.0
-    assert properties.resolve("O2", loss_scale="dynamic").loss_scale == "dynamic"
-    assert properties.resolve("O2", loss_scale=512).loss_scale == 512.0
-    assert isinstance(properties.resolve("O2", loss_scale=512).loss_scale, float)
-    assert properties.resolve("O2", cast_model_type="float16").cast_model_type == F16
-    assert properties.resolve("O2", cast_model_type="torch.bfloat16").half_dtype == BF16
+    assert props("O2", keep_batchnorm_fp32="False").keep_batchnorm_fp32 is False
+    assert props("O3", keep_batchnorm_fp32="True").keep_batchnorm_fp32 is True
+    assert props("O2", master_weights="False").master_weights is False
+    assert props("O2", half_dtype=F16, loss_scale="128.0").loss_scale == 128.0
+    assert props("O2", loss_scale="dynamic").loss_scale == "dynamic"
+    assert props("O2", loss_scale=512).loss_scale == 512.0
+    assert isinstance(props("O2", loss_scale=512).loss_scale, float)
+    assert props("O2", cast_model_type="float16").cast_model_type == F16
+    assert props("O2", cast_model_type="torch.bfloat16").half_dtype == BF16
 
 
 def test_string_overrides_through_initialize():
@@ -152,15 +153,15 @@ def test_string_overrides_through_initialize():
 
 
 def test_overrides_replace_level_defaults():
-    p = properties.resolve("O2", half_dtype=F16, keep_batchnorm_fp32=False, master_weights=False, loss_scale=8.0)
+    p = props("O2", half_dtype=F16, keep_batchnorm_fp32=False, master_weights=False, loss_scale=8.0)
     assert (p.keep_batchnorm_fp32, p.master_weights, p.loss_scale) == (False, False, 8.0)
-    p = properties.resolve("O3", master_weights=True)
+    p = props("O3", master_weights=True)
     assert p.master_weights is True
-    p = properties.resolve("O1", cast_model_type=F32)  # allowed: a no-op, as in Apex
+    p = props("O1", cast_model_type=F32)  # allowed: a no-op, as in Apex
     assert p.cast_model_type == F32 and p.master_weights is None and p.patch_torch_functions
-    p = properties.resolve("O2", patch_torch_functions=False)
+    p = props("O2", patch_torch_functions=False)
     assert p.patch_torch_functions is False
-    p = properties.resolve("O0", cast_model_outputs="float16")
+    p = props("O0", cast_model_outputs="float16")
     assert p.cast_model_outputs == F16
 
 
@@ -169,21 +170,21 @@ def test_overrides_replace_level_defaults():
 def test_patching_level_with_master_weights(level, value):
     # Apex refused any master_weights other than None at O1 (its warn_or_err), False included
     with pytest.raises(ValueError, match="master_weights") as err:
-        properties.resolve(level, master_weights=value)
+        props(level, master_weights=value)
     assert "O2" in str(err.value)
 
 
 @pytest.mark.parametrize("half", [F16, BF16])
 def test_o1_with_half_cast_model_type(half):
     with pytest.raises(ValueError, match="cast_model_type") as err:
-        properties.resolve("O1", cast_model_type=half)
+        props("O1", cast_model_type=half)
     assert "O2" in str(err.value)
 
 
 @pytest.mark.parametrize("level", ["O0", "O2", "O3", "O5"])
 def test_patch_torch_functions_outside_o1_o4(level):
     with pytest.raises(ValueError, match="patch_torch_functions") as err:
-        properties.resolve(level, patch_torch_functions=True)
+        props(level, patch_torch_functions=True)
     assert "O1" in str(err.value)
 
 
@@ -191,26 +192,26 @@ def test_patch_torch_functions_outside_o1_o4(level):
 @pytest.mark.parametrize("level", ["O1", "O4"])
 def test_keep_batchnorm_fp32_at_a_patching_level(level, value):
     with pytest.raises(ValueError, match="keep_batchnorm_fp32"):
-        properties.resolve(level, keep_batchnorm_fp32=value)
+        props(level, keep_batchnorm_fp32=value)
 
 
 def test_overrides_apex_accepted_at_o0_are_accepted():
     # Apex checked these only at O1; at O0 they are accepted and change nothing for an FP32 model
-    p = properties.resolve("O0", master_weights=True, keep_batchnorm_fp32="True")
+    p = props("O0", master_weights=True, keep_batchnorm_fp32="True")
     assert p.master_weights is True and p.keep_batchnorm_fp32 is True and not p.casts_model
 
 
 def test_other_contradictions():
     with pytest.raises(ValueError, match="conflicts"):
-        properties.resolve("O2", half_dtype=F16, cast_model_type=BF16)
+        props("O2", half_dtype=F16, cast_model_type=BF16)
     with pytest.raises(ValueError, match="O0"):
-        properties.resolve("O2", half_dtype=F32)
+        props("O2", half_dtype=F32)
 
 
 @pytest.mark.parametrize("bad", ["O6", "O", "fp16", ""])
 def test_unknown_level_names_the_valid_ones(bad):
     with pytest.raises(ValueError) as err:
-        properties.resolve(bad)
+        props(bad)
     for name in LEVELS:
         assert name in str(err.value)
     with pytest.raises(ValueError):
@@ -220,7 +221,7 @@ def test_unknown_level_names_the_valid_ones(bad):
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 0, -1.0, "abc", "-2"])
 def test_bad_loss_scale_values(value):
     with pytest.raises(ValueError, match="loss_scale"):
-        properties.resolve("O2", loss_scale=value)
+        props("O2", loss_scale=value)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -253,9 +254,9 @@ def test_wrong_types_raise_type_error(kwargs):  # ids without object addresses: 
 
 def test_non_float_dtypes_are_value_errors():
     with pytest.raises(ValueError, match="half_dtype"):
-        properties.resolve("O2", half_dtype=torch.int32)
+        props("O2", half_dtype=torch.int32)
     with pytest.raises(ValueError, match="half_dtype"):
-        properties.resolve("O2", half_dtype="int8")
+        props("O2", half_dtype="int8")
 
 
 def test_wrong_model_and_optimizer_types():
@@ -270,8 +271,8 @@ def test_wrong_model_and_optimizer_types():
         amp.initialize(model, [torch.optim.SGD(model.parameters(), lr=0.1), model])
     with pytest.raises(ValueError, match="num_losses"):
         amp.initialize(model, num_losses=0)
-    with pytest.raises(TypeError, match="Unknown property"):
-        properties.resolve("O2", not_a_property=1)
+    with pytest.raises(TypeError, match="not_a_property"):
+        amp.initialize(model, not_a_property=1)
 
 
 # ------------------------------------------------------------------ forced level

@@ -329,7 +329,7 @@ def labelled(n: int = 3) -> torch.utils.data.DataLoader:
 
 def test_fit_then_validate_keeps_the_training_report_and_the_cast_model(monkeypatch: pytest.MonkeyPatch,
                                                                         tmp_path: Path) -> None:
-    from ampatch.session.exit_json import exit_report
+    from ampatch.base.exit_json import exit_report
 
     path = tmp_path / "report.json"
     monkeypatch.setenv("AMPATCH_REPORT", str(path))

@@ -208,14 +208,17 @@ def test_lbfgs_is_refused(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fsdp2_is_refused_before_anything_changes(mode):
-    from ampatch.config.properties import resolve
-    from ampatch.session import fsdp
+def test_fsdp2_is_refused_before_anything_changes(mode, monkeypatch):
+    from _config import props as resolve
+    from ampatch.base.patcher import Patcher
+    from ampatch.model import sharded
+    from ampatch.session import build
     props = resolve("O5", master_weights=mode)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(sharded, "is_sharded", lambda models: True)  # the sharded path, without FSDP
     with pytest.raises(ValueError, match="FSDP2.*master_weights=True"):
-        fsdp.setup(props, [model], [opt], None)
+        build.build(props, [model], [opt], Patcher())
     assert model[0].weight.dtype == F32
 
 

@@ -20,7 +20,8 @@ from ampatch.session import observers
 from ampatch.base import tree
 from ampatch.session.current import current
 from ampatch.optim.masters import Masters
-from ampatch.config.options import Options
+from ampatch.config.options import NO_CAST, Options
+from _config import props
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -34,13 +35,18 @@ def test_initialize_signature_is_the_options_object():
     assert params[-1].name == "policy"
     assert [p.name for p in params[:-1]] == [f.name for f in fields]
     assert [p.default for p in params[:-1]] == [f.default for f in fields]
-    source = inspect.getsource(amp.initialize)   # every keyword reaches Options, by name
-    assert all(f"{f.name}={f.name}" in source for f in fields)
+    m, o = amp.initialize(torch.nn.Linear(2, 2), None, opt_level="O2", loss_scale=4.0, half_dtype="bfloat16",
+                          keep_fp32=[], num_losses=2), None   # every keyword reaches Options, by name
+    assert current().options == Options(opt_level="O2", loss_scale=4.0, half_dtype=torch.bfloat16, keep_fp32=[],
+                                        num_losses=2)
 
 
 def test_options_are_frozen_and_normalised():
-    o = Options(patch_torch_functions_type="bfloat16", min_loss_scale=1, max_loss_scale=2 ** 10)
-    assert o.half_dtype == "bfloat16" and isinstance(o.min_loss_scale, float) and o.max_loss_scale == 1024.0
+    o = Options(patch_torch_functions_type="bfloat16", min_loss_scale=1, max_loss_scale=2 ** 10, opt_level=" o2",
+                cast_model_type=False, keep_batchnorm_fp32="False", loss_scale="128")
+    assert o.half_dtype == torch.bfloat16 and isinstance(o.min_loss_scale, float) and o.max_loss_scale == 1024.0
+    assert o.opt_level == "O2" and o.keep_batchnorm_fp32 is False and o.loss_scale == 128.0
+    assert o.cast_model_type == NO_CAST and o.replace(opt_level="O3") == Options(**{**vars(o), "opt_level": "O3"})
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.opt_level = "O2"
 
@@ -114,7 +120,7 @@ def test_the_bfloat16_rule(level):
     if conflict:
         assert level in conflict and "bfloat16" in conflict
         with pytest.raises(ValueError, match="contradicts"):
-            properties.resolve(level, half_dtype=F16)
+            props(level, half_dtype=F16)
         assert levels.half_dtype_for(level, "cuda", F16) == BF16
 
 

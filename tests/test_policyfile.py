@@ -12,8 +12,9 @@ from torch import nn
 import ampatch as amp
 from ampatch.config import env, properties
 from ampatch.cli import main
-from ampatch.machine.hardware import Machine
-from ampatch.config.policy_file import Policy, PolicyError, fingerprint, from_outside, load, machine_warning, save
+from ampatch.machine.hardware import Machine, fingerprint, policy_warning
+from ampatch.config.policy_file import Policy, PolicyError, from_outside, load, save
+from _config import props
 
 
 def _model():
@@ -77,11 +78,10 @@ def test_a_policy_from_outside_acts_as_the_forced_variables(tmp_path):
     over = from_outside(env.read({env.POLICY: str(tmp_path / "p.json"), env.KEEP_FP32: "a"}))
     assert over.opt_level == "O4" and over.keep_fp32 == ("a", "b")   # added to the names given from outside
     notes: list[str] = []
-    props = properties.resolve("O2", overrides=over, notes=notes, master_weights=True, half_dtype="float16",
-                               loss_scale=128)
+    got = props("O2", overrides=over, notes=notes, master_weights=True, half_dtype="float16", loss_scale=128)
     said = " ".join(notes)
-    assert props.opt_level == "O4" and props.master_weights is None and props.half_dtype == torch.bfloat16
-    assert props.loss_scale == 128.0                                  # does not conflict: kept
+    assert got.opt_level == "O4" and got.master_weights is None and got.half_dtype == torch.bfloat16
+    assert got.loss_scale == 128.0                                  # does not conflict: kept
     assert "dropping master_weights=True" in said and "dropping half_dtype=torch.float16" in said
     assert f"AMPATCH_POLICY={tmp_path / 'p.json'} (opt_level O4) overrides the script's opt_level=O2" in said
     # the variables, set as well, still win over the file
@@ -106,11 +106,14 @@ def test_a_policy_measured_on_another_kind_of_machine_warns():
     here = Machine("cpu", "this CPU", {"bfloat16": False, "float16": False})
     there = Policy("O4", "bfloat16", measured={"machine": {"type": "cpu", "name": "that CPU",
                                                             "native": {"bfloat16": True, "float16": False}}})
-    assert "native; here (this CPU) it is emulated" in machine_warning(there, here)
-    assert machine_warning(there, Machine("cpu", "this CPU", {"bfloat16": True})) is None
-    assert "measured on cuda" in machine_warning(Policy("O1", "float16", measured={"machine": {"type": "cuda"}}),
-                                                 here)
-    assert machine_warning(Policy("O1")) is None    # written by hand: nothing to compare
+    assert "native; here (this CPU) it is emulated" in policy_warning(there.measured, "bfloat16", here)
+    assert policy_warning(there.measured, "bfloat16", Machine("cpu", "this CPU", {"bfloat16": True})) is None
+    assert "measured on cuda" in policy_warning({"machine": {"type": "cuda"}}, "float16", here)
+    assert policy_warning(Policy("O1").measured, "bfloat16") is None    # written by hand: nothing to compare
+    # where a policy is applied, the warning reaches the user
+    cuda = Policy("O1", "float16", measured={"machine": {"type": "cuda", "name": "H200"}})
+    with pytest.warns(UserWarning, match="measured on H200"):
+        amp.initialize(*_model(), policy=cuda)
 
 
 def test_run_and_compare_refuse_a_broken_policy_file(tmp_path, capsys):

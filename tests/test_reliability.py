@@ -689,7 +689,7 @@ def test_recorded_report_stays_bounded_and_frees_the_session(monkeypatch, tmp_pa
     import weakref
 
     import ampatch.session.telemetry
-    from ampatch.session.exit_json import exit_report
+    from ampatch.base.exit_json import exit_report
     SERIES_POINTS = 64
     monkeypatch.setattr(ampatch.session.telemetry, "SERIES_POINTS", SERIES_POINTS)
     monkeypatch.setenv("AMPATCH_REPORT", str(tmp_path / "report.json"))

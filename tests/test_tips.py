@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ampatch.machine import tips
+from _config import props
 
 
 class Net(nn.Module):
@@ -244,7 +245,7 @@ def test_cast_model_hint_names_what_helps_there_not_registrations(level: str) ->
 
 def amp_half_for(level: str) -> torch.dtype:
     from ampatch.config import levels, properties
-    return properties.resolve(level).half_dtype
+    return props(level).half_dtype
 
 
 @pytest.mark.parametrize("level", ["O2", "O3", "O5"])

@@ -13,7 +13,7 @@ they were measured on::
 level's default (or the script's own). It is applied two ways:
 
 - in code, ``amp.initialize(..., policy="ampatch-policy.json")`` (a path or a dict;
-  `takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
+  `session.build.takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
   field, with a warning when they disagree;
 - from outside, ``AMPATCH_POLICY=path`` (what ``ampatch run --policy`` and ``ampatch compare
   --policy`` set) for an unmodified script (`from_outside`): the file's fields act as
@@ -21,32 +21,31 @@ level's default (or the script's own). It is applied two ways:
   ``AMPATCH_KEEP_FP32`` would, by the one rule of settings from outside
   (`properties.resolve`): its level wins, and each of the script's keywords that conflicts
   with it is dropped, with a warning. Its ``keep_fp32`` is added to the script's own (as
-  ``tune`` measured it); those variables, when set as well, still win. A policy measured on another kind of machine
-(another device type, or its half dtype native there and emulated here) warns: its
-speed-up will not hold here.
+  ``tune`` measured it); those variables, when set as well, still win.
+
+Where it is applied (`session.build`), a policy measured on another kind of machine (another
+device type, or its half dtype native there and emulated here) warns: its speed-up will not
+hold here (`machine.hardware.policy_warning`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import json
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..machine import hardware
 from ..base.dtypes import HALF_NAMES
 from ..base.notices import warn
 from . import env, levels
 from .values import parse_dtype, parse_loss_scale, parse_master_weights, parse_names
 
-__all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "fingerprint", "machine_warning",
-           "apply_in_code", "from_outside", "takes_policy", "DEFAULT_PATH"]
+__all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "apply_in_code", "from_outside",
+           "DEFAULT_PATH"]
 
 FORMAT = 1
 DEFAULT_PATH = "ampatch-policy.json"
@@ -174,37 +173,6 @@ def save(policy: Policy, path: str | os.PathLike) -> None:
     Path(path).write_text(json.dumps(policy.to_dict(), indent=1) + "\n")
 
 
-def fingerprint(device: str = "cpu") -> hardware.Machine:
-    """What a policy's speed depends on, on `device`: its type and name, and which half dtypes
-    are native there (written as the policy's ``measured.machine``)."""
-    return hardware.describe(device).machine()
-
-
-def machine_warning(policy: Policy, here: hardware.Machine | None = None) -> str | None:
-    """Why `policy`'s measurements may not hold on this machine (`here`: its `fingerprint`,
-    default: of the device the policy was measured on), or None."""
-    there = hardware.Machine.from_dict((policy.measured or {}).get("machine"))
-    if there is None:
-        return None
-    if here is None:
-        if there.type == "cuda" and not torch.cuda.is_available():
-            return (f"the policy was measured on {there.name or 'a CUDA GPU'}; this machine has no CUDA: "
-                    "its speed-up will not hold here (run `ampatch tune` here).")
-        here = fingerprint("cuda" if there.type == "cuda" else "cpu")
-    if here.type != there.type:
-        return (f"the policy was measured on {there.type}, this run is on {here.type}: its speed-up "
-                "will not hold here (run `ampatch tune` here).")
-    half = levels.half_name(policy.opt_level, policy.half_dtype)
-    native_there = there.native.get(half) if half else None
-    native_here = here.native.get(half) if half else None
-    if half and native_there is not None and native_here is not None and native_there != native_here:
-        how = {True: "native", False: "emulated"}
-        return (f"the policy was measured on {there.name}, where {half} is {how[native_there]}; here "
-                f"({here.name}) it is {how[native_here]}: its speed-up will not hold here (run "
-                "`ampatch tune` here).")
-    return None
-
-
 def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[str]) -> dict[str, Any]:
     """`initialize`'s keywords with `policy=` (a path, a dict, a `Policy`; None: none) applied
     in code: a keyword the call gave (`explicit`) beats the policy's field, with a warning when
@@ -213,9 +181,6 @@ def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[st
         return dict(keywords)
     pol = load(policy)
     verbosity = keywords.get("verbosity", 1)
-    why = machine_warning(pol)
-    if why:
-        warn(f"ampatch: {why}", verbosity)
     out = dict(keywords)
     for name, value in pol.keywords().items():
         if name in explicit:
@@ -227,7 +192,7 @@ def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[st
     return out
 
 
-def from_outside(overrides: env.Overrides, verbosity: int = 1) -> env.Overrides:
+def from_outside(overrides: env.Overrides) -> env.Overrides:
     """`overrides` with the policy file ``AMPATCH_POLICY`` names merged in, as if its fields
     were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
     ``AMPATCH_KEEP_FP32``, ``AMPATCH_MASTER_WEIGHTS`` (which, when set too, still win; its ``keep_fp32`` is added to
@@ -236,9 +201,6 @@ def from_outside(overrides: env.Overrides, verbosity: int = 1) -> env.Overrides:
     if overrides.policy is None:
         return overrides
     pol = load(overrides.policy)
-    why = machine_warning(pol)
-    if why:
-        warn(f"ampatch: {why}", verbosity)
     given = f"{env.POLICY}={overrides.policy}"
     fields: dict[str, Any] = {}
     sources = dict(overrides.sources)
@@ -256,20 +218,3 @@ def from_outside(overrides: env.Overrides, verbosity: int = 1) -> env.Overrides:
         sources["master_weights"] = f"{given} (master_weights {pol.master_weights!r})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
     return dataclasses.replace(overrides, **fields, sources=sources)
-
-
-def takes_policy(initialize: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate `initialize` so that its ``policy=`` keyword is applied (`apply_in_code`) to
-    the keywords the call did not give before it runs (``AMPATCH_POLICY``, from outside, is
-    read with the rest of the environment: `from_outside`)."""
-    signature = inspect.signature(initialize)
-
-    @functools.wraps(initialize)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("policy") is None:
-            return initialize(*args, **kwargs)
-        given = dict(signature.bind(*args, **kwargs).arguments)
-        policy = given.pop("policy")
-        explicit = set(given) - {"models", "optimizers"}
-        return initialize(**apply_in_code(given, policy, explicit))
-    return wrapper

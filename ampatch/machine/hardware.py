@@ -259,3 +259,34 @@ def check_half(models: Iterable[nn.Module], half_dtype: torch.dtype | None, verb
             _logged.add(key)
             logger.warning(advice)
     return SessionDevice(info, half)
+
+
+def fingerprint(device: str = "cpu") -> Machine:
+    """What a policy's speed depends on, on `device`: its type and name, and which half dtypes
+    are native there (written as a policy file's ``measured.machine``)."""
+    return describe(device).machine()
+
+
+def policy_warning(measured: Mapping[str, Any] | None, half: str | None, here: Machine | None = None) -> str | None:
+    """Why a policy measured as `measured` (its ``measured`` field) in `half` (the half dtype's
+    name; None at O0) may not keep its speed on this machine (`here`: its `fingerprint`,
+    default: of the device type the policy was measured on), or None."""
+    there = Machine.from_dict((measured or {}).get("machine"))
+    if there is None:
+        return None
+    if here is None:
+        if there.type == "cuda" and not torch.cuda.is_available():
+            return (f"the policy was measured on {there.name or 'a CUDA GPU'}; this machine has no CUDA: "
+                    "its speed-up will not hold here (run `ampatch tune` here).")
+        here = fingerprint("cuda" if there.type == "cuda" else "cpu")
+    if here.type != there.type:
+        return (f"the policy was measured on {there.type}, this run is on {here.type}: its speed-up "
+                "will not hold here (run `ampatch tune` here).")
+    native_there = there.native.get(half) if half else None
+    native_here = here.native.get(half) if half else None
+    if half and native_there is not None and native_here is not None and native_there != native_here:
+        how = {True: "native", False: "emulated"}
+        return (f"the policy was measured on {there.name}, where {half} is {how[native_there]}; here "
+                f"({here.name}) it is {how[native_here]}: its speed-up will not hold here (run "
+                "`ampatch tune` here).")
+    return None

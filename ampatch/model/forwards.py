@@ -34,7 +34,7 @@ from ..base.patcher import disable_casts
 from ..machine.tips import hint_dtype_error
 from ..base.tree import map_tensors
 
-__all__ = ["CastForward", "KeepForward", "UncastForward", "InputCast", "Replicate", "cast_tree", "wrap_outputs",
+__all__ = ["CastForward", "KeepForward", "UncastForward", "EAGER_UNDER_COMPILE", "InputCast", "Replicate", "cast_tree", "wrap_outputs",
            "install_forward", "keep_in_fp32", "forward_casts_bypassed", "is_wrapped"]
 
 
@@ -283,6 +283,10 @@ class UncastForward(KeepForward):
             return self.__wrapped__(*args, **kwargs)
         with disable_casts():  # (the casts at entry and exit are Tensor.to, never patched)
             return KeepForward.__call__(self, *args, **kwargs)
+
+
+# (class, method) that torch.compile must run eagerly while a session patches torch (`o1.dynamo`)
+EAGER_UNDER_COMPILE: tuple[tuple[type, str], ...] = ((UncastForward, "__call__"),)
 
 
 def keep_in_fp32(module: nn.Module, patcher, output_dtype: torch.dtype | None, casts_off: bool) -> None:

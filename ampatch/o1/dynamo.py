@@ -27,8 +27,8 @@ with autocast off (`_BACKEND_COMPILE`).
 
 A module kept in FP32 (`keep_fp32`) runs with casts off, but Dynamo chooses the casts of
 what it traces when it traces (`CastFunctionWrapper._torchdynamo_inline`), not where a
-module runs: so its forward wrapper (`forwards.UncastForward`) runs eagerly, outside the graph,
-with casts off as in eager mode (`_EAGER`, `torch.compiler.disable`: a graph break).
+module runs: so its forward wrapper (`model.forwards.UncastForward`, handed in as `eager`) runs eagerly,
+outside the graph, with casts off as in eager mode (`torch.compiler.disable`: a graph break).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import operator
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +49,6 @@ import wrapt
 from . import cache
 from . import rnn
 from ..base import tree
-from ..model.forwards import UncastForward
 from ..base import patcher
 from ..base.patcher import Patcher, disable_casts
 from . import plans, proxies, wrappers
@@ -66,8 +65,6 @@ _OPERATORS: dict[Callable, tuple[str, str | None]] = {
 }
 
 
-# (class, method) that Dynamo must run eagerly, outside the graph, while a session patches torch
-_EAGER: tuple[tuple[type, str], ...] = ((UncastForward, "__call__"),)
 
 # (module, class, method) of the steps that compile a captured graph: Dynamo's hand-over to the
 # backend (AOT Autograd traces forward and backward there) and AOT's lazy backward compile
@@ -137,14 +134,15 @@ def _eager_codes() -> Iterator[types.CodeType]:
                 yield from _codes(fn.__code__)
 
 
-def install(patcher: Patcher) -> None:
-    """Wrap Dynamo's method and operator entry points for the session (see the module doc).
+def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = ()) -> None:
+    """Wrap Dynamo's method and operator entry points for the session (see the module doc);
+    the methods in `eager` ((class, name): the forward of a kept module) run outside the graph.
 
     Importing Dynamo takes a second or two (and rebinds a few torch functions), so a
     session that starts before anything imported it installs on the first `torch.compile`
     call instead (`torch.compiler.compile` and `Module.compile` go through it too)."""
     if "torch._dynamo" in sys.modules:
-        _install_now(patcher)
+        _install_now(patcher, eager)
         return
     lock, done = threading.Lock(), []
 
@@ -152,13 +150,13 @@ def install(patcher: Patcher) -> None:
         with lock:
             if not done:
                 done.append(True)
-                _install_now(patcher)
+                _install_now(patcher, eager)
         return wrapped(*args, **kwargs)
 
     patcher.patch(torch, "compile", wrapt.FunctionWrapper(torch.compile, compile_first))
 
 
-def _install_now(patcher: Patcher) -> None:
+def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]]) -> None:
     try:
         from torch._dynamo.variables.builtin import BuiltinVariable
         from torch._dynamo.variables.tensor import TensorVariable
@@ -192,7 +190,7 @@ def _install_now(patcher: Patcher) -> None:
         return call_function(self, tx, args, kwargs)
 
     _compile_without_casts(patcher)
-    for cls, name in _EAGER:
+    for cls, name in eager:
         patcher.patch(cls, name, _eagerly(vars(cls)[name]))
     from torch._dynamo.eval_frame import skip_code
     for code in _eager_codes():  # a set in torch: adding twice is harmless

@@ -10,7 +10,7 @@ the session's `Patcher`, which restores everything on `deinitialize`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -83,17 +83,18 @@ class O1Patches:
         self.patcher, self.cache, self.ctx = patcher, cache, ctx
         self._decorated: dict[tuple[str, Any], CastFunctionWrapper] = {}
 
-    def install(self, registered: Iterable[tuple[Any, str, str]],
-                namespaces: Iterable[tuple[str, ModuleType]]) -> None:
+    def install(self, registered: Iterable[tuple[Any, str, str]], namespaces: Iterable[tuple[str, ModuleType]],
+                eager: Sequence[tuple[type, str]] = ()) -> None:
         """Patch every op the policy names, then RNN modules, `Tensor.data` (p.data changes
         drop p's casts), TorchScript (script without casts, trace with them) and
-        torch.compile (it sees the casts of Tensor methods too)."""
+        torch.compile (it sees the casts of Tensor methods too; the methods in `eager` run
+        outside its graphs, see `dynamo.install`)."""
         for target in find(registered, namespaces):
             self.patcher.patch(target.owner, target.name, build(target, self.ctx))
         patch_rnn_modules(self.patcher, self.ctx.cast_for, self.ctx.half_dtype)
         watch_data(self.cache, self.patcher)
         jit.install(self.patcher, self.cache)
-        dynamo.install(self.patcher)
+        dynamo.install(self.patcher, eager)
         logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
 
     def register(self, owner: Any, name: str, kind: str) -> None:

@@ -1,4 +1,4 @@
-"""What an optimizer handle (`optimizer.OptimizerHandle`) and whatever drives it (a
+"""What an optimizer handle (`optim.handle.OptimizerHandle`) and whatever drives it (a
 `Session`, Apex's FP16_Optimizer, a caller of its own) say to each other: where the handle's
 gradients stand (`OptState`), what the driver gives it (`HandleContext`: process group,
 callbacks, attributes to carry), and the check it runs at each step (`StepGuard`).

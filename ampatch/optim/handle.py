@@ -1,37 +1,9 @@
-"""One optimizer under mixed precision: gradient unscaling, skip-on-overflow, the patched step.
+"""One optimizer under mixed precision (`OptimizerHandle`): gradient unscaling into the
+masters, skip-on-overflow, the patched `step()` that copies masters back with foreach ops.
 
-Every optimizer gets an `OptimizerHandle`; its FP32 masters (O2/O5) are a `masters.Masters`.
-Gradient flow per iteration:
-
-- `before_backward` (scale_loss entry): grads that are already unscaled are kept apart
-  (own-master grads are stashed and set to None; fresh model grads of a half param are
-  moved into its master), so the coming backward writes only the new, scaled part;
-- `after_backward` (scale_loss exit): the new grads are unscaled into the masters with one
-  fused kernel that also detects inf/NaN, then the stash is added back;
-- `step`: skipped on overflow (params and state untouched, master grads dropped);
-  otherwise the optimizer runs with casts disabled and masters are copied into the model
-  with foreach ops.
-Model grads of half params are None after they were moved into masters, so master grads
-never leak across steps whichever way the user zeroes. Under master_weights "stochastic" /
-"kahan" (`lowmem.LowMemMasters`) the masters alias the bfloat16 weights, grads are moved
-without a copy, and the masters step the optimizer themselves, a chunk at a time.
-
-`optimizer.step(closure)` works where ampatch has nothing to do around the backward (no
-master weights and a static loss scale of 1.0: O0, O3, O4, and O1 in bfloat16); with master
-weights or loss scaling it raises `NotImplementedError`, because the closure's backward
-would bypass `scale_loss` (unless the driver scales the closure's backward itself:
-`HandleContext.scaled_closures`, Apex's FP16_Optimizer).
-
-Under torch.distributed (world size > 1) `before_backward` does not keep grads apart: it
-multiplies them by the coming scale and leaves them in `.grad` (master grads go back into
-the half model grads), because a `DistributedDataParallel` backward all-reduces whatever
-`.grad` holds; grads kept apart (micro-batches under `no_sync()`) would never be averaged
-across ranks. The first `scale_loss` also makes every rank's masters agree with the model
-that DDP's construction broadcast from rank 0.
-
-A handle needs no session: what it asks of its surroundings is a `HandleContext` (process
-group, callbacks), and the overflow verdict that skips its step comes from outside
-(`skip_next_step`, see `scaler.Verdict`).
+A handle needs no session: what it asks of its surroundings is a `HandleContext`, and the
+overflow verdict that skips its step comes from outside (`skip_next_step`). The gradient
+flow per iteration, closures, and what changes under torch.distributed: docs/internals.md.
 """
 from __future__ import annotations
 
@@ -187,8 +159,9 @@ class OptimizerHandle:
 
     def after_backward(self, scale: float, found_inf: torch.Tensor | None, delay_unscale: bool) -> torch.Tensor | None:
         """Unscale the new grads (into masters), check them, add the stash back; returns the
-        inf/NaN flag (ORed into `found_inf`). With `delay_unscale` the grads stay scaled."""
-        if delay_unscale:
+        inf/NaN flag (ORed into `found_inf`). With `delay_unscale` (or `unscale_waits`) the
+        grads stay scaled."""
+        if delay_unscale or self.unscale_waits():
             if self._stage is not OptState.SCALED:
                 self._resume, self._stage = self._stage, OptState.SCALED
             return found_inf
@@ -257,8 +230,7 @@ class OptimizerHandle:
                 "backward bypasses scale_loss. Call backward inside `with amp.scale_loss(...)` before "
                 "step(), or use a level without scaling (O0, O3, O4).")
         if self._stage is OptState.SCALED:
-            raise RuntimeError("scale_loss(..., delay_unscale=True) left scaled gradients before step(); the "
-                               "last scale_loss of an iteration must use delay_unscale=False.")
+            raise RuntimeError(self.still_scaled_message())
         self.resolve()
         if self.settle_skip():
             return None
@@ -340,20 +312,40 @@ class OptimizerHandle:
 
     def _state_dict(self, inner: Callable) -> dict:
         sd = inner()
-        if self.use_masters:
-            sd.update(self.masters.checkpoint())
+        sd.update(self.checkpoint_entries())
         return sd
 
     def _load_state_dict(self, inner: Callable, state_dict: dict) -> None:
-        """Everything is checked before anything is loaded: a rejected checkpoint (another
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
+        self.load_entries(dict(state_dict), inner)
+
+    # ------------------------------------------------------------------ hooks (optim.sharded overrides them)
+    def unscale_waits(self) -> bool:
+        """Whether the grads of the last backward cannot be unscaled yet: they stay scaled, as
+        under `delay_unscale`, until a backward that can (FSDP2 with gradient sync off keeps
+        them unreduced inside FSDP). Plain: never."""
+        return False
+
+    def still_scaled_message(self) -> str:
+        """Why step() refuses grads that are still scaled."""
+        return ("scale_loss(..., delay_unscale=True) left scaled gradients before step(); the last scale_loss of "
+                "an iteration must use delay_unscale=False.")
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """What `optimizer.state_dict()` carries besides torch's own (the masters)."""
+        return self.masters.checkpoint() if self.use_masters else {}
+
+    def load_entries(self, state_dict: dict, inner: Callable) -> None:
+        """`optimizer.load_state_dict`: ampatch's entries taken out of `state_dict` and checked,
+        torch's own `inner(state_dict)`, then the entries applied.
+
+        Everything is checked before anything is loaded: a rejected checkpoint (another
         model's shapes, tampered masters) leaves the optimizer, its masters and the model as
         they were. Saved FP32 masters go into whatever this optimizer steps: its masters, or,
         at a level without them (an O2 checkpoint resumed at O1), the model params themselves.
         The entry of master_weights "stochastic"/"kahan" (compensations, rounding seed)
         is loaded where this session uses that mode."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
-        state_dict = dict(state_dict)
         masters = state_dict.pop(MASTERS_KEY, None)
         lowmem = state_dict.pop(LOWMEM_KEY, None)
         params = list(self.params())

@@ -5,7 +5,7 @@ by FP32 masters made from the FP32 weights before the model was cast; FP32 param
 (batch norm, or every parameter at O1) are their own masters. `Masters` is that bookkeeping
 for one optimizer (which master belongs to which model param, copying between them, moving
 model grads into master grads, the checkpoint entry, undoing the swap). When and why grads
-move is `optimizer.OptimizerHandle`'s job.
+move is `optim.handle.OptimizerHandle`'s job.
 """
 from __future__ import annotations
 

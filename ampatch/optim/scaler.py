@@ -271,7 +271,7 @@ def abort(handles: Sequence[Any], scale: float) -> None:
     scaled grads that a later step applies. A non-finite new part makes the next step
     skip. The verdict is local (no collective on an exception path: the other ranks are
     not in this block) and the scale is left alone (it must stay equal on every rank).
-    `handles`: the block's `optimizer.OptimizerHandle`s."""
+    `handles`: the block's `optim.handle.OptimizerHandle`s."""
     found_inf = None
     for h in handles:
         found_inf = h.after_backward(scale, found_inf, delay_unscale=False)

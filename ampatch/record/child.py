@@ -1,5 +1,5 @@
-"""The diagnosed run's side: `Session.setup` calls `attach` when ``AMPATCH_DIAGNOSE=PATH`` is
-set (by `ampatch diagnose`, or by hand), and PATH receives the `Recording` as JSON, once the
+"""The diagnosed run's side: the session calls `attach` (handed to it by the public API)
+when ``AMPATCH_DIAGNOSE=PATH`` is set (by `ampatch diagnose`, or by hand), and PATH receives the `Recording` as JSON, once the
 recording's steps are done, or at exit with what was recorded so far.
 
 The recording lasts ``AMPATCH_MAX_STEPS`` optimizer steps when that is set (the session then
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..session import fsdp
-from ..session.exit_json import ExitJson
+from ..model.sharded import is_sharded
+from ..base.exit_json import ExitJson
 from .recorder import Recorder
 from .records import FORMAT, Recording
 
@@ -67,13 +67,13 @@ def attach(session: Any, models: Sequence[nn.Module], path: str, eps_lost: Seque
     the optimizers whose Adam eps float16 rounds to 0 (`tips.eps_lost_in_float16`)."""
     props = session.properties
     masters = _masters(session)
-    sharded = fsdp.is_sharded(models)
+    sharded = is_sharded(models)
     recorder = Recorder(models, props.half_dtype, session.overrides.max_steps or DEFAULT_STEPS,
                         masters=lambda p: masters.get(id(p)), shadows=not sharded,
                         on_done=lambda r: _output.write(tracked))
     notes = [f"{line}: float16 rounds that eps to 0; with float16 parameters stepped in float16, any weight "
              "whose gradient is 0 becomes NaN. Use O2 (FP32 masters), bfloat16, or eps=1e-4."
-             for line in eps_lost]  # (what Session.setup found with tips.eps_lost_in_float16)
+             for line in eps_lost]  # (what the session found with tips.eps_lost_in_float16)
     if sharded:
         notes.append("FSDP-sharded model: no FP32 shadows (local errors are not measured); inf/NaN and "
                      "underflow are.")

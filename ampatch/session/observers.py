@@ -3,24 +3,26 @@
 The session tells each observer about every loss it scales (loss id 0) and every step of
 its first optimizer, and closes them when it closes. `attach` makes the list from the
 environment (`env.Overrides`): the report written at exit (AMPATCH_REPORT), the diagnose
-recorder (AMPATCH_DIAGNOSE, `ampatch.record`), and the end of the process after N steps
+recorder (AMPATCH_DIAGNOSE: started by the `RecorderFactory` the caller passes in, the public API's
+`ampatch.record`, which sits beside the session and is not imported here), and the end of the process after N steps
 (AMPATCH_MAX_STEPS), last, so that the others saw the final step first.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..config.env import MAX_STEPS, Overrides
-from .exit_json import exit_report
+from ..config.env import DIAGNOSE, MAX_STEPS, Overrides
+from ..base.exit_json import exit_report
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Observer", "StopAfter", "ReportAtExit", "attach"]
+__all__ = ["Observer", "RecorderFactory", "StopAfter", "ReportAtExit", "attach"]
 
 
 class Observer(Protocol):
@@ -29,6 +31,10 @@ class Observer(Protocol):
     def on_step(self, skipped: bool) -> None: ...
 
     def close(self) -> None: ...
+
+
+# (session, models, path, eps_lost) -> the diagnose recorder, an Observer (`ampatch.record.child.attach`)
+RecorderFactory = Callable[[Any, Sequence[nn.Module], str, Sequence[str]], Observer]
 
 
 class StopAfter:
@@ -80,17 +86,19 @@ class ReportAtExit:
         exit_report.release(self.session)
 
 
-def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides,
+def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides, recorder: RecorderFactory | None = None,
            eps_lost: Sequence[str] = ()) -> list[Observer]:
     """Attach the observers `overrides` ask for to `session.observers`, in the order they are
     told of each step; each is there as soon as it exists, so that `Session.close` releases it
-    even when a later one fails to attach."""
+    even when a later one fails to attach. `eps_lost`: `tips.eps_lost_in_float16`'s findings."""
     observers: list[Observer] = session.observers
     if overrides.report:
         observers.append(ReportAtExit(session, overrides.report))
-    if overrides.diagnose:  # per-module statistics for `ampatch diagnose` (loaded only then)
-        from ..record.child import attach as attach_recorder
-        observers.append(attach_recorder(session, models, overrides.diagnose, eps_lost=eps_lost))
+    if overrides.diagnose:  # per-module statistics for `ampatch diagnose`
+        if recorder is None:
+            raise RuntimeError(f"{DIAGNOSE} is set, but this session was opened without a recorder; open it through "
+                               "amp.initialize.")
+        observers.append(recorder(session, models, overrides.diagnose, eps_lost))
     if overrides.max_steps is not None:
         observers.append(StopAfter(overrides.max_steps))
     return observers

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .fsdp import ORDER, ShardedOptimizerHandle
+from ..model.sharded import ORDER, Units, sharded_modules
 from ..optim.handle import OptimizerHandle
 
 __all__ = ["ParamGuard"]
@@ -32,8 +32,8 @@ class ParamGuard:
 
     def __init__(self, models: Sequence[nn.Module], handles: Sequence[OptimizerHandle]) -> None:
         self.models = list(models)
-        # FSDP2's parameter records of the models that were sharded at initialize (see setup)
-        self._units = {id(u.model): u for h in handles if isinstance(h, ShardedOptimizerHandle) for u in h.units}
+        # FSDP2's parameter records of the models that were sharded at initialize
+        self._units = {id(m): Units(m) for m in self.models if sharded_modules(m)}
         self._held = {id(h): h.model_params() for h in handles}
         where = self._registrations()
         self._watch = {hid: self._watched(hid, where) for hid in self._held}

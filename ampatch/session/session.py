@@ -1,9 +1,9 @@
 """One object holding everything an `initialize` call set up; its one job: set up, step, close.
 
-Made from a checked call (`options.Prepared`). The set-up proper is `setup.setup` or
-`fsdp.setup` (each returns what it built); what watches from outside (report at exit,
-diagnose recorder, end after N steps) is a list of `observers`; `telemetry` assembles the
-report and `tips` words the warnings. The live session is held in `current`.
+Opened on a checked call (`build.Prepared`): `build.build` makes the model and optimizer
+handles, plain or sharded; what watches from outside (report at exit, the diagnose
+recorder, end after N steps) is a list of `observers`; `telemetry` assembles the report.
+The live session is held in `current`.
 """
 from __future__ import annotations
 
@@ -17,26 +17,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fsdp, observers, setup
-from ..machine import hardware, tips
-from ..model import keep
-from ..o1 import lists
-from ..o1.cache import CastCache
+from . import build, observers
+from ..base.notices import warn
+from ..base.patcher import Patcher
 from ..config import levels
 from ..config.env import Overrides
+from ..config.options import Options
 from ..config.properties import Properties
-from ..model.cast import ModelHandle
-from ..base.notices import warn
+from ..machine import hardware, tips
+from ..model import keep
+from ..model.forwards import EAGER_UNDER_COMPILE
+from ..o1 import lists
+from ..o1.cache import CastCache
 from ..o1.install import O1Patches
+from ..o1.lists import user as user_policy
+from ..o1.wrappers import WrapContext
 from ..optim.context import HandleContext, OptState
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import state_bytes
-from ..config.options import Options, Prepared, optimizer_list
-from .param_guard import ParamGuard
-from ..base.patcher import Patcher
-from ..o1.wrappers import WrapContext
-from ..o1.lists import user as user_policy
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
+from .param_guard import ParamGuard
 from .report import Report
 from .telemetry import Telemetry
 
@@ -56,7 +56,7 @@ class Session:
         self.telemetry = Telemetry(record=overrides.report is not None, time_wrappers=overrides.time_wrappers,
                                    progress=overrides.progress)
         self.scalers = [self._scaler() for _ in range(options.num_losses)]
-        self.models: list[ModelHandle | fsdp.ShardedModel] = []
+        self.models: list[Any] = []  # model.cast.ModelHandle, or model.sharded.ShardedModel
         self.optimizers: list[OptimizerHandle] = []
         self.kept: list[keep.Kept] = []  # the modules kept in FP32 (keep_fp32, AMPATCH_KEEP_FP32)
         self.observers: list[observers.Observer] = []
@@ -66,35 +66,38 @@ class Session:
         self._last_loss: torch.Tensor | None = None
 
     @classmethod
-    def open(cls, prepared: Prepared,
-             attributes: Callable[[OptimizerHandle], dict[str, Any]] | None = None) -> "Session":
-        """A session set up on the prepared models and optimizers; one that fails half-way is
-        closed (everything it changed undone) before the error propagates. `attributes`: see
-        `HandleContext.attributes`."""
+    def open(cls, prepared: build.Prepared, attributes: Callable[[OptimizerHandle], dict[str, Any]] | None = None,
+             recorder: observers.RecorderFactory | None = None) -> Session:
+        """A session set up on the prepared models and optimizers: models cast, masters made,
+        optimizers and (O1/O4) torch patched. One that fails half-way is closed (everything it
+        changed undone) before the error propagates. `attributes`: see
+        `HandleContext.attributes`; `recorder`: what starts diagnose's recorder when
+        ``AMPATCH_DIAGNOSE`` asks for one (`observers.attach`)."""
         session = cls(prepared.properties, prepared.options, prepared.overrides, attributes)
         try:
-            session.setup(prepared.models, prepared.optimizers)
+            session._set_up(prepared.models, prepared.optimizers, recorder)
         except BaseException:
             session.close()
             raise
         return session
 
-    # ------------------------------------------------------------------ set-up
-    def setup(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
-        """Cast models, make masters, patch optimizers and (O1/O4) torch itself."""
+    def _set_up(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                recorder: observers.RecorderFactory | None) -> None:
         props = self.properties
         self.device = hardware.check_half(models, props.half_dtype if props.enabled and props.half_name else None,
                                           self.verbosity)
+        if props.enabled:
+            build.check_incoming_dtypes(models)
         self.kept = keep.select(models, self.options.keep_fp32, self.overrides.keep_fp32,
                                 props.enabled and props.casts_model, self.warn)
         if not props.enabled:
             return
         if levels.uses_half(props.opt_level):
             tips.log_dims_tip(models, self.verbosity)
-        kept = setup.keep_forwards(self.kept, props, self.patcher)
-        build = fsdp.setup if fsdp.is_sharded(models) else setup.setup
-        self.models, self.optimizers = build(props, models, optimizers, self.patcher, self._handle_context(), kept)
-        setup.wrap_model_outputs(models, props, self.patcher, kept)
+        kept = build.keep_forwards(self.kept, props, self.patcher)
+        self.models, self.optimizers = build.build(props, models, optimizers, self.patcher, self._handle_context(),
+                                                   kept)
+        build.wrap_model_outputs(models, props, self.patcher, kept)
         self.guard = ParamGuard(models, self.optimizers)
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
@@ -102,8 +105,8 @@ class Session:
         if lost:
             self.warn(tips.eps_lost_warning(lost, props.opt_level))
         if props.patch_torch_functions:
-            self.o1.install(user_policy.REGISTERED, lists.NAMESPACES)
-        observers.attach(self, models, self.overrides, lost)
+            self.o1.install(user_policy.REGISTERED, lists.NAMESPACES, EAGER_UNDER_COMPILE)
+        observers.attach(self, models, self.overrides, recorder, lost)
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
     def _scaler(self) -> LossScaler:
@@ -122,9 +125,9 @@ class Session:
     def add_optimizer(self, optimizer: torch.optim.Optimizer, num_losses: int = 1) -> OptimizerHandle:
         """Bring an optimizer into the live session, with at least `num_losses` loss scalers
         (Apex's `amp.init()` handle takes its optimizers after the session started)."""
-        h = next((h for h in self.optimizers if h.optimizer is optimizer), None)
+        h = self.find(optimizer)
         if h is None:
-            _, (h,) = setup.setup(self.properties, [], [optimizer], self.patcher, self._handle_context(),
+            _, (h,) = build.build(self.properties, [], [optimizer], self.patcher, self._handle_context(),
                                   first_index=len(self.optimizers))
             h.install(self.patcher)
             self.optimizers.append(h)
@@ -145,13 +148,17 @@ class Session:
 
     def register_now(self, owner: Any, name: str, kind: str) -> None:
         """A registration made while this session patches torch takes effect at once."""
-        if self.properties.enabled and self.properties.patch_torch_functions and not self.closed:
+        if self.properties.patches_torch and not self.closed:
             self.o1.register(owner, name, kind)
 
     # ------------------------------------------------------------------ training loop
+    def find(self, optimizer: torch.optim.Optimizer) -> OptimizerHandle | None:
+        """The handle of `optimizer`, or None when this session does not hold it."""
+        return next((h for h in self.optimizers if h.optimizer is optimizer), None)
+
     def handle(self, optimizer: torch.optim.Optimizer, what: str = "scale_loss") -> OptimizerHandle:
         """The handle of `optimizer`; `what` names the caller in the error for a stranger."""
-        h = next((h for h in self.optimizers if h.optimizer is optimizer), None)
+        h = self.find(optimizer)
         if h is not None:
             return h
         raise RuntimeError(f"{what} got an optimizer that was not passed to amp.initialize; pass every "
@@ -201,7 +208,7 @@ class Session:
             found_inf = None
             for h in handles:
                 found_inf = h.after_backward(scale, found_inf, delay_unscale)
-            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):  # fsdp: kept scaled
+            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):  # sharded, sync off: kept scaled
                 verdict = Verdict(scaler, found_inf, process_group=self.options.process_group,
                                   iteration=lambda: self.iteration, on_overflow=self._skipper(handles, loss_id))
                 if delay_overflow_check:
@@ -277,7 +284,20 @@ class Session:
             self.closed = True
             self._last_loss = None
             try:
-                setup.undo(self.models, self.optimizers)
+                build.undo(self.models, self.optimizers)
             finally:  # whatever failed above, torch itself is restored
                 self.patcher.restore_all()
                 self.cache.clear()
+
+
+def optimizer_list(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """`scale_loss`'s optimizers (a list/tuple) as a list: at least one, each once."""
+    opts = list(optimizers)
+    if not opts:
+        raise ValueError("scale_loss got no optimizer: pass the optimizer(s) whose params this loss's "
+                         "backward reaches (they unscale the grads and skip the step on overflow).")
+    for i, o in enumerate(opts):
+        if any(o is other for other in opts[:i]):
+            raise ValueError(f"scale_loss got the same optimizer twice (optimizers[{i}]); pass each once, or "
+                             "its grads would be unscaled twice.")
+    return opts

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ampatch.runs.deviation import MIN_FALL, MIN_SHARE, NOISE_MARGIN, WINDOW
-from ampatch.config.policy_file import Policy, fingerprint
+from ampatch.config.policy_file import Policy
+from ampatch.machine.hardware import fingerprint
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.search import Result
 

@@ -2,7 +2,7 @@
 `fp16_optimizer`, `apex.optimizers.FP16_Optimizer` in `optimizers.fp16_optimizer`), over ampatch's
 own machinery and with no session: the wrapped optimizer's FP32 masters, the unscale into them
 with the inf/NaN check, the skipped step and the copy back into the half model are an
-`optimizer.OptimizerHandle`; the scale rule is a `scaler.LossScaler` (settled by a
+`optim.handle.OptimizerHandle`; the scale rule is a `scaler.LossScaler` (settled by a
 `scaler.Verdict`).
 
 The handle patches the wrapped optimizer with the wrapper's own `Patcher`, independent of any

@@ -1,51 +1,11 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`): every opt level on sharded models.
+"""FSDP2-sharded models (`fully_shard`) at O2/O3/O5, beside `cast.ModelHandle` for plain ones.
 
-One supported order: shard, then build the optimizer, then initialize.
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
-
-What a level means for a sharded model:
-
-- O0, O1, O4: the model is left alone (O1/O4 patch torch functions as they do without
-  FSDP); the optimizer steps the sharded FP32 parameters.
-- O2, O5 (master weights): the level becomes FSDP2's own mixed precision on every sharded
-  unit. The sharded FP32 parameters are the masters that the optimizer steps; each unit
-  all-gathers half copies of them for forward and backward (`param_dtype` = half) and
-  reduces gradients in FP32 (`reduce_dtype` = float32). There is no second copy of the
-  weights. FSDP2 all-gathers one dtype per unit, so `keep_batchnorm_fp32` holds only for a
-  batch norm that is a `fully_shard` unit of its own, and `keep_fp32` only for modules made
-  units of their own (or of units inside them); one that shares a unit with layers in half
-  raises `ValueError`.
-- O3 (no master weights): the sharded parameters themselves become half; the optimizer
-  steps half parameters and gradients are reduced in half.
-- master_weights "stochastic" / "kahan" are refused at `initialize` (ValueError naming the
-  alternatives): they step an optimizer over the model's own bfloat16 tensors a chunk at a
-  time, and under FSDP2 those are DTensor shards that FSDP2 itself re-registers; FSDP2's
-  O5 (sharded FP32 masters) already divides the masters' memory by the number of ranks.
-
-At O2/O3/O5 floating buffers (batch norms excepted with `keep_batchnorm_fp32`) go to half,
-forward inputs to half and outputs to FP32 (or `cast_model_outputs`), and
-`model.state_dict()` holds FP32 tensors, as without FSDP. `deinitialize` puts back the
-units' own mixed-precision policies and dtypes.
-
-Loss scaling is unchanged: the gradients are FSDP's sharded gradients after its
-reduce-scatter; each rank unscales and checks its own shard and the overflow flag is
-all-reduced, so every rank skips the same steps. A backward under
-`set_requires_gradient_sync(False)` leaves its gradients inside FSDP, unreduced and
-scaled: their unscale and overflow verdict wait for the backward that syncs, as with
-`scale_loss(..., delay_unscale=True)`.
-
-`ParamGuard` (every session, sharded or not) catches the other orders: a parameter an
-optimizer steps that the model no longer holds (`fully_shard` or another wrapper that
-swaps parameters after `initialize`, `load_state_dict(assign=True)`) raises at that
-optimizer's next `step()`, instead of training orphans while the model never changes.
-
-FSDP2 has no public API to change a unit's mixed-precision policy or parameter dtype after
-`fully_shard`; the internals used for it are confined to `_Units` below (torch 2.6+).
+O2/O5 become FSDP2's own mixed precision on every unit (the sharded FP32 parameters are the
+masters; half copies are all-gathered for forward and backward, gradients reduced in FP32);
+O3 turns the sharded parameters themselves half. `ShardedModel.restore` puts back each
+unit's own policy and dtypes. FSDP2 has no public API to change a unit's policy or
+parameter dtype after `fully_shard`: the internals used for it are confined to `Units`
+(torch 2.6+). The whole story, with the order of calls it supports: docs/fsdp.md.
 """
 from __future__ import annotations
 
@@ -60,11 +20,8 @@ from torch import nn
 from ..base.dtypes import LOW
 from ..config.properties import Properties
 from ..config.values import MasterMode
-from ..optim.masters import MASTERS_KEY
-from ..model.forwards import wrap_outputs
-from ..model.cast import is_batchnorm, modules_to_cast, params_to_cast
-from ..optim.context import HandleContext, OptState
-from ..optim.handle import OptimizerHandle
+from .cast import is_batchnorm, modules_to_cast, params_to_cast
+from .forwards import wrap_outputs
 
 logger = logging.getLogger("ampatch")
 
@@ -97,7 +54,7 @@ def is_sharded(models: Iterable[nn.Module]) -> bool:
     return any(sharded_modules(m) for m in models)
 
 
-class _Units:
+class Units:
     """The FSDP2 states (one per `fully_shard` call) of a model, and every access to FSDP2
     internals that ampatch needs: parameter groups, per-parameter state, policies."""
 
@@ -205,7 +162,7 @@ def _probe(states: Sequence[Any], groups: Sequence[Any], params: Sequence[Any]) 
 class ShardedModel:
     """One FSDP2-sharded model at O2/O3/O5: the level set on its units, undone by `restore`."""
 
-    def __init__(self, units: _Units, props: Properties, patcher: Any, kept: Collection[int] = frozenset()) -> None:
+    def __init__(self, units: Units, props: Properties, patcher: Any, kept: Collection[int] = frozenset()) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy  # imported already: the model is sharded
         self.units = units
         model = units.model
@@ -303,46 +260,7 @@ def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_met
     return state_dict
 
 
-class ShardedOptimizerHandle(OptimizerHandle):
-    """An optimizer over FSDP2-sharded parameters.
-
-    At O2/O5 its parameters, the sharded FP32 ones, are the masters (`use_masters`: every
-    unscale is checked, even at a static scale of 1.0), and no separate copies exist:
-    nothing to copy after a step, no extra entry in `state_dict()`. A backward under
-    `set_requires_gradient_sync(False)` keeps its grads scaled (see the module docstring).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, index: int, masters: bool, units: Sequence[_Units],
-                 context: HandleContext = HandleContext()) -> None:
-        super().__init__(optimizer, index, None, context)
-        self.use_masters = masters
-        self.units = list(units)
-
-    def syncs_off(self) -> bool:
-        return any(u.syncs_off() for u in self.units)
-
-    def after_backward(self, scale: float, found_inf: torch.Tensor | None, delay_unscale: bool) -> torch.Tensor | None:
-        return super().after_backward(scale, found_inf, delay_unscale or self.syncs_off())
-
-    def _step(self, inner: Any, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if self.stage is OptState.SCALED and self.syncs_off():
-            raise RuntimeError("optimizer.step() after a backward with FSDP2 gradient sync off: the gradients are "
-                               "still inside FSDP, unreduced. Call model.set_requires_gradient_sync(True) before the "
-                               "last micro-batch's backward.")
-        return super()._step(inner, closure, *args, **kwargs)
-
-    def _state_dict(self, inner: Any) -> dict:
-        return inner()  # the masters are the sharded params: in the model's state dict already
-
-    def _load_state_dict(self, inner: Any, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        if state_dict.pop(MASTERS_KEY, None) is not None:
-            logger.info("ampatch: the optimizer checkpoint carries FP32 masters from an unsharded run; under FSDP2 "
-                        "the masters are the sharded params, loaded with the model's state dict.")
-        inner(state_dict)
-
-
-def _check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """An optimizer built before fully_shard holds the replaced (unsharded) tensors."""
     dtensor = _dtensor_class()
     if dtensor is None or not optimizers:
@@ -357,36 +275,3 @@ def _check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
         raise RuntimeError(f"amp.initialize: the optimizer holds {len(orphans)} tensors that are not the sharded "
                            f"model's parameters, and the model's sharded parameters ({', '.join(unheld[:3])}...) are "
                            f"in no optimizer: it was built before fully_shard. The order under FSDP2: {ORDER}.")
-
-
-def setup(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-          patcher: Any, context: HandleContext = HandleContext(), kept: Collection[int] = frozenset(),
-          ) -> tuple[list[ShardedModel], list[ShardedOptimizerHandle]]:
-    """The level on FSDP2-sharded models (see the module docstring), beside `plain.setup` for
-    unsharded ones: returns the models' and the optimizers' handles (no model handles at
-    O0/O1/O4, where the models are left alone; their outputs are `plain.wrap_model_outputs`'
-    job). `kept`: the ids of the modules `keep_fp32` keeps and of those inside them."""
-    if props.master_mode.low_memory:
-        raise ValueError(f"master_weights={props.master_mode.value!r} is not supported on FSDP2-sharded models "
-                         "(fully_shard): use master_weights=True (O5: FSDP2 keeps sharded FP32 masters, their memory "
-                         "divided by the number of ranks), or replicate with DistributedDataParallel instead of "
-                         "fully_shard to keep the low-memory mode.")
-    units = [_Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
-    if props.casts_model and not all(u.modules for u in units):
-        raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
-                         "of them.")
-    _check_order(models, optimizers)
-    masters = props.master_mode is MasterMode.FP32
-    handles = [ShardedOptimizerHandle(opt, i, masters, units, context) for i, opt in enumerate(optimizers)]
-    sharded: list[ShardedModel] = []
-    if props.casts_model:
-        try:
-            for u in units:
-                sharded.append(ShardedModel(u, props, patcher, kept))
-        except BaseException:  # the units set up so far go back (a failing one restored itself)
-            for m in sharded:
-                m.restore()
-            raise
-        for h in handles:
-            h.recast_state()
-    return sharded, handles
