@@ -8,7 +8,7 @@
 This module is the public API and nothing else: `initialize` turns its keywords into one
 checked `config.options.Options`, with the environment read once (`session.build.outside`);
 `session.build.prepare` checks the call as a whole before anything changes, and each
-function delegates to the live `Session` (`session.session`, held by `session.current`).
+function delegates to the live `Session` (`session.session.current()`).
 Apex's compatibility names (`_amp_state`, `init`, the optimizers' `_amp_stash`) come from
 `ampatch.compat`, and diagnose's recorder from `ampatch.record`, each imported only when
 first used; no framework is imported here either.
@@ -33,8 +33,8 @@ from .o1.lists import user as _user_policy
 from .o1.plans import BFLOAT16, FLOAT, HALF, PROMOTE
 from .optim.scaler import check_loss_id as _check_loss_id
 from .session.build import outside, prepare, takes_policy
-from .session.current import current as _current
-from .session.current import set_current as _set_current
+from .session.session import current as _current
+from .session.session import set_current as _set_current
 from .session.report import Report
 from .session.session import Session
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.session.current import current
+from ampatch.session.session import current
 from ampatch.base.patcher import cast_switch
 
 N = 100_000

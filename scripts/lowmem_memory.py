@@ -75,7 +75,7 @@ def measure(mode: str, a: argparse.Namespace) -> dict:
 
 def _compensation_bytes() -> int:
     """The kahan compensations: not among the tensors `persistent_bytes` walks."""
-    from ampatch.session.current import current
+    from ampatch.session.session import current
     session = current()
     return sum(c.numel() * c.element_size() for h in session.optimizers for c in getattr(h.masters, "comp", {}).values())
 

@@ -219,7 +219,7 @@ def lowmem_ranks(rank: int, mode: str) -> dict[str, Any]:
     weights agree, and the first scale_loss must make the rounding seeds and step counts (stochastic)
     and the compensations (kahan) agree too, or the ranks drift apart. Rank 1 alone sees an
     inf at INJECT_STEP: both skip. Then two micro-batches, the first under `no_sync()`."""
-    from ampatch.session.current import current
+    from ampatch.session.session import current
     torch.manual_seed(100 + rank)
     model, opt = _setup(Net("batch"), "O5", torch.bfloat16, lr=0.01, master_weights=mode)
     ddp = DDP(model)

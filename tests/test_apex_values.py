@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import env, levels, properties
+from ampatch.config import env, levels, options
 from _config import props
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -148,7 +148,7 @@ ACCEPTED = [  # (level, override, attribute, value): accepted by Apex, with its 
 
 @pytest.mark.parametrize("level, override", REFUSED, ids=lambda v: str(v))
 def test_what_apex_refused_raises(level, override) -> None:
-    with pytest.raises(properties.OverrideError) as err:
+    with pytest.raises(options.OverrideError) as err:
         props(level, **override)
     assert isinstance(err.value, ValueError) and isinstance(err.value, RuntimeError)  # ours, and Apex's type
     assert "O2" in str(err.value) or "O1" in str(err.value)  # names the level that does what was meant
@@ -188,7 +188,7 @@ def test_unknown_level_is_apex_runtime_error_too() -> None:
 
 def test_env_float16_does_not_apply_at_bfloat16_levels(monkeypatch, caplog) -> None:
     monkeypatch.setenv("AMPATCH_HALF_DTYPE", "float16")
-    forced = env.read()  # initialize reads the environment once and hands it to properties.resolve
+    forced = env.read()  # initialize reads the environment once and hands it to options.resolve
     assert props("O1", overrides=forced).half_dtype == F16
     with caplog.at_level("WARNING", logger="ampatch"):
         assert props("O4", overrides=forced).half_dtype == BF16

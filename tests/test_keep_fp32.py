@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.session.current import current as live_session
+from ampatch.session.session import current as live_session
 from ampatch.config import env
 from ampatch.model import keep
 from ampatch.model.forwards import forward_casts_bypassed

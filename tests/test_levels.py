@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import levels, properties
+from ampatch.config import levels
 from _config import props
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -40,7 +40,7 @@ def expected_row(level: str, half: torch.dtype) -> dict:
     }[level]
 
 
-def row_of(props: properties.Properties) -> dict:
+def row_of(props: options.Properties) -> dict:
     return {k: getattr(props, k) for k in ("cast_model_type", "patch_torch_functions",
                                            "keep_batchnorm_fp32", "master_weights", "loss_scale")}
 

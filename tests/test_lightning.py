@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampatch as amp
-from ampatch.session.current import current as live_session
+from ampatch.session.session import current as live_session
 
 L = pytest.importorskip("lightning.pytorch")
 from ampatch.lightning import AmpatchPrecision  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.session.current import current
+from ampatch.session.session import current
 
 F32, BF16 = torch.float32, torch.bfloat16
 MODES = ["stochastic", "kahan"]

@@ -178,7 +178,7 @@ def test_rnn_cells_run_in_half(half, cls):
 
 # ----------------------------------------------------------------- the cast cache
 def _cache():
-    from ampatch.session.current import current
+    from ampatch.session.session import current
     return current().cache
 
 

@@ -25,7 +25,7 @@ def o1(half, *models, **kw):
 
 
 def _cache():
-    from ampatch.session.current import current
+    from ampatch.session.session import current
     return current().cache
 
 

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import env, levels, properties
+from ampatch.config import env, levels
 from ampatch.session import observers
 from ampatch.base import tree
-from ampatch.session.current import current
+from ampatch.session.session import current
 from ampatch.optim.masters import Masters
 from ampatch.config.options import NO_CAST, Options
 from _config import props

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import env, properties
+from ampatch.config import env
 from ampatch.cli import main
 from ampatch.machine.hardware import Machine, fingerprint, policy_warning
 from ampatch.config.policy_file import Policy, PolicyError, from_outside, load, save

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.session.current import current
+from ampatch.session.session import current
 
 FP16, BF16 = torch.float16, torch.bfloat16
 

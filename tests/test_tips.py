@@ -244,7 +244,7 @@ def test_cast_model_hint_names_what_helps_there_not_registrations(level: str) ->
 
 
 def amp_half_for(level: str) -> torch.dtype:
-    from ampatch.config import levels, properties
+    from ampatch.config import levels
     return props(level).half_dtype
 
 

@@ -8,7 +8,7 @@
 - `variant(text)`: a level with a low-memory master mode, as the command line names it
   ("O5+kahan" -> ("O5", "kahan")), and `variant_label` back.
 
-Data and pure functions only: `properties.resolve` turns a level plus overrides into a
+Data and pure functions only: `options.resolve` turns a level plus overrides into a
 session's `Properties`.
 """
 from __future__ import annotations

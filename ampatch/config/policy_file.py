@@ -19,7 +19,7 @@ level's default (or the script's own). It is applied two ways:
   --policy`` set) for an unmodified script (`from_outside`): the file's fields act as
   ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
   ``AMPATCH_KEEP_FP32`` would, by the one rule of settings from outside
-  (`properties.resolve`): its level wins, and each of the script's keywords that conflicts
+  (`options.resolve`): its level wins, and each of the script's keywords that conflicts
   with it is dropped, with a warning. Its ``keep_fp32`` is added to the script's own (as
   ``tune`` measured it); those variables, when set as well, still win.
 
@@ -197,7 +197,7 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
     were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
     ``AMPATCH_KEEP_FP32``, ``AMPATCH_MASTER_WEIGHTS`` (which, when set too, still win; its ``keep_fp32`` is added to
     theirs): from outside, a policy beats the script by the same rule as those variables
-    (`properties.resolve`). Raises `PolicyError` for a missing or bad file."""
+    (`options.resolve`). Raises `PolicyError` for a missing or bad file."""
     if overrides.policy is None:
         return overrides
     pol = load(overrides.policy)

@@ -28,7 +28,7 @@ from ..frameworks.level import LevelChoice
 from ..config.values import MasterMode
 from ..frameworks import scheduler_guard
 from ..base.patcher import Patcher
-from ..session.current import current
+from ..session.session import current
 from .checks import check_accelerator, check_args, check_environment
 
 try:

@@ -18,7 +18,7 @@ from .. import load_state_dict, state_dict
 from ..frameworks.level import DEFAULT_LEVEL, LevelChoice
 from ..model.default_dtype import default_dtype
 from ..model.forwards import cast_tree
-from ..session.current import current
+from ..session.session import current
 from .framework import set_compute_dtype
 
 logger = logging.getLogger("ampatch")

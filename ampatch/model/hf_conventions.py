@@ -15,9 +15,6 @@ has, so other models pay nothing and a user's own model with the same shape (a
   its config names, so it would turn the FP32 checkpoint into a half model (which O1 would
   then train in pure half, and O2 would give masters rounded to half). The config records
   the dtype the model had before the cast instead, like the checkpoint of an FP32 run.
-- Accelerate (`check_not_accelerated`): what `accelerator.prepare` returns is refused by
-  `amp.initialize` where the two would fight (autocast around the forward; the
-  AcceleratedOptimizer wrapper): initialize first, then prepare.
 
 (`ampatch.huggingface` is the Trainer integration; this module is core and needs nothing.)
 """
@@ -85,25 +82,3 @@ class SavePretrained:
                            "config.json that names the half dtype; the local copy names %s. Push that folder "
                            "again, or push after amp.deinitialize().", self.dtype_name)
         return out
-
-
-def check_not_accelerated(models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-    """Refuse what Hugging Face Accelerate's `prepare` made, where it would fight ampatch:
-    a model whose forward Accelerate wrapped in autocast (`Accelerator(mixed_precision=
-    "fp16"/"bf16")`: two AMPs at once), or an `AcceleratedOptimizer` (its step and
-    zero_grad belong to Accelerate's wrapper, and under DDP the model inside was wrapped
-    with its FP32 params). Recognized by what Accelerate leaves behind, without importing it.
-    """
-    for model in models:
-        if "_original_forward" in vars(model):
-            raise ValueError(
-                f"amp.initialize got a {type(model).__name__} whose forward Hugging Face Accelerate wrapped in "
-                "autocast (Accelerator(mixed_precision='fp16'/'bf16')): two mixed-precision schemes at once. "
-                "Use Accelerator(mixed_precision='no') and call amp.initialize on the model and optimizer "
-                "before accelerator.prepare(...).")
-    for optimizer in optimizers:
-        if type(optimizer).__name__ == "AcceleratedOptimizer" and type(optimizer).__module__.startswith("accelerate"):
-            raise ValueError(
-                "amp.initialize got an AcceleratedOptimizer (the result of accelerator.prepare): call "
-                "amp.initialize on the bare model and optimizer first, then accelerator.prepare(...) on what it "
-                "returns, with Accelerator(mixed_precision='no'); pass the initialized optimizer to scale_loss.")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..base.dtypes import LOW
-from ..config.properties import Properties
+from ..config.options import Properties
 from ..config.values import MasterMode
 from .cast import is_batchnorm, modules_to_cast, params_to_cast
 from .forwards import wrap_outputs

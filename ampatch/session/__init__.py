@@ -1,9 +1,9 @@
 """One `initialize` call's session: set up, step, close.
 
-- `session`: the `Session` object (its one job: set up, step, close);
-- `current`: the one live session of the process;
-- `setup` / `fsdp`: a level set up on ordinary and on FSDP2-sharded models, side by side;
-- `param_guard`: the check that the model still holds what each optimizer steps;
+- `session`: the `Session` object (its one job: set up, step, close) and `current()`, the
+  live session of the process;
+- `build`: the build step (the call checked, the level built on plain or FSDP2-sharded
+  models, the guard that the model still holds what each optimizer steps, the undo);
 - `observers`: what watches the session from outside (report at exit, diagnose, step limit);
-- `telemetry` / `report` / `exit_json`: counters while it runs, `report()`, the JSON at exit.
+- `telemetry` / `report`: counters while it runs, and `report()`.
 """

@@ -1,5 +1,6 @@
 """The session's build step: the user's models and optimizers checked (`prepare`), then the
-level built on them, plain or FSDP2-sharded, by one verb (`build`), and taken back (`undo`).
+level built on them, plain or FSDP2-sharded, by one verb (`build`), watched (`ParamGuard`)
+and taken back (`undo`).
 
 `prepare` changes nothing: a call it rejects leaves the previous session, the models and
 the "ampatch" logger as they were. `build` makes the optimizers' handles (their masters from
@@ -23,11 +24,11 @@ from ..base.patcher import Patcher
 from ..config import env, levels, policy_file
 from ..config.env import Overrides
 from ..config.options import Options, warn_or_err
-from ..config.properties import Properties, resolve
+from ..config.options import Properties, resolve
 from ..config.settings import SETTINGS
 from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE, MasterMode
 from ..machine import hardware
-from ..model import hf_conventions, sharded
+from ..model import sharded
 from ..model.cast import ModelHandle, params_to_cast
 from ..model.forwards import keep_in_fp32, wrap_outputs
 from ..model.keep import Kept, kept_module_ids
@@ -39,7 +40,7 @@ from ..optim.sharded import ShardedOptimizerHandle
 logger = logging.getLogger("ampatch")
 
 __all__ = ["Prepared", "prepare", "build", "undo", "keep_forwards", "wrap_model_outputs", "as_list", "check_incoming_dtypes",
-           "takes_policy", "outside"]
+           "takes_policy", "outside", "ParamGuard", "check_not_accelerated"]
 
 
 def takes_policy(initialize: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,7 +120,7 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
     model_list, single_model = as_list(models, "models", nn.Module)
     opt_list, single_opt = ([], True) if optimizers is None else as_list(optimizers, "optimizers",
                                                                           torch.optim.Optimizer)
-    hf_conventions.check_not_accelerated(model_list, opt_list)
+    check_not_accelerated(model_list, opt_list)
     props, notes = resolve(options, hardware.model_device(model_list), overrides)
     return Prepared(options, props, overrides, model_list, opt_list, single_model, single_opt, optimizers is None,
                     notes)
@@ -141,6 +142,28 @@ def as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:
             raise TypeError(f"amp.initialize expects {what} to be {kind.__name__} objects (or a list of them), "
                             f"got {type(item).__name__}.")
     return items, single
+
+
+def check_not_accelerated(models: Sequence[nn.Module], optimizers: Sequence[Any]) -> None:
+    """Refuse what Hugging Face Accelerate's `prepare` made, where it would fight ampatch:
+    a model whose forward Accelerate wrapped in autocast (`Accelerator(mixed_precision=
+    "fp16"/"bf16")`: two AMPs at once), or an `AcceleratedOptimizer` (its step and
+    zero_grad belong to Accelerate's wrapper, and under DDP the model inside was wrapped
+    with its FP32 params). Recognized by what Accelerate leaves behind, without importing it.
+    """
+    for model in models:
+        if "_original_forward" in vars(model):
+            raise ValueError(
+                f"amp.initialize got a {type(model).__name__} whose forward Hugging Face Accelerate wrapped in "
+                "autocast (Accelerator(mixed_precision='fp16'/'bf16')): two mixed-precision schemes at once. "
+                "Use Accelerator(mixed_precision='no') and call amp.initialize on the model and optimizer "
+                "before accelerator.prepare(...).")
+    for optimizer in optimizers:
+        if type(optimizer).__name__ == "AcceleratedOptimizer" and type(optimizer).__module__.startswith("accelerate"):
+            raise ValueError(
+                "amp.initialize got an AcceleratedOptimizer (the result of accelerator.prepare): call "
+                "amp.initialize on the bare model and optimizer first, then accelerator.prepare(...) on what it "
+                "returns, with Accelerator(mixed_precision='no'); pass the initialized optimizer to scale_loss.")
 
 
 def check_incoming_dtypes(models: Sequence[nn.Module]) -> None:
@@ -265,3 +288,73 @@ def wrap_model_outputs(models: Sequence[nn.Module], props: Properties, patcher: 
     for m in models:
         if id(m) not in kept:
             wrap_outputs(m, props.cast_model_outputs, patcher)
+
+
+class ParamGuard:
+    """Watches the model-side parameters the optimizers step; `check(handle)`, at each
+    `handle.step()`, raises when one that this optimizer steps left the model after `initialize`.
+
+    Fast path: one identity comparison per registration of the optimizer's parameters (a
+    module's `_parameters` slot; for an FSDP2-sharded parameter, FSDP2's record of it, so
+    FSDP's switching between sharded and unsharded parameters in forward and backward is no
+    change). When one changed, the models are searched again: a parameter that only moved (a
+    parametrization registered after initialize) is watched where it is now; one that is gone
+    was replaced, and this and every later check of its optimizer raise.
+    """
+
+    def __init__(self, models: Sequence[nn.Module], handles: Sequence[OptimizerHandle]) -> None:
+        self.models = list(models)
+        # FSDP2's parameter records of the models that were sharded at initialize
+        self._units = {id(m): sharded.Units(m) for m in self.models if sharded.is_sharded([m])}
+        self._held = {id(h): h.model_params() for h in handles}
+        where = self._registrations()
+        self._watch = {hid: self._watched(hid, where) for hid in self._held}
+
+    def check(self, handle: OptimizerHandle) -> None:
+        # .get: an optimizer brought in after initialize (amp.init's wrap_optimizer) is not watched
+        for slots, key, p, _ in self._watch.get(id(handle), ()):
+            if slots.get(key) is not p:
+                return self._search(id(handle))
+        return None
+
+    def _registrations(self) -> dict[int, list[tuple[dict, str, torch.Tensor, str]]]:
+        """id(held tensor) -> where the models hold it: (dict, key, tensor, qualified name),
+        `dict[key] is tensor` while it is there."""
+        held = {id(t) for ts in self._held.values() for t in ts}
+        where: dict[int, list[tuple[dict, str, torch.Tensor, str]]] = {}
+        for model in self.models:
+            named = list(model.named_modules())
+            units = self._units.get(id(model))
+            managed = units.managed_slots() if units else set()
+            if units:
+                prefixes = {id(m): prefix for prefix, m in named}
+                for fp in units.params:
+                    p = fp.sharded_param
+                    if id(p) in held:
+                        m, n = units.slots(fp)[0]
+                        where.setdefault(id(p), []).append(
+                            (vars(fp), "sharded_param", p, _qualified(prefixes.get(id(m), "?"), n)))
+            for prefix, m in named:
+                for n, p in m._parameters.items():
+                    if p is not None and id(p) in held and (id(m), n) not in managed:
+                        where.setdefault(id(p), []).append((m._parameters, n, p, _qualified(prefix, n)))
+        return where
+
+    def _watched(self, hid: int, where: dict[int, list]) -> list[tuple[dict, str, torch.Tensor, str]]:
+        return [r for t in self._held[hid] for r in where.get(id(t), ())]
+
+    def _search(self, hid: int) -> None:
+        where = self._registrations()
+        gone = [name for *_, p, name in self._watch[hid] if id(p) not in where]
+        if gone:  # the watch stays as it was: the next check finds the change again
+            raise RuntimeError(
+                f"ampatch: the model's parameter {gone[0]!r} was replaced after amp.initialize (by fully_shard, "
+                "FSDP, load_state_dict(assign=True) or another wrapper that swaps parameters), so the optimizer "
+                f"steps a tensor the model no longer uses and training would silently do nothing. Under FSDP2: "
+                f"{sharded.ORDER}. Otherwise call amp.initialize after the wrapper, or wrap with one that keeps the "
+                "parameters (DistributedDataParallel) after initialize.")
+        self._watch[hid] = self._watched(hid, where)
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

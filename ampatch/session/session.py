@@ -3,7 +3,8 @@
 Opened on a checked call (`build.Prepared`): `build.build` makes the model and optimizer
 handles, plain or sharded; what watches from outside (report at exit, the diagnose
 recorder, end after N steps) is a list of `observers`; `telemetry` assembles the report.
-The live session is held in `current`.
+`current()` is the live session of the process (one reference, not scattered globals):
+the public API sets it, Apex's compatibility views and the plugins read it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..base.patcher import Patcher
 from ..config import levels
 from ..config.env import Overrides
 from ..config.options import Options
-from ..config.properties import Properties
+from ..config.options import Properties
 from ..machine import hardware, tips
 from ..model import keep
 from ..model.forwards import EAGER_UNDER_COMPILE
@@ -36,11 +37,26 @@ from ..optim.context import HandleContext, OptState
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import state_bytes
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
-from .param_guard import ParamGuard
+
 from .report import Report
 from .telemetry import Telemetry
 
 logger = logging.getLogger("ampatch")
+
+
+class _Live:
+    session: Session | None = None
+
+
+def current() -> Session | None:
+    """The live session, or None before `initialize` and after `deinitialize`."""
+    return _Live.session
+
+
+def set_current(session: Session | None) -> Session | None:
+    """Make `session` the live one; returns the one it replaces (the caller closes it)."""
+    previous, _Live.session = _Live.session, session
+    return previous
 
 
 class Session:
@@ -52,7 +68,6 @@ class Session:
         self.attributes = attributes  # what each patched optimizer carries besides (Apex's _amp_stash)
         self.verbosity = options.verbosity  # Apex's `_amp_state.verbosity` writes it
         self.patcher = Patcher()
-        self.cache = CastCache()
         self.telemetry = Telemetry(record=overrides.report is not None, time_wrappers=overrides.time_wrappers,
                                    progress=overrides.progress)
         self.scalers = [self._scaler() for _ in range(options.num_losses)]
@@ -60,7 +75,7 @@ class Session:
         self.optimizers: list[OptimizerHandle] = []
         self.kept: list[keep.Kept] = []  # the modules kept in FP32 (keep_fp32, AMPATCH_KEEP_FP32)
         self.observers: list[observers.Observer] = []
-        self.guard: ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
+        self.guard: build.ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
         self.device: hardware.SessionDevice | None = None  # hardware.check_half: the device, its half dtype
         self.closed = False
         self._last_loss: torch.Tensor | None = None
@@ -88,25 +103,27 @@ class Session:
                                           self.verbosity)
         if props.enabled:
             build.check_incoming_dtypes(models)
-        self.kept = keep.select(models, self.options.keep_fp32, self.overrides.keep_fp32,
-                                props.enabled and props.casts_model, self.warn)
+        if self.options.keep_fp32 is not None or self.overrides.keep_fp32:
+            self.kept = keep.select(models, self.options.keep_fp32, self.overrides.keep_fp32,
+                                    props.enabled and props.casts_model, self.warn)
         if not props.enabled:
             return
         if levels.uses_half(props.opt_level):
             tips.log_dims_tip(models, self.verbosity)
-        kept = build.keep_forwards(self.kept, props, self.patcher)
+        kept = build.keep_forwards(self.kept, props, self.patcher) if self.kept else frozenset()
         self.models, self.optimizers = build.build(props, models, optimizers, self.patcher, self._handle_context(),
                                                    kept)
         build.wrap_model_outputs(models, props, self.patcher, kept)
-        self.guard = ParamGuard(models, self.optimizers)
+        self.guard = build.ParamGuard(models, self.optimizers)
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
-        lost = tips.eps_lost_in_float16(optimizers)
+        lost = tips.eps_lost_in_float16(optimizers) if props.half_dtype == torch.float16 else []
         if lost:
             self.warn(tips.eps_lost_warning(lost, props.opt_level))
         if props.patch_torch_functions:
             self.o1.install(user_policy.REGISTERED, lists.NAMESPACES, EAGER_UNDER_COMPILE)
-        observers.attach(self, models, self.overrides, recorder, lost)
+        if self.overrides.report or self.overrides.diagnose or self.overrides.max_steps is not None:
+            observers.attach(self, models, self.overrides, recorder, lost)
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
 
     def _scaler(self) -> LossScaler:
@@ -136,11 +153,24 @@ class Session:
 
     @functools.cached_property
     def o1(self) -> O1Patches:
-        """This session's O1 patches (made on first use: O1/O4 patch torch, decorators wrap)."""
+        """This session's O1 patches and cast cache (made on first use: O1/O4 patch torch,
+        decorators wrap; a cast model has no casts to cache)."""
+        cache = CastCache()
         timer = self.telemetry.add_wrapper_time if self.telemetry.time_wrappers else None
-        ctx = WrapContext(self.cache.caster, self.properties.half_dtype, self.telemetry.counters,
+        ctx = WrapContext(cache.caster, self.properties.half_dtype, self.telemetry.counters,
                           self.options.allow_banned, timer)
-        return O1Patches(self.patcher, self.cache, ctx)
+        return O1Patches(self.patcher, cache, ctx)
+
+    @property
+    def cache(self) -> CastCache:
+        """The O1 cast cache."""
+        return self.o1.cache
+
+    def clear_casts(self) -> None:
+        """The casts made so far are stale (the iteration ended, or the params changed)."""
+        o1 = self.__dict__.get("o1")
+        if o1 is not None:
+            o1.cache.clear()
 
     def decorated(self, kind: str, fn: Any) -> Any:
         """The cast wrapper of a function decorated with `amp.half_function` & co."""
@@ -186,7 +216,7 @@ class Session:
             try:
                 yield loss if loss.dtype == torch.float32 else loss.float()
             finally:
-                self.cache.clear()
+                self.clear_casts()
             return
         start = time.perf_counter()
         for h in handles:
@@ -201,7 +231,7 @@ class Session:
             try:
                 abort(handles, scale)
             finally:
-                self.cache.clear()
+                self.clear_casts()
             raise
         start = time.perf_counter()
         try:
@@ -217,7 +247,7 @@ class Session:
                 else:
                     verdict()
         finally:
-            self.cache.clear()
+            self.clear_casts()
             self.telemetry.scale_loss_time += time.perf_counter() - start
 
     def _skipper(self, handles: Sequence[OptimizerHandle], loss_id: int) -> Callable[[float, float], None]:
@@ -232,7 +262,7 @@ class Session:
 
     def on_step(self, handle: OptimizerHandle, skipped: bool) -> None:
         """Called by every patched optimizer.step(): the params changed, so the casts are stale."""
-        self.cache.clear()
+        self.clear_casts()
         iteration = handle.steps - 1
         if handle.index == 0:
             self.telemetry.on_step(iteration, skipped)
@@ -267,7 +297,9 @@ class Session:
 
     def report(self) -> Report:
         self.resolve_pending()
-        return self.telemetry.report(self.properties, {"hits": self.cache.hits, "misses": self.cache.misses},
+        o1 = self.__dict__.get("o1")
+        cache = {"hits": o1.cache.hits, "misses": o1.cache.misses} if o1 is not None else {"hits": 0, "misses": 0}
+        return self.telemetry.report(self.properties, cache,
                                      self.scalers, self.device, [k.label for k in self.kept],
                                      [h.masters.footprint() for h in self.optimizers],
                                      sum(state_bytes(h.optimizer) for h in self.optimizers))
@@ -287,7 +319,7 @@ class Session:
                 build.undo(self.models, self.optimizers)
             finally:  # whatever failed above, torch itself is restored
                 self.patcher.restore_all()
-                self.cache.clear()
+                self.clear_casts()
 
 
 def optimizer_list(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:

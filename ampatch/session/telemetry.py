@@ -10,6 +10,7 @@ live progress `ampatch compare` shows inside each level.
 """
 from __future__ import annotations
 
+import functools
 import resource
 import threading
 import time
@@ -19,7 +20,7 @@ import torch
 
 from ..base.counters import Counters
 from ..machine.hardware import SessionDevice
-from ..config.properties import Properties
+from ..config.options import Properties
 from ..optim.scaler import LossScaler
 from .report import Report
 
@@ -64,7 +65,6 @@ class Telemetry:
     def __init__(self, record: bool = False, time_wrappers: bool = False, progress: str | None = None) -> None:
         self.record = record
         self.time_wrappers = time_wrappers
-        self.counters = Counters()
         self.steps = 0
         self.skipped: list[int] = []
         self.losses = Series()
@@ -74,6 +74,11 @@ class Telemetry:
         self._last_step: float | None = None
         self._lock = threading.Lock()
         self._progress = progress if record else None  # a path: "step loss" lines appended while recording
+
+    @functools.cached_property
+    def counters(self) -> Counters:
+        """Casts per op (made with the O1 patches: a cast model counts none)."""
+        return Counters()
 
     def add_wrapper_time(self, seconds: float) -> None:
         with self._lock:
@@ -113,7 +118,7 @@ class Telemetry:
             opt_level=properties.opt_level,
             half_dtype=properties.half_name,
             enabled=properties.enabled,
-            casts=self.counters.snapshot(),
+            casts=self.counters.snapshot() if "counters" in self.__dict__ else {},
             cache=dict(cache),
             steps=self.steps,
             skipped_steps=list(self.skipped),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...config.values import DEFAULT_MAX_LOSS_SCALE
-from ...session.current import current
+from ...session.session import current
 from ...base.notices import set_verbosity
 from ...optim.handle import OptimizerHandle
 from ...optim.scaler import LossScaler

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...config import values
-from ...session.current import current as _current
+from ...session.session import current as _current
 from .handle import Handle
 
 logger = logging.getLogger("ampatch")

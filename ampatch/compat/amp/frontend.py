@@ -8,12 +8,12 @@ from typing import Any
 
 import dataclasses
 
-from ...config import levels, properties
+from ...config import levels, options
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "Properties", "OptLevel", "opt_levels",
            "O0", "O1", "O2", "O3", "O4", "O5"]
 
-Properties = properties.Properties
+Properties = options.Properties
 
 _BRIEF = {"O0": "everything in FP32 (a baseline).",
           "O1": "FP32 model; torch functions cast per op list to float16.",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...base.patcher import disable_casts as casts_off
-from ...session.current import current as _current
+from ...session.session import current as _current
 
 logger = logging.getLogger("ampatch")
 

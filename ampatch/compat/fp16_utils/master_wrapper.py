@@ -26,7 +26,7 @@ from ...optim.handle import OptimizerHandle
 from ...base.patcher import Patcher
 from ...config.values import check_scale_value
 from ...optim.scaler import LossScaler, Verdict
-from ...session.current import current as current_session
+from ...session.session import current as current_session
 from ..amp.stash import AmpStash
 
 logger = logging.getLogger("ampatch")
