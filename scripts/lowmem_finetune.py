@@ -2,7 +2,7 @@
 """How near FP32 training the low-memory master modes end on the fine-tuning case where O3
 stalls (issue 30), by seed: the figures quoted in `test_o3_stalls_where_both_modes_learn`.
 
-The case is the test's own (`tests/test_lowmem_masters._fine_tuning`: a pretrained-like start,
+The case is the test's own (`tests/optim/test_lowmem.py`'s `_fine_tuning`: a pretrained-like start,
 updates of ~0.1 bfloat16 ulp per step, 200 steps, AdamW and SGD with momentum). Distances are
 |loss - O0's| over O0's progress, for the final loss (FP32, after deinitialize) and for the end
 of the training curve (mean of the last 40 losses, as tune and compare judge). The "bf16
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_lowmem_masters import _fine_tuning  # noqa: E402  (one definition of the case)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "optim"))
+from test_lowmem import _fine_tuning  # noqa: E402  (one definition of the case)
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     if a.seeds < 1:
         ap.error("--seeds must be at least 1")
     torch.set_num_threads(1)
-    print(f"fine-tuning case of test_lowmem_masters, torch {torch.__version__}; distance from O0 "
+    print(f"fine-tuning case of tests/optim/test_lowmem.py, torch {torch.__version__}; distance from O0 "
           "over O0's progress (final loss | curve end)")
     for optimizer in ("adamw", "sgd_momentum"):
         o0 = _fine_tuning("O0", None, optimizer)

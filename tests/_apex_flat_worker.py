@@ -1,4 +1,4 @@
-"""One rank of tests/test_apex_parallel_helpers.py: Apex's `flat_dist_call` helpers, `Reducer`
+"""One rank of tests/compat/test_apex_parallel_helpers.py: Apex's `flat_dist_call` helpers, `Reducer`
 and DDP keywords on a gloo group.
 
     python tests/_apex_flat_worker.py RANK WORLD RDZV_FILE OUT_FILE

@@ -1,4 +1,4 @@
-"""One rank of the two-process run behind tests/test_distributed.py.
+"""One rank of the two-process run behind tests/session/test_distributed.py.
 
     python tests/_dist_worker.py RANK WORLD RDZV_FILE OUT_FILE
 
@@ -151,7 +151,7 @@ def exception_keeps_grads(rank: int, level: str, half: torch.dtype) -> dict[str,
 
 
 def exception_after_backward(rank: int, level: str, half: torch.dtype) -> dict[str, Any]:
-    """Blocks that raise after their backward (issue 12, D1), under `no_sync()` so no rank
+    """Blocks that raise after their backward, under `no_sync()` so no rank
     waits on a collective: a plain exception, then a KeyboardInterrupt from a backward hook
     (a partial backward), then an exception after an inf in the new grads. The grads must
     come out unscaled, and the inf must make the next step skip."""
@@ -214,7 +214,7 @@ LOWMEM_MODES = ("stochastic", "kahan")
 
 
 def lowmem_ranks(rank: int, mode: str) -> dict[str, Any]:
-    """master_weights="stochastic"/"kahan" under DDP (issue 30). Each rank starts from its own
+    """master_weights="stochastic"/"kahan" under DDP. Each rank starts from its own
     weights and its own global seed (`manual_seed(100 + rank)`): DDP's broadcast makes the
     weights agree, and the first scale_loss must make the rounding seeds and step counts (stochastic)
     and the compensations (kahan) agree too, or the ranks drift apart. Rank 1 alone sees an

@@ -1,4 +1,4 @@
-"""One rank of the two-process FSDP2 run behind tests/test_fsdp.py.
+"""One rank of the two-process FSDP2 run behind tests/model/test_sharded.py.
 
     python tests/_fsdp_worker.py RANK WORLD RDZV_FILE OUT_FILE
 

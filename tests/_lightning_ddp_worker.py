@@ -1,4 +1,4 @@
-"""Run by test_lightning.py: AmpatchPrecision("O2") under Lightning's DDP strategy on 2 CPU
+"""Run by integrations/test_lightning_trainer.py: AmpatchPrecision("O2") under Lightning's DDP strategy on 2 CPU
 processes (gloo), started by Lightning's own launcher (it runs this script again for rank
 1). Each rank writes its losses, FP32 masters and half params before teardown to
 OUT/rank{r}.pt."""

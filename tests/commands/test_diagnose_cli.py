@@ -1,0 +1,136 @@
+"""`ampatch diagnose` from the command line: it finds a planted problem in an unmodified
+script, verifies the fix by running again with it, and refuses bad input with a clear
+message and a non-zero exit. Each test runs real child processes (slow)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ampatch.config import env
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _ampatch(*args: str, cwd: Path | None = None, timeout: float = 600, **extra: str) -> subprocess.CompletedProcess:
+    variables = env.without_ampatch()
+    variables["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), variables.get("PYTHONPATH")) if p)
+    variables.update(extra)
+    return subprocess.run([sys.executable, "-m", "ampatch", *args], cwd=cwd or ROOT, env=variables,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_the_example_goes_nan_in_float16_and_the_verified_fix_trains_like_o0(tmp_path):
+    out = tmp_path / "d.json"
+    done = _ampatch("diagnose", "--half-dtype", "float16", "--json", str(out), "--",
+                    "python", "examples/diagnose.py")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["first_nonfinite"]["module"] == "encoder.attn.scores"
+    assert result["first_nonfinite"]["phase"] == "forward"
+    assert result["recommendation"]["keep_fp32"] == ["encoder.attn.scores"]
+    v = result["verification"]
+    assert v["finite"] and not v["gave_up"] and not v["without"]["finite"]
+    assert v["max_dev_vs_O0"] < 0.05
+    # the verification shows the deviation as compare and tune do: relative, in percent
+    assert f"{v['max_dev_vs_O0']:.2%}" in done.stdout
+    assert "encoder.attn.scores" in done.stdout and "ampatch run --half-dtype float16 --keep-fp32 encoder.attn.scores -- python examples/diagnose.py" in done.stdout
+
+
+UNDERFLOW = """
+    import torch
+    from torch import nn
+    import ampatch as amp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=5e4)   # float16 holds lr up to 65504
+    model, opt = amp.initialize(model, opt, opt_level="O3", half_dtype=torch.float16)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 16, generator=gen), torch.randint(0, 4, (64,), generator=gen)
+    for step in range(100):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x).float(), y) * 1e-5   # a loss normalised far too small
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+"""
+
+
+def test_gradient_underflow_at_o3_float16_is_fixed_by_a_dynamic_loss_scale(tmp_path):
+    script = _script(tmp_path, UNDERFLOW)
+    out = tmp_path / "d.json"
+    done = _ampatch("diagnose", "--steps", "30", "--json", str(out), "--", "python", str(script))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    rec = result["recommendation"]
+    assert rec["settings"] == {"loss_scale": "dynamic"} and rec["keep_fp32"] == []
+    v = result["verification"]
+    assert v["finite"] and v["settings"] == {"loss_scale": "dynamic"}
+    assert v["max_dev_vs_O0"] < 0.5 * v["without"]["max_dev_vs_O0"]
+
+
+def test_a_built_in_workload_that_trains_fine_gets_no_recommendation(tmp_path):
+    out = tmp_path / "d.json"
+    done = _ampatch("diagnose", "--workload", "lm", "--size", "tiny", "--steps", "3", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["recommendation"]["keep_fp32"] == [] and result["verification"] is None
+    assert "recommendation: none" in done.stdout
+
+
+@pytest.mark.parametrize("body,message", [
+    ("raise SystemExit('data not found')\n", "data not found"),
+    ("""
+     import torch, ampatch as amp
+     model = torch.nn.Linear(4, 4)
+     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+     model, opt = amp.initialize(model, opt, opt_level="O1")
+     model(torch.randn(2, 4)).sum().backward()
+     opt.step()
+     """, "never completed an optimizer step after amp.scale_loss: the loss's backward must run inside"),
+    ("""
+     import torch, ampatch as amp
+     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+     model, opt = amp.initialize(model, opt, opt_level="O1", keep_fp32=["1"])
+     """, "no module is named '1'"),
+])
+def test_nothing_to_diagnose_is_a_clear_message_and_exit_1(tmp_path, body, message):
+    script = _script(tmp_path, body)
+    done = _ampatch("diagnose", "--", "python", str(script))
+    assert done.returncode == 1
+    assert message in done.stderr and "nothing to diagnose" in done.stderr
+
+
+def test_bad_options_are_usage_errors(tmp_path):
+    done = _ampatch("diagnose", "--steps", "0")
+    assert done.returncode == 2 and "positive integer" in done.stderr
+    done = _ampatch("diagnose", "--workload", "lm", "--", "python", "x.py")
+    assert done.returncode == 2 and "exclude each other" in done.stderr
+    done = _ampatch("diagnose", "--json", str(tmp_path / "no" / "d.json"))
+    assert done.returncode == 2 and "does not exist" in done.stderr
+    done = _ampatch("diagnose", "--opt-level", "O5", "--half-dtype", "float16")
+    assert done.returncode == 2 and "O5 is the bfloat16 variant of O2" in done.stderr
+
+
+def test_max_steps_ends_the_run_after_that_many_steps_with_its_report(tmp_path):
+    script = _script(tmp_path, UNDERFLOW.replace('opt_level="O3", half_dtype=torch.float16', 'opt_level="O1"'))
+    report = tmp_path / "r.json"
+    variables = env.without_ampatch()
+    variables.update({env.MAX_STEPS: "7", env.REPORT: str(report), "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, str(script)], env=variables, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(report.read_text())["steps"] == 7

@@ -1,0 +1,128 @@
+"""`ampatch tune` end to end on `examples/tune.py` (a model one module ruins in bfloat16),
+and its bad input: each gets one clear message and a non-zero exit."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ampatch.cli import main
+from ampatch.config.policy_file import load
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "tune.py")
+
+
+def test_tune_repairs_the_ruined_module_and_writes_a_policy_that_applies(tmp_path, capsys):
+    out, js = tmp_path / "policy.json", tmp_path / "tune.json"
+    code = main(["tune", "--levels", "O5", "--steps", "6", "--rounds", "1", "--budget", "none", "--out", str(out), "--json", str(js),
+                 "--", "python", EXAMPLE])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    data = json.loads(js.read_text())
+    first, repaired = data["candidates"]
+    assert first["opt_level"] == "O5" and not first["qualifies"] and "deviation" in first["reason"]
+    assert repaired["keep_fp32"] == ["norm"] and repaired["qualifies"] and repaired["finite"]
+    assert data["chosen"]["keep_fp32"] == ["norm"] and data["chosen"]["opt_level"] == "O5"
+    assert data["reference"]["step_ms"] > 0 and data["tolerance"] == 0.02
+    policy = load(out)
+    assert (policy.opt_level, policy.keep_fp32) == ("O5", ("norm",))
+    assert policy.measured["steps"] == 6 and policy.measured["machine"]["type"] == "cpu"
+    assert "chosen: O5 bfloat16, keep_fp32=['norm']" in captured.out
+    assert "ampatch tune: [1] O0: the FP32 reference" in captured.err          # progress as it goes
+    assert "re-timing" in captured.err
+
+
+def test_a_script_that_crashes_or_never_scales_its_loss_is_one_message(tmp_path, capsys):
+    crash = tmp_path / "crash.py"
+    crash.write_text("raise RuntimeError('no data here')\n")
+    assert main(["tune", "--out", str(tmp_path / "p.json"), "--", "python", str(crash)]) == 1
+    err = capsys.readouterr().err
+    assert "the O0 reference run failed: RuntimeError: no data here" in err
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("import torch, ampatch as amp\n"
+                     "m = torch.nn.Linear(2, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                     "m, o = amp.initialize(m, o, verbosity=0)\n"
+                     "m(torch.ones(1, 2)).sum().backward(); o.step()\n")
+    assert main(["tune", "--out", str(tmp_path / "p.json"), "--", "python", str(quiet)]) == 1
+    assert "never completed an optimizer step after amp.scale_loss" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--tolerance", "-2%"], "--tolerance: must be above 0"),
+    (["--tolerance", "lots"], "--tolerance"),
+    (["--budget", "soon"], "--budget"),
+    (["--workload", "lm", "--", "python", "x.py"], "apply to the built-in workloads"),
+    (["--out", "/no/such/dir/p.json"], "--out"),
+    (["--rounds", "-1"], "--rounds: must be 0 or more"),
+    (["--rounds", "two"], "--rounds"),
+])
+def test_bad_input_is_a_usage_error(args, words, capsys):
+    assert main(["tune", *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+ADAM_EPS_SCRIPT = """
+import torch, ampatch as amp
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+o = torch.optim.Adam(m.parameters(), lr=1e-3, eps=1e-8)
+m, o = amp.initialize(m, o, opt_level="O1", verbosity=0)
+gen = torch.Generator().manual_seed(1)
+for _ in range(20):
+    x = torch.randn(16, 8, generator=gen)
+    x[:, :3] = 0                      # these inputs are always 0: their weights' gradients are 0
+    loss = torch.nn.functional.cross_entropy(m(x).float(), torch.randint(0, 2, (16,), generator=gen))
+    o.zero_grad()
+    with amp.scale_loss(loss, o) as s:
+        s.backward()
+    o.step()
+"""
+
+
+def test_a_step_fault_drops_the_candidate_with_its_reason(tmp_path, capsys):
+    """O3 float16 with Adam's eps=1e-8 (0 in float16): the weights go NaN at the optimizer
+    step. No module to keep helps, so the candidate is dropped, not repaired, and O0 chosen."""
+    script = tmp_path / "adam.py"
+    script.write_text(ADAM_EPS_SCRIPT)
+    js = tmp_path / "t.json"
+    code = main(["tune", "--levels", "O3", "--half-dtype", "float16", "--steps", "6", "--out", str(tmp_path / "p.json"),
+                 "--json", str(js), "--", "python", str(script)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    data = json.loads(js.read_text())
+    (o3,) = data["candidates"]
+    assert o3["opt_level"] == "O3" and not o3["qualifies"] and o3["step_fault"]
+    assert "step fault" in o3["reason"] and "not a module's precision" in o3["reason"]
+    assert data["chosen"]["opt_level"] == "O0" and load(tmp_path / "p.json").opt_level == "O0"
+
+
+UNSOUND = """
+import torch, ampatch as amp
+torch.manual_seed(0)
+m = torch.nn.Linear(4, 1)
+o = torch.optim.SGD(m.parameters(), lr=0.01)
+m, o = amp.initialize(m, o, verbosity=0)
+x = torch.randn(16, 4)
+for step in range(20):
+    loss = (m(x) ** 2).mean() + {rise}
+    o.zero_grad()
+    with amp.scale_loss(loss, o) as s:
+        s.backward()
+    o.step()
+"""
+
+
+@pytest.mark.parametrize("rise,words", [("0.5 * step", "its loss rises from"),
+                                        ("(float('nan') if step >= 4 else 0.0)", "its loss is not finite from step 4")])
+def test_a_reference_that_diverges_or_goes_non_finite_stops_tune(tmp_path, capsys, rise, words):
+    """O0 is what every candidate is judged against: one whose loss is not finite or climbs
+    stops the search with exit 1 and no policy file (every candidate used to get an infinite
+    deviation, and O0 was written with exit 0)."""
+    script = tmp_path / "bad.py"
+    script.write_text(UNSOUND.format(rise=rise))
+    out = tmp_path / "p.json"
+    assert main(["tune", "--steps", "10", "--out", str(out), "--", "python", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert "the O0 reference is unsound: " + words in err and "No candidate can be judged against it" in err
+    assert not out.exists()
