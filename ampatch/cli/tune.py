@@ -21,9 +21,10 @@ DESCRIPTION = (
     "for update), relative to O0's progress over the run (the mean of its first losses minus the mean of its last). "
     "O0 must make progress beyond its own noise (the scatter of its loss around its trend; a one-sided t test at "
     f"{CONFIDENCE:.0%} confidence): when it does not, tune stops with exit 1 (run more steps). A candidate qualifies "
-    "when it is finite, skips no step after the loss scaler's first back-offs, learns at least "
-    f"{MIN_SHARE:.0%} of what O0 learns at {CONFIDENCE:.0%} confidence (whatever the tolerance), and deviates by at "
-    "most the tolerance plus the noise of its own per-step differences from O0 on the same batches.")
+    "when it is finite, skips no step after the loss scaler's first back-offs, learns between "
+    f"{MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} of what O0 learns at {CONFIDENCE:.0%} confidence (whatever the "
+    "tolerance), and deviates by at most the tolerance beyond the noise of its own per-step differences from O0 on "
+    "the same batches (a run whose noise alone exceeds the tolerance is not judged).")
 
 
 def tolerance(text: str) -> float:

@@ -8,9 +8,9 @@ One job per module:
   the simplicity order that breaks ties (O0 the simplest);
 - ``measure``: one candidate's run (as ``ampatch run --policy`` runs it);
 - ``verdict``: whether it trains like FP32: finite, no late skipped step (a loss scaler's
-  growth probe aside), learning at least half of what O0 learns at 99% confidence, and a
-  deviation from O0's curve relative to what O0 learns (`ampatch.runs.deviation`) within the
-  tolerance plus the noise of its paired differences from O0;
+  growth probe aside), learning between half and twice what O0 learns at 99% confidence, and
+  a deviation from O0's curve relative to what O0 learns (`ampatch.runs.deviation`) no more
+  than the tolerance beyond the noise of its paired differences from O0;
 - ``repair``: a failed candidate's recorded run, and the candidate its diagnosis suggests
   (modules kept in FP32, a loss scale, FP32 masters against stalled updates; or why none);
 - ``timing``: interleaved re-timing against O0 and the spread-based "faster" rule;

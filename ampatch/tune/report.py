@@ -21,8 +21,9 @@ MEASURE = (f"max over steps of |candidate - O0| ({WINDOW}-loss means, compared u
            f"scaler's initial back-offs) / O0's progress (the mean of its first losses minus the mean of its last: "
            f"1/{ENDS} of the run each, at least {WINDOW}). O0 must make progress beyond its own noise (one-sided t "
            f"test at {CONFIDENCE:.0%} confidence, the noise from the second differences of its curve), else tune "
-           f"stops: run more steps. A candidate qualifies when it learns at least {MIN_SHARE:.0%} of what O0 learns "
-           f"at {CONFIDENCE:.0%} confidence, and its deviation is within the tolerance plus its noise allowance.")
+           f"stops: run more steps. A candidate qualifies when it learns between {MIN_SHARE:.0%} and "
+           f"{1 / MIN_SHARE:.0%} of what O0 learns at {CONFIDENCE:.0%} confidence, its noise allowance is within the "
+           f"tolerance, and its deviation goes no more than the tolerance beyond that allowance.")
 NOISE = ("from each run itself: O0's scatter around its trend (second differences of its curve) for its progress; "
          "for a candidate, its paired per-step differences from O0 on the same batches (batch effects cancel): the "
          "standard error of its share of O0's progress (learned_margin: the one-sided t margin at the confidence), "
@@ -129,10 +130,11 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
                        f"only beyond {result.spread:.1%}.")
     basis = result.basis.describe() if result.basis is not None else "relative to O0"
     out.append(f"deviation: largest gap between the loss curve and O0's ({WINDOW}-loss means, update for update "
-               f"after the loss scaler's initial back-offs), {basis}; tolerance {result.tolerance:.2%} plus the "
+               f"after the loss scaler's initial back-offs), {basis}; tolerance {result.tolerance:.2%} beyond the "
                f"noise of the policy's own per-step differences from O0 on the same batches ({CONFIDENCE:.0%} "
-               f"confidence). learns: the share of O0's progress the policy makes over the same updates; unless it "
-               f"is at least {MIN_SHARE:.0%} at {CONFIDENCE:.0%} confidence, it fails, whatever the tolerance. "
+               f"confidence; a policy whose noise alone exceeds the tolerance is not judged). learns: the share of O0's progress the policy makes over the same updates; unless it "
+               f"is between {MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} at {CONFIDENCE:.0%} confidence, it fails, "
+               "whatever the tolerance. "
                "B/param: bytes held per trained parameter for training (weight, master copy or compensation, "
                "optimizer state)"
                + ("; the objective is memory: the fewest B/param wins, speed breaks ties." if result.objective == "memory"
