@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """tune's verdicts on a generated family of fine-tuning cases (issue 35): the table of
-docs/tune.md, "The grid", and the cells tests/test_tune_grid.py checks.
+docs/tune.md, "The grid", and the cells tests/commands/test_tune_grid.py checks.
 
 Each case is a wide MLP near a teacher: a network with pretrained-scale weights (std 0.1) is
 fine-tuned toward the same network with its head shifted, on targets with Gaussian noise no
@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.compare.rows import Row
+from ampatch.runs.stats import RunStats
 from ampatch.config import env
 from ampatch.runs.deviation import TOLERANCE
 from ampatch.runs.runner import LevelRun
@@ -210,8 +210,8 @@ class Cell:
         return all(j.right for j in self.levels)
 
 
-def row_of(run: Run, base: Row | None) -> Row:
-    return Row.of(LevelRun(run.level, run.report is not None, run.error, 0, run.wall_s, run.report), base)
+def row_of(run: Run, base: RunStats | None) -> RunStats:
+    return RunStats.of(LevelRun(run.level, run.report is not None, run.error, 0, run.wall_s, run.report), base)
 
 
 def expected(level: str, stall: float, true_share: float, true_gap: float, tolerance: float) -> str:

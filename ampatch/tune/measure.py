@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from ampatch.config import env
 from ampatch.runs.progress import Progress
-from ampatch.compare.rows import Row
+from ampatch.runs.stats import RunStats
 from ampatch.runs.runner import Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
 from ampatch.config.policy_file import save
 from ampatch.tune.candidates import Candidate
@@ -38,7 +38,7 @@ class Measured:
     """A candidate's run and verdict (`reason`: why it does not qualify, or what it is)."""
 
     candidate: Candidate
-    row: Row
+    row: RunStats
     qualifies: bool
     reason: str
     finite: bool
@@ -90,11 +90,11 @@ def run_candidate(candidate: Candidate, job: Job, log: TextIO | None, record: bo
                          progress=progress, launch=job.launch)
 
 
-def measured(candidate: Candidate, done: Finished, reference: Row | None, rule: Rule,
+def measured(candidate: Candidate, done: Finished, reference: RunStats | None, rule: Rule,
              upto: int | None = None) -> Measured:
     """The verdict of `candidate`'s finished run against the O0 `reference` row (None: it is
     the reference)."""
-    row = Row.of(level_run(done, candidate.opt_level), reference, upto)
+    row = RunStats.of(level_run(done, candidate.opt_level), reference, upto)
     if reference is None:  # the reference itself
         return Measured(candidate, row, row.ok, "the reference (FP32)" if row.ok else f"run failed: {row.error}",
                         row.ok and all(math.isfinite(x) for x in row.losses), 0.0 if row.ok else None)

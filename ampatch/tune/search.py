@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
-from ampatch.compare.rows import Row
+from ampatch.runs.stats import RunStats
 from ampatch.runs import process
 from ampatch.runs.deviation import Basis, Reference, unsound
 from ampatch.tune import timing
@@ -55,7 +55,7 @@ class NoProgress(NoReference):
     """O0's loss did not fall beyond its own noise over the run: "run more steps"."""
 
 
-def reference_of(row: Row, steps: int | None = None) -> Reference:
+def reference_of(row: RunStats, steps: int | None = None) -> Reference:
     """O0's row as the reference every candidate is judged against; `NoReference` when it
     cannot be one (failed, no loss, unsound), `NoProgress` when it made no detectable progress
     (`steps`: the steps it ran, for the message)."""

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ampatch.compare.rows import Row, losses_by_step
+from ampatch.runs.stats import RunStats, losses_by_step
 from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, Basis, Reference, against, initial_backoffs
 
 __all__ = ["Rule", "Verdict", "judge", "growth_probes"]
@@ -66,7 +66,7 @@ def growth_probes(skipped: Sequence[int], history: Sequence[Sequence[float]]) ->
     return probes
 
 
-def _late_skips(row: Row) -> list[int]:
+def _late_skips(row: RunStats) -> list[int]:
     """Steps skipped after the initial back-offs that are not growth probes."""
     backoffs = initial_backoffs(row.skipped_steps)
     history = row.loss_scale_history.get("loss_scaler0", [])
@@ -78,8 +78,8 @@ def _pm(margin: float | None) -> str:
     return f" ± {margin:.0%}" if margin and f"{margin:.0%}" != "0%" else ""
 
 
-def judge(row: Row, rule: Rule, reference: Reference, upto: int | None = None) -> Verdict:
-    """The verdict of a run's row against O0's curve (`reference`: `Row.reference(upto)` of O0's
+def judge(row: RunStats, rule: Rule, reference: Reference, upto: int | None = None) -> Verdict:
+    """The verdict of a run's row against O0's curve (`reference`: `RunStats.reference(upto)` of O0's
     row), on the losses before step `upto` (None: all)."""
     if not row.ok:
         return Verdict(False, f"run failed: {row.error}", False, None)

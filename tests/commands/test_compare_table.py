@@ -7,7 +7,7 @@ from pathlib import Path
 
 from _reports import report
 
-from ampatch.compare.rows import summarize
+from ampatch.runs.stats import summarize
 from ampatch.compare.table import format_table, machine_of, write_json
 from ampatch.runs.runner import LevelRun
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from _reports import report
 
-from ampatch.compare.rows import summarize
+from ampatch.runs.stats import summarize
 from ampatch.runs.runner import LevelRun
 from ampatch.runs.deviation import (Basis, Reference, against, deviation, initial_backoffs, learned, losses_per_step,
                                     noise_of, t_quantile, unsound)

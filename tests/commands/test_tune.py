@@ -10,7 +10,7 @@ from _reports import report
 
 from ampatch.machine import hardware
 from ampatch.cli.tune import tolerance
-from ampatch.compare.rows import Row
+from ampatch.runs.stats import RunStats
 from ampatch.runs.runner import LevelRun
 from ampatch.tune import timing
 from ampatch.tune.candidates import REFERENCE, Candidate, initial
@@ -22,12 +22,12 @@ from ampatch.tune.search import Search
 O0_LOSSES = [3.0 - 0.1 * i for i in range(10)]
 
 
-def _row(level: str, losses: list[float], base: Row | None = None, skipped=(), ok: bool = True) -> Row:
+def _row(level: str, losses: list[float], base: RunStats | None = None, skipped=(), ok: bool = True) -> RunStats:
     rep = {"opt_level": level, "losses": losses, "skipped_steps": list(skipped), "step_times_s": [0.1] * 5}
-    return Row.of(LevelRun(level, ok, None if ok else "boom", 0, 1.0, report(rep) if ok else None), base)
+    return RunStats.of(LevelRun(level, ok, None if ok else "boom", 0, 1.0, report(rep) if ok else None), base)
 
 
-def _measured(c: Candidate, losses: list[float], base: Row, tol: float = 0.02) -> Measured:
+def _measured(c: Candidate, losses: list[float], base: RunStats, tol: float = 0.02) -> Measured:
     row = _row(c.opt_level, losses, base)
     v = judge(row, Rule(tol), base.reference())
     return Measured(c, row, v.qualifies, v.reason, v.finite, v.deviation, learned=v.learned, noise=v.noise)
@@ -111,7 +111,7 @@ def test_a_loss_scalers_growth_probe_does_not_fail_a_long_float16_run():
     def row(skipped, hist):
         rep = {"opt_level": "O1", "losses": half, "skipped_steps": skipped, "step_times_s": [0.1] * 5,
                "steps": 2100, "loss_scale_history": {"loss_scaler0": hist}}
-        return Row.of(LevelRun("O1", True, None, 0, 1.0, report(rep)), base)
+        return RunStats.of(LevelRun("O1", True, None, 0, 1.0, report(rep)), base)
     probed = judge(row([0, 1, 2003], history), Rule(0.02), base.reference())
     assert probed.qualifies, probed.reason
     unexplained = judge(row([0, 1, 1500], history[:3] + [[1500, 8192.0]]), Rule(0.02), base.reference())
