@@ -395,6 +395,11 @@ class OptimizerHandle:
         """Floating optimizer state follows its param's dtype (after the model was cast or restored)."""
         self.masters.recast_state()
 
+    def saved_value(self, p: torch.Tensor) -> torch.Tensor | None:
+        """What `model.state_dict()` saves for the model param `p`: its master's exact value
+        (FP32 masters, kahan's weight + compensation), None where the half weight is the value."""
+        return self.masters.saved_value(p)
+
     def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
                           params: list[torch.Tensor] | None = None) -> None:
         """Masters re-read from the model after `model.load_state_dict` (see `Masters.resync_from_model`)."""
