@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["signature", "argument", "first_argument", "set_to_none", "closure", "takes", "zero_grad"]
+__all__ = ["signature", "declare_as", "argument", "first_argument", "set_to_none", "closure", "takes", "zero_grad"]
 
 _MISSING = object()  # "no such argument in the call"
 
@@ -37,6 +37,20 @@ def signature(fn: Callable) -> inspect.Signature | None:
                 and first is not None and first.name == "self"):
             sig = sig.replace(parameters=list(sig.parameters.values())[1:])
     return sig
+
+
+def declare_as(method: Callable, inner: Callable) -> None:
+    """Give `method`, a function whose first parameter is the optimizer (a patched method before
+    it is bound), the signature of the bound method `inner` it calls, so that the patched
+    method declares what the optimizer's own does."""
+    sig = signature(inner)
+    if sig is None:
+        return
+    own = "self"
+    while own in sig.parameters:  # a wrapper's own signature may name one `self` already
+        own = "_" + own
+    method.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[inspect.Parameter(own, inspect.Parameter.POSITIONAL_ONLY), *sig.parameters.values()])
 
 
 def argument(fn: Callable, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:

@@ -8,7 +8,6 @@ flow per iteration, closures, and what changes under torch.distributed: docs/int
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import types
 from collections.abc import Callable, Iterator
@@ -42,14 +41,7 @@ def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) ->
     method.__name__ = name
     method.__qualname__ = f"{cls.__name__}.{name}"
     method.__doc__ = getattr(inner, "__doc__", None)
-    sig = calls.signature(inner)
-    if sig is None:
-        return method
-    own = "self"
-    while own in sig.parameters:  # a wrapper's own signature may name one `self` already
-        own = "_" + own
-    method.__signature__ = sig.replace(  # type: ignore[attr-defined]
-        parameters=[inspect.Parameter(own, inspect.Parameter.POSITIONAL_ONLY), *sig.parameters.values()])
+    calls.declare_as(method, inner)
     return method
 
 
