@@ -10,8 +10,8 @@ The hooks are the Trainer's own methods, as in Transformers 5.23:
   often the Trainer asks: `auto_find_batch_size` retries, a scheduler passed in);
 - `_clip_grad_norm`/`_get_grad_norm`: on the FP32 masters;
 - `_save/_load_optimizer_and_scheduler`: the loss scaler beside the optimizer (`ampatch.pt`);
-- `_load_best_model` (`load_best_model_at_end=True`): the best checkpoint's weights are the
-  half values cast up; its optimizer state holds the exact masters, loaded too;
+- `_load_best_model` (`load_best_model_at_end=True`): the best checkpoint's weights are its
+  exact FP32 masters; its optimizer state (the masters too) is loaded with them;
 - `train`: afterwards the session is undone (the model FP32, the masters' values).
 """
 from __future__ import annotations
@@ -158,18 +158,17 @@ class AmpatchTrainerMixin:
                            checkpoint, SCALER_FILE)
 
     def _load_best_model(self) -> None:
-        """The best checkpoint's model, then its exact masters: the saved weights are the half
-        values cast up (`model.state_dict()` of a cast model), the masters are in its optimizer
-        state, loaded into the optimizer (its state then matches the model it goes with)."""
+        """The best checkpoint's model (its weights file holds the exact FP32 masters: the
+        `model.state_dict()` of a model with masters), then its optimizer state, masters
+        included, so the optimizer matches the model it goes with (a checkpoint whose weights
+        are the half values widened, from before, gets its exact masters from there)."""
         super()._load_best_model()
         session = current()
         if self._amp_optimizer is None or session is None or session.properties.master_mode is MasterMode.NONE:
             return
         best = self.state.best_model_checkpoint
         path = os.path.join(best, OPTIMIZER_NAME)
-        if not os.path.isfile(path):
-            logger.warning("ampatch: %s has no %s (save_only_model=True?): the best model is its half weights cast "
-                           "up, not its FP32 master weights.", best, OPTIMIZER_NAME)
+        if not os.path.isfile(path):  # save_only_model=True: the weights file alone is exact
             return
         self._amp_optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 

@@ -1,6 +1,7 @@
 """Model casting for O2/O3/O5: convert the model to half (batch norms, and the modules
 `keep_fp32` names, optionally kept in FP32), wrap `forward` (see forwards.py) so inputs arrive
-in half and outputs leave in FP32, and make `state_dict()` return FP32 tensors.
+in half and outputs leave in FP32, and make `state_dict()` return FP32 tensors (a param's
+FP32 master where it has one: the exact weights, whichever order a checkpoint loads in).
 
 Everything done to a model is recorded in a `ModelHandle`, so `restore()` can put the
 model back to its original dtypes (from the FP32 masters where they exist).
@@ -83,6 +84,7 @@ class ModelHandle:
         self.casts: list[tuple[nn.Module, dict[str, _Cast]]] = []  # a list: modules may be unhashable
         self._hooks: list[Any] = []
         self._on_load: list[Callable[[dict[int, torch.Tensor], list[torch.Tensor]], None]] = []
+        self._values: list[Callable[[torch.Tensor], torch.Tensor | None]] = []
         seen = {} if seen is None else seen
         # what `model.dtype` says before the cast (transformers' convention: the first floating param)
         self.original_dtype = next((seen.get(id(p), p.dtype) for p in model.parameters() if p.is_floating_point()),
@@ -108,7 +110,7 @@ class ModelHandle:
             self._wrap_forward(patcher, output_dtype)
         for m, own in self.casts:
             load_hook = _LoadHook(self._on_load, own)
-            self._hooks.append(m._register_state_dict_hook(_FullPrecisionStateDict(own)))
+            self._hooks.append(m._register_state_dict_hook(_FullPrecisionStateDict(own, self._values)))
             self._hooks.append(m._register_load_state_dict_pre_hook(load_hook.pre, with_module=True))
             self._hooks.append(m.register_load_state_dict_post_hook(load_hook))
 
@@ -130,6 +132,11 @@ class ModelHandle:
         `incoming` maps id(param) to the tensor torch loaded into it (masters re-sync from it,
         not from the rounded model)."""
         self._on_load.append(callback)
+
+    def saves_from(self, value_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """`state_dict()` saves a cast param as `value_of(param)` where that gives a tensor (its
+        FP32 master's value, which training continues from), else its half value widened."""
+        self._values.append(value_of)
 
     def restore(self, masters: dict[int, torch.Tensor]) -> None:
         """Back to the original dtypes: from the FP32 masters (by id of model param) where they
@@ -224,11 +231,15 @@ class _LoadHook:
 
 class _FullPrecisionStateDict:
     """State-dict hook of one cast module: its converted tensors are saved in their original
-    dtype. `state_dict(keep_vars=True)` asks for the live parameters and buffers themselves:
-    those are left as they are."""
+    dtype; a param whose master a `values` callback gives (`ModelHandle.saves_from`) is saved
+    as that master's value. `state_dict(keep_vars=True)` asks for the live parameters and
+    buffers themselves: those are left as they are. A copy of the model (deepcopy, pickle)
+    has no masters: its hook only widens."""
 
-    def __init__(self, casts: dict[str, _Cast]) -> None:
+    def __init__(self, casts: dict[str, _Cast], values: list | None = None) -> None:
         self.dtypes = {name: c.dtype for name, c in casts.items()}
+        self.params = {name for name, c in casts.items() if c.is_param}
+        self.values = [] if values is None else values
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:
         for name, dtype in self.dtypes.items():
@@ -236,5 +247,25 @@ class _FullPrecisionStateDict:
             v = state_dict.get(key)
             if (isinstance(v, torch.Tensor) and v.dtype in LOW and v.dtype != dtype
                     and v is not module._parameters.get(name) and v is not module._buffers.get(name)):
-                state_dict[key] = v.detach().to(dtype)
+                exact = self._master_value(module._parameters.get(name)) if name in self.params else None
+                state_dict[key] = (exact if exact is not None else v.detach()).to(dtype)
         return state_dict
+
+    def _master_value(self, p: torch.Tensor | None) -> torch.Tensor | None:
+        if p is None:
+            return None
+        for value_of in self.values:
+            exact = value_of(p)
+            if exact is not None:
+                return exact
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_inert_state_dict_hook, (self.dtypes, self.params))
+
+
+def _inert_state_dict_hook(dtypes: dict[str, torch.dtype], params: set[str]) -> _FullPrecisionStateDict:
+    """The hook of a copied model: it widens, and knows no masters."""
+    hook = _FullPrecisionStateDict({})
+    hook.dtypes, hook.params = dict(dtypes), set(params)
+    return hook

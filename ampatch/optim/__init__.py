@@ -1,6 +1,7 @@
 """The optimizer side: what happens to the user's `torch.optim.Optimizer`.
 
 - `handle`: `OptimizerHandle`, the patched `step()` (skip on overflow, masters copied back);
+- `calls`: the user's optimizer called as it declares itself (`zero_grad(self)`, Apex-era `step`);
 - `context`: what a handle and its driver (a session, Apex's FP16_Optimizer) say to each other;
 - `masters`: the master weights an optimizer steps in place of half params;
 - `lowmem`: master_weights "stochastic"/"kahan", bfloat16 weights as the only copy, the

@@ -17,6 +17,7 @@ import torch
 
 from ..base.dtypes import LOW
 from ..config.values import MasterMode
+from . import calls
 from .context import HandleContext, OptState, StepGuard
 from .lowmem import LowMemMasters
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
@@ -31,13 +32,16 @@ PATCHED = ("step", "zero_grad", "add_param_group", "state_dict", "load_state_dic
 
 
 def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
-    """A plain function (so LR schedulers can take `step.__func__`) calling func(inner, ...)."""
+    """A plain function (so LR schedulers can take `step.__func__`) calling func(inner, ...),
+    with `inner`'s signature (what `calls` reads: the patched method declares what the
+    optimizer's own does)."""
     def method(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         return func(inner, *args, **kwargs)
 
     method.__name__ = name
     method.__qualname__ = f"{cls.__name__}.{name}"
     method.__doc__ = getattr(inner, "__doc__", None)
+    calls.declare_as(method, inner)
     return method
 
 
@@ -221,9 +225,12 @@ class OptimizerHandle:
                 setattr(opt, name, value)
                 patcher.on_restore(functools.partial(_drop_attribute, opt, name, value))
 
-    def _step(self, inner: Callable, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+    def _step(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
+        """step() as the user called it: the arguments go to the optimizer's own step as given
+        (an Apex-era `step(None, grads=...)` keeps its positional None)."""
         if self._guard is not None:
             self._guard.check(self)
+        closure = calls.closure(inner, args, kwargs)
         if closure is not None and self.scaling_active() and not self._ctx.scaled_closures:
             raise NotImplementedError(
                 "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "
@@ -236,13 +243,13 @@ class OptimizerHandle:
             return None
         self._steps += 1
         if self.masters.steps_itself:  # stochastic/kahan: the optimizer steps a chunk at a time
-            return self._chunked_step(inner, closure, args, kwargs)
+            return self._chunked_step(inner, args, kwargs)
         pairs = list(self.pairs()) if self.use_masters else None  # one walk for the whole step
         if pairs:
             self.masters.move_grads(pairs)
         try:
             with disable_casts():
-                out = inner(closure, *args, **kwargs) if closure is not None else inner(*args, **kwargs)
+                out = inner(*args, **kwargs)
         finally:  # even a step that raised half-way: the model shows what the masters hold
             if pairs:
                 self.masters.copy_to_model(pairs)
@@ -252,10 +259,10 @@ class OptimizerHandle:
         self._stepped(skipped=False)
         return out
 
-    def _chunked_step(self, inner: Callable, closure: Callable | None, args: tuple, kwargs: dict) -> Any:
+    def _chunked_step(self, inner: Callable, args: tuple, kwargs: dict) -> Any:
         self.masters.move_grads(list(self.pairs()))  # grads of a plain backward outside scale_loss
         with disable_casts():
-            out = self.masters.step(inner, (closure, *args) if closure is not None else args, kwargs)
+            out = self.masters.step(inner, args, kwargs)
         self._stepped(skipped=False)
         return out
 
@@ -285,8 +292,11 @@ class OptimizerHandle:
         if self._ctx.on_step is not None:
             self._ctx.on_step(self, skipped)
 
-    def _zero_grad(self, inner: Callable, set_to_none: bool = True) -> None:
-        inner(set_to_none)
+    def _zero_grad(self, inner: Callable, *args: Any, **kwargs: Any) -> None:
+        """zero_grad() as the user called it (Apex's and DeepSpeed's fused optimizers declare
+        `zero_grad(self)`), then the masters' grads and the model's the same way."""
+        inner(*args, **kwargs)  # an argument it does not take raises its own TypeError
+        set_to_none = calls.set_to_none(inner, args, kwargs)
         for mp, _ in self.pairs():
             if set_to_none or mp.grad is None:
                 mp.grad = None
@@ -296,8 +306,9 @@ class OptimizerHandle:
         if self._stage is OptState.SCALED:
             self._stage = self._resume
 
-    def _add_param_group(self, inner: Callable, group: dict) -> None:
-        if self.use_masters:
+    def _add_param_group(self, inner: Callable, *args: Any, **kwargs: Any) -> None:
+        group, call = calls.first_argument(inner, args, kwargs, "param_group")
+        if self.use_masters and isinstance(group, dict) and "params" in group:
             params = group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             owner_of = self._ctx.master_owner
@@ -308,17 +319,20 @@ class OptimizerHandle:
                                      f"master in optimizers[{other.index}]; with master weights (O2/O5) each "
                                      "half parameter must belong to one optimizer.")
             group = dict(group, params=[self.masters.make(p) if p.dtype in LOW else p for p in params])
-        return inner(group)
+        return call(group)
 
-    def _state_dict(self, inner: Callable) -> dict:
-        sd = inner()
+    def _state_dict(self, inner: Callable, *args: Any, **kwargs: Any) -> dict:
+        sd = inner(*args, **kwargs)
         sd.update(self.checkpoint_entries())
         return sd
 
-    def _load_state_dict(self, inner: Callable, state_dict: dict) -> None:
+    def _load_state_dict(self, inner: Callable, *args: Any, **kwargs: Any) -> None:
+        state_dict, call = calls.first_argument(inner, args, kwargs, "state_dict")
+        if state_dict is None:
+            return call(None)  # the optimizer's own error for a call without a state dict
         if not isinstance(state_dict, dict):
             raise TypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
-        self.load_entries(dict(state_dict), inner)
+        self.load_entries(dict(state_dict), call)
 
     # ------------------------------------------------------------------ hooks (optim.sharded overrides them)
     def unscale_waits(self) -> bool:
@@ -372,6 +386,11 @@ class OptimizerHandle:
     def recast_state(self) -> None:
         """Floating optimizer state follows its param's dtype (after the model was cast or restored)."""
         self.masters.recast_state()
+
+    def saved_value(self, p: torch.Tensor) -> torch.Tensor | None:
+        """What `model.state_dict()` saves for the model param `p`: its master's exact value
+        (FP32 masters, kahan's weight + compensation), None where the half weight is the value."""
+        return self.masters.saved_value(p)
 
     def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
                           params: list[torch.Tensor] | None = None) -> None:

@@ -251,6 +251,30 @@ class LowMemMasters(Masters):
             if id(m) in self.comp:
                 self.baseline[id(m)] = float(self.model_of[id(m)].detach().double().sum())
 
+    def saved_value(self, p: torch.Tensor) -> torch.Tensor | None:
+        """What `model.state_dict()` saves for the bfloat16 weight `p`: under "kahan", weight +
+        compensation in FP32 (`joined`), which `make` (load, then initialize) and
+        `resync_from_model` (initialize, then load) split back exactly; None under
+        "stochastic" (the weight is the value)."""
+        m = self.master_of.get(id(p))
+        c = self.comp.get(id(m)) if m is not None else None
+        if c is None or c.shape != p.shape or c.device != p.device:
+            return None
+        return self.joined(p.detach(), c)
+
+    @staticmethod
+    def joined(weight: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight and its kahan compensation as one FP32 tensor that splits back into
+        both exactly (w = its bfloat16 rounding, c = the rest's): w + c, exact in FP32; where
+        that is a tie bfloat16 would round away from w (c is half an ulp), one FP32 ulp toward w."""
+        with torch.no_grad():
+            w = weight.float()
+            v = w + comp.float()
+            off = v.to(BF16) != weight
+            if bool(off.any()):
+                v = torch.where(off, torch.nextafter(v, w), v)
+        return v
+
     def checkpoint(self) -> dict[str, Any]:
         """The entry `optimizer.state_dict()` carries (`LOWMEM_KEY`, see `check_lowmem_entry`)."""
         entry: dict[str, Any] = {"mode": self.mode.value}

@@ -208,8 +208,9 @@ class Masters:
     def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
                           params: list[torch.Tensor] | None = None) -> None:
         """After `model.load_state_dict`: a master takes the loaded tensor of its param (exact FP32
-        values from an FP32 checkpoint), unless that tensor only carries the model's half
-        precision and the master rounds to it already (an O2 `model.state_dict()` loaded after
+        values from an FP32 checkpoint, or from an O2 `model.state_dict()`, which holds the
+        masters), unless that tensor only carries the model's half precision and the master
+        rounds to it already (a half model's weights widened, Apex's checkpoint, loaded after
         the optimizer's masters: the masters are the better copy). A master that otherwise no
         longer matches the model takes the model's values.
 
@@ -276,6 +277,16 @@ class Masters:
                 new[i] = o
                 model_grads[i] = None
         return scale_into(masters, new, inv_scale, found_inf, check)
+
+    def saved_value(self, p: torch.Tensor) -> torch.Tensor | None:
+        """What `model.state_dict()` saves for the half model param `p`: its FP32 master, while
+        the master still rounds to `p` (None: `p` has no master here, or something changed
+        `p` since, e.g. DDP's broadcast before the first step: then `p` is the value)."""
+        m = self.master_of.get(id(p))
+        if m is None or m is p or m.device != p.device or m.shape != p.shape:
+            return None
+        with torch.no_grad():
+            return m.detach() if torch.equal(m.to(p.dtype), p) else None
 
     def checkpoint(self) -> dict[str, Any]:
         """What `optimizer.state_dict()` carries besides torch's own entries."""

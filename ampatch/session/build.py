@@ -214,6 +214,7 @@ def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
                 handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, patcher,
                                      mastered, seen, kept)
                 handle.on_load(lambda incoming, params: [h.resync_from_model(incoming, params) for h in handles])
+                handle.saves_from(lambda p: next((v for h in handles if (v := h.saved_value(p)) is not None), None))
                 model_handles.append(handle)
             for h in handles:
                 h.recast_state()

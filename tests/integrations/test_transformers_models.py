@@ -26,7 +26,11 @@ def test_o2_save_pretrained_then_from_pretrained_gives_the_fp32_model(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     assert loaded.dtype == F32
-    assert torch.equal(loaded.transformer.h[0].mlp.c_fc.weight, model.transformer.h[0].mlp.c_fc.weight.float())
+    masters = {id(p): m for p, m in zip(model.parameters(), amp.master_params(opt))}
+    weight = model.transformer.h[0].mlp.c_fc.weight
+    assert torch.equal(loaded.transformer.h[0].mlp.c_fc.weight, masters[id(weight)])  # the exact FP32 master
+    assert not torch.equal(masters[id(weight)], weight.float())  # not the bfloat16 weight widened
+    assert torch.equal(loaded.lm_head.weight, masters[id(model.transformer.wte.weight)])  # tied: one master
     amp.initialize(loaded, torch.optim.AdamW(loaded.parameters()), opt_level="O2", half_dtype=BF16, verbosity=0)
 
 

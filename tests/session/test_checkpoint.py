@@ -90,21 +90,24 @@ def save_mid_run(level: str, path) -> None:
     amp.deinitialize()
 
 
-def resume(level: str, path, order: str, strip_masters: bool = False):
+def resume(level: str, path, order: str, strip_masters: bool = False, widen: bool | None = None):
     model, opt = init(*make(123), level)  # fresh objects, different initial weights
     ck = torch.load(path, weights_only=True)
     opt_sd = ck["optimizer"]
+    model_sd = ck["model"]
     if strip_masters:  # what a plain torch optimizer checkpoint would hold
         opt_sd = {k: opt_sd[k] for k in ("state", "param_groups")}
+    if strip_masters if widen is None else widen:  # and the half model's weights widened (Apex's checkpoints)
+        model_sd = {k: v if k.startswith("1.") else v.to(FP16).float() for k, v in model_sd.items()}  # BN stays FP32
     if order == "model-first":
-        model.load_state_dict(ck["model"])
+        model.load_state_dict(model_sd)
         opt.load_state_dict(opt_sd)
     else:
         opt.load_state_dict(opt_sd)
         if not strip_masters:  # the loaded masters already reached the half model
             masters = list(amp.master_params(opt))
             assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(model.parameters(), masters, strict=True))
-        model.load_state_dict(ck["model"])
+        model.load_state_dict(model_sd)
     amp.load_state_dict(ck["amp"])
     return model, opt
 
@@ -143,8 +146,9 @@ def test_checkpoint_holds_the_skip_and_the_scale(level, tmp_path):
 
 @pytest.mark.parametrize("order", ["model-first", "optimizer-first"])
 def test_o2_resume_needs_the_masters_in_the_optimizer_checkpoint(order, tmp_path):
-    """Control for the bit-for-bit test: rebuilt from the half model alone, the FP32 masters
-    lose their low bits, and the run diverges (so the exact comparison can fail)."""
+    """Control for the bit-for-bit test: rebuilt from the half model alone (its weights widened,
+    no masters in the optimizer checkpoint: what Apex saved), the FP32 masters lose their low
+    bits, and the run diverges (so the exact comparison can fail)."""
     reference = uninterrupted("O2")
     path = tmp_path / "ck.pt"
     save_mid_run("O2", path)
@@ -155,6 +159,21 @@ def test_o2_resume_needs_the_masters_in_the_optimizer_checkpoint(order, tmp_path
     train_step(model, opt, x, y, poison=False)
     with pytest.raises(AssertionError):
         assert_same(state(model, opt)["model"], reference[SAVE_AFTER]["model"])
+
+
+@pytest.mark.parametrize("order", ["model-first", "optimizer-first"])
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_the_models_weights_alone_carry_the_masters(level, order, tmp_path):
+    """`model.state_dict()` holds the FP32 masters: an optimizer checkpoint without ampatch's
+    entry (a plain torch optimizer loaded it, or a framework dropped it) still resumes exactly."""
+    reference = uninterrupted(level)
+    path = tmp_path / "ck.pt"
+    save_mid_run(level, path)
+    model, opt = resume(level, path, order, strip_masters=True, widen=False)
+    assert_same(state(model, opt), reference[SAVE_AFTER - 1], "after load")
+    for i, (x, y) in enumerate(data()[SAVE_AFTER:], start=SAVE_AFTER):
+        train_step(model, opt, x, y, poison=False)
+        assert_same(state(model, opt), reference[i], f"step {i}")
 
 
 def make_pair(seed: int):

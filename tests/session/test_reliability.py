@@ -637,10 +637,13 @@ def test_rejected_optimizer_load_changes_nothing():
 
 def test_o2_checkpoint_resumed_at_o1_loads_the_masters_into_the_model():
     """Interop: an O2 optimizer checkpoint (with FP32 masters) loaded at O1 puts the exact
-    FP32 masters into the FP32 model, instead of only the half-rounded model checkpoint."""
+    FP32 masters into the FP32 model, instead of only the half-rounded model checkpoint (the
+    half weights widened: Apex's; ampatch's own model checkpoint holds the masters)."""
     model, opt = trained_o2()
     ckpt = {"model": clone_tree(model.state_dict()), "opt": clone_tree(opt.state_dict())}
     exact = masters(opt)
+    assert all(torch.equal(v, m) for v, m in zip(ckpt["model"].values(), exact))
+    ckpt["model"] = {k: v.to(BF16).float() for k, v in ckpt["model"].items()}
     amp.deinitialize()
     fresh = mlp(5)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)

@@ -122,7 +122,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
     # ------------------------------------------------------------------ training
     def zero_grad(self, set_grads_to_None: bool = False) -> None:  # noqa: N803 - Apex's name
         """Zero (or set to None) the grads of the masters, the FP32 params and the half model."""
-        self.optimizer.zero_grad(set_grads_to_None)
+        self._zero_grad(set_grads_to_None)
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """Scale the loss (in FP32) and backward; then `update_master_grads()` unless told not to

@@ -22,6 +22,7 @@ from torch._utils import _unflatten_dense_tensors
 from ...base.dtypes import LOW
 from ...optim.masters import MASTERS_KEY
 from ...optim.context import HandleContext, OptState
+from ...optim import calls
 from ...optim.handle import OptimizerHandle
 from ...base.patcher import Patcher
 from ...config.values import check_scale_value
@@ -132,6 +133,12 @@ class MasterWeightOptimizer:
         found = handle.after_backward(self._scaler.scale, None, delay_unscale=False)
         Verdict(self._scaler, found, iteration=lambda: handle.steps)()
         return self._scaler.last_overflow
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        """The grads of the masters, the FP32 params and the half model to None or zero, through
+        the wrapped optimizer's zero_grad as it declares itself (a fused one may take no argument)."""
+        handle = self._handle
+        calls.zero_grad(self.optimizer, set_to_none, [*handle.params(), *handle.model_params()])
 
     def _skip(self) -> None:
         """This step is skipped: params and optimizer state untouched, master grads dropped."""

@@ -72,7 +72,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
 
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 - Apex's name
         """The grads to None (Apex's default here) or zero."""
-        self.optimizer.zero_grad(set_grads_to_None)
+        self._zero_grad(set_grads_to_None)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`(loss.float() * cur_scale).backward()`; the grads stay scaled until `step()`."""

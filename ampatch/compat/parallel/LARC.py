@@ -60,8 +60,9 @@ class LARC(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         self.optim.load_state_dict(state_dict)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none)
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """The wrapped optimizer's zero_grad, called as this one was (Apex's fused optimizers take no argument)."""
+        self.optim.zero_grad(*args, **kwargs)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optim.add_param_group(param_group)
