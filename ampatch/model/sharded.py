@@ -132,6 +132,23 @@ class Units:
             for fp in self.params:
                 fp.reset_sharded_param()
 
+    def check_all_gather_extensions(self) -> None:
+        """RuntimeError unless this torch's FSDP2 takes all-gather extensions on existing
+        parameters (`fsdp_pre_all_gather` on a sharded local tensor: torchao's FP8 all-gather)."""
+        if not all(hasattr(fp, "_init_extensions") for fp in self.params):
+            raise RuntimeError(f"ampatch: FP8 all-gather under FSDP2 needs FSDP2's all-gather extensions, which torch "
+                               f"{torch.__version__} lacks: upgrade torch (2.11+), or pass a torchao "
+                               "Float8LinearConfig(enable_fsdp_float8_all_gather=False) as fp8= to all-gather in "
+                               "bfloat16 and compute in FP8.")
+
+    def refresh_params(self) -> None:
+        """After the local tensor of sharded parameters changed (wrapped for an all-gather
+        extension, or unwrapped): FSDP2 re-reads them, as its lazy init does."""
+        self.refresh_dtypes()
+        for fp in self.params:
+            fp.reset_sharded_param()
+            fp._init_extensions()
+
 
 def _param_groups(state: Any) -> list[Any]:
     if hasattr(state, "_fsdp_param_groups"):  # newer torch: one group per mesh; older: one
