@@ -128,7 +128,7 @@ def read(environ: Mapping[str, str] | None = None) -> Overrides:
         time_wrappers=(source.get(TIME_WRAPPERS) or "0") != "0",
         diagnose=v[DIAGNOSE],
         policy=v[POLICY],
-        fp8=_checked(FP8, v[FP8], lambda s: parse_fp8(s) or False),
+        fp8=_checked(FP8, v[FP8], lambda s: parse_fp8(s, "") or False),
         raw={name: value for name, value in v.items() if value is not None},
     )
 

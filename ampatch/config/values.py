@@ -163,7 +163,9 @@ def parse_fp8(value: Any, what: str = "fp8") -> Any:
         return DEFAULT_FP8_RECIPE
     if is_fp8_config(value):
         return value
-    choices = f"True, one of {', '.join(map(repr, FP8_RECIPES))}, a torchao.float8.Float8LinearConfig, or None/False (off)"
+    recipes = ", ".join(map(repr, FP8_RECIPES))
+    choices = (f"True, one of {recipes}, a torchao.float8.Float8LinearConfig, or None/False (off)" if what == "fp8"
+               else f"one of {recipes}, 1 (tensorwise) or off")
     if isinstance(value, str):
         key = value.strip().lower()
         if key in FP8_RECIPES:
@@ -172,7 +174,7 @@ def parse_fp8(value: Any, what: str = "fp8") -> Any:
             return DEFAULT_FP8_RECIPE
         if key in _FP8_OFF:
             return None
-        raise ValueError(f"{what}={value!r} is not an fp8 recipe; use {choices}.")
+        raise ValueError(f"{what + '=' if what else ''}{value!r} is not an fp8 recipe; use {choices}.")
     raise TypeError(f"{what} must be {choices}; got {type(value).__name__}.")
 
 
