@@ -174,7 +174,8 @@ class Fp8Layers:
         self.choices = list(choices)
         self.config = config
         self.converted: list[tuple[nn.Module, type, dict[str, Any]]] = []  # (layer, its class, attributes it had)
-        self.wrapped: list[nn.Parameter] = []  # sharded weights whose local tensor carries torchao's FP8 all-gather
+        # (units, sharded weight) whose local shard carries torchao's FP8 all-gather
+        self.wrapped: list[tuple[sharded.Units, nn.Parameter]] = []
         self._units: list[sharded.Units] = []
         attributes = _float8_attributes(config)
         self._names = (*attributes, "ampatch_fp8")  # what a conversion adds to a layer
@@ -235,12 +236,14 @@ class Fp8Layers:
         for u in self._units:
             u.check_all_gather_extensions()
         dtype = self.config.cast_config_weight.target_dtype
+        units = {id(fp.sharded_param): u for u in self._units for fp in u.params}
         for layer, cls, _ in self.converted:
             w = layer.weight
-            if _is_conv1d_class(cls) or not hasattr(w, "_local_tensor"):
+            if _is_conv1d_class(cls) or id(w) not in units:
                 continue  # a Conv1D (weight transposed) or a layer outside the sharded units: gathered as is
-            w._local_tensor = WeightWithDynamicFloat8CastTensor(w._local_tensor, layer.linear_mm_config, dtype)
-            self.wrapped.append(w)
+            wrap = functools.partial(WeightWithDynamicFloat8CastTensor, linear_mm_config=layer.linear_mm_config, dtype=dtype)
+            units[id(w)].replace_local(w, wrap)
+            self.wrapped.append((units[id(w)], w))
         for u in self._units:
             u.refresh_params()
 
@@ -255,8 +258,8 @@ class Fp8Layers:
         """Every converted layer back to its own class (with the parameters it holds now: the
         trained ones), attributes as they were; sharded weights unwrapped. Idempotent."""
         while self.wrapped:
-            w = self.wrapped.pop()
-            w._local_tensor = w._local_tensor._tensor
+            units, w = self.wrapped.pop()
+            units.replace_local(w, lambda t: t._tensor)
         for u in self._units:
             u.refresh_params()
         self._units = []
