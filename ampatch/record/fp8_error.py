@@ -126,6 +126,8 @@ def capture_layer_io(model: nn.Module, names: Sequence[str], run: Callable[[], t
             saved[name][1] = gout[0].detach().clone()
         handles += [layer.register_forward_hook(forward_hook), layer.register_full_backward_hook(backward_hook)]
     grads = {p: p.grad for p in model.parameters()}
+    for p in grads:  # backward would accumulate into them in place
+        p.grad = None
     try:
         with warnings.catch_warnings():  # a first layer's input needs no grad: its hook sees the output's, as wanted
             warnings.filterwarnings("ignore", message="Full backward hook is firing")

@@ -208,3 +208,14 @@ def test_torchao_is_imported_only_by_a_session_with_fp8():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stderr
     assert "Failed to load" not in out.stderr  # torchao's own import noise is kept quiet
+
+
+def test_initialize_again_converts_once_and_deinitialize_leaves_no_trace():
+    model, opt = fresh()
+    plain_attributes = set(vars(model.fc1))
+    amp.initialize(model, opt, opt_level="O5", fp8="rowwise", verbosity=0)
+    amp.initialize(model, opt, opt_level="O5", fp8=True, verbosity=0)  # the first session is undone first
+    assert type(model.fc1) is Float8Linear and amp.report().fp8 == "tensorwise"
+    assert model.fc1.config.cast_config_input.scaling_granularity.value == "tensorwise"
+    amp.initialize(model, opt, opt_level="O5", verbosity=0)  # and without fp8: plain layers
+    assert type(model.fc1) is nn.Linear and set(vars(model.fc1)) == plain_attributes
