@@ -193,7 +193,7 @@ class Fp8Layers:
     def emulated(self) -> bool:
         return bool(self.config.emulate)
 
-    @property
+    @functools.cached_property
     def recipe(self) -> str:
         """The recipe's name as reports show it: torchao's name, or "custom" for a config
         given whole (torchao's configs carry no name)."""
@@ -212,11 +212,6 @@ class Fp8Layers:
         gather = ", weights all-gathered in FP8" if self.wrapped else ""
         return (f"fp8 {self.recipe} on {n} of {len(self.choices)} Linear layers ({where}{gather})" if n else
                 f"fp8 {self.recipe}: no layer can run in FP8 here, so none was converted (see the reasons)")
-
-    @property
-    def needs_precompute(self) -> bool:
-        """Whether `precompute` has work: FP8 all-gathered weights (their scales after each step)."""
-        return bool(self.wrapped)
 
     def _convert(self, layer: nn.Module, attributes: dict[str, Any]) -> None:
         had = {k: vars(layer)[k] for k in self._names if k in vars(layer)}
@@ -241,14 +236,15 @@ class Fp8Layers:
             w = layer.weight
             if _is_conv1d_class(cls) or id(w) not in units:
                 continue  # a Conv1D (weight transposed) or a layer outside the sharded units: gathered as is
-            wrap = functools.partial(WeightWithDynamicFloat8CastTensor, linear_mm_config=layer.linear_mm_config, dtype=dtype)
-            units[id(w)].replace_local(w, wrap)
+            units[id(w)].replace_local(w, functools.partial(WeightWithDynamicFloat8CastTensor,
+                                                            linear_mm_config=layer.linear_mm_config, dtype=dtype))
             self.wrapped.append((units[id(w)], w))
         for u in self._units:
             u.refresh_params()
 
     def precompute(self) -> None:
-        """The FP8 scales of the all-gathered weights, for the next forward (one all-reduce)."""
+        """The FP8 scales of the all-gathered weights, for the next forward (one all-reduce);
+        nothing to do without FP8 all-gather. Called after each optimizer step that ran."""
         if self.wrapped:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
             for m in self.models:

@@ -209,3 +209,22 @@ def test_without_the_fp8_extra_fp8_raises_importerror_naming_it(case, message):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert re.search(message, out), out
     assert out.strip().endswith("Linear torch.float32")  # refused before anything changed
+
+
+def test_a_torch_too_old_for_torchao_is_refused_naming_the_versions(monkeypatch):
+    fp8.require.cache_clear()
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    try:
+        with pytest.raises(ImportError, match=r"fp8= needs torch >= 2\.11 .*this is torch 2\.9\.1. Upgrade torch"):
+            fp8.require()
+    finally:
+        fp8.require.cache_clear()
+
+
+def test_fsdp2_without_all_gather_extensions_is_refused_naming_the_alternative():
+    from ampatch.model import sharded
+    units = sharded.Units.__new__(sharded.Units)  # the FSDP2 records of a torch without extensions
+    units.params = [type("OldFSDPParam", (), {"_sharded_param_data": None})()]
+    with pytest.raises(RuntimeError, match="FP8 all-gather under FSDP2 needs FSDP2's all-gather extensions.*"
+                                           "enable_fsdp_float8_all_gather=False"):
+        units.check_all_gather_extensions()
