@@ -16,8 +16,7 @@ and learn as O0 does:
 `tune` rejects O3 (it learns a fraction of what O0 learns; its recorded run names the stalled
 weights) and chooses a level with masters; `diagnose` names the stalled modules, recommends
 master weights and shows the rerun following O0. The data is drawn from torch's global
-generator after `amp.initialize`, as many training scripts draw theirs, so `tune`'s noise-floor
-run (``AMPATCH_SEED``) sees another data order.
+generator after `amp.initialize`, as many training scripts draw theirs.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, level_variants, module_names, policy_path, positive, threads)
 from ampatch.config import env as envvars
 from ampatch.compare.plot import write_plot
-from ampatch.compare.rows import common_steps, summarize
+from ampatch.runs.stats import common_steps, summarize
 from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
 from ampatch.runs import builtin, process, runner
 from ampatch.runs.budget import DEFAULT_BUDGET_S, TARGET_STEPS

@@ -9,7 +9,7 @@ import sys
 
 from ampatch.cli.common import CliError, budget, check_output_path, opt_levels, positive
 from ampatch.config.policy_file import DEFAULT_PATH
-from ampatch.runs.deviation import MIN_SHARE, TOLERANCE, WINDOW
+from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, TOLERANCE, WINDOW
 from ampatch.tune.command import DEFAULT_BUDGET_S, DEFAULT_LEVELS, DEFAULT_STEPS
 from ampatch.tune.candidates import OBJECTIVES
 from ampatch.tune.timing import ROUNDS
@@ -18,11 +18,13 @@ from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 DESCRIPTION = (
     "Find the fastest precision policy whose loss curve stays like O0's, and write it as a policy file. "
     f"The deviation of a candidate is the largest gap between its loss curve and O0's ({WINDOW}-loss means, update "
-    "for update), relative to O0's progress over the run (the mean of its first losses minus the mean of its last; "
-    "relative to O0's loss level instead when O0's loss does not fall beyond its own noise). A candidate qualifies "
-    "when it is finite, skips no step after the loss scaler's first back-offs, learns at least "
-    f"{MIN_SHARE:.0%} of what O0 learns (whatever the tolerance), and deviates by at most the tolerance above the "
-    "noise floor: how far O0 is from itself, measured by running O0 again with the same seed and data.")
+    "for update), relative to O0's progress over the run (the mean of its first losses minus the mean of its last). "
+    "O0 must make progress beyond its own noise (the scatter of its loss around its trend; a one-sided t test at "
+    f"{CONFIDENCE:.0%} confidence): when it does not, tune stops with exit 1 (run more steps). A candidate qualifies "
+    "when it is finite, skips no step after the loss scaler's first back-offs, learns between "
+    f"{MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} of what O0 learns at {CONFIDENCE:.0%} confidence (whatever the "
+    "tolerance), and deviates by at most the tolerance beyond the noise of its own per-step differences from O0 on "
+    "the same batches (a run whose noise alone exceeds the tolerance is not judged).")
 
 
 def tolerance(text: str) -> float:
@@ -56,7 +58,8 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
     t._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)%?$")
     t.add_argument("--tolerance", type=tolerance, default=TOLERANCE,
                    help="largest deviation of the loss curve from O0's, relative to what O0 learns over the run "
-                        "(its first losses minus its last), above the measured noise floor (default 2%%)")
+                        "(its first losses minus its last), beyond the noise of its per-step differences from O0 "
+                        "(default 2%%)")
     t.add_argument("--steps", type=positive, default=DEFAULT_STEPS,
                    help=f"optimizer steps per run (default {DEFAULT_STEPS})")
     t.add_argument("--budget", type=budget, metavar="TIME", default=DEFAULT_BUDGET_S,
@@ -86,8 +89,9 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """``ampatch tune``: 0 once a policy is chosen (O0 included), 1 when the reference run
-    fails or is unsound (the script crashes, never calls scale_loss, its O0 loss is not finite
-    or diverges), 2 for bad input, 128+N when stopped by signal N."""
+    fails, is unsound (the script crashes, never calls scale_loss, its O0 loss is not finite
+    or diverges) or makes no detectable progress ("run more steps"), 2 for bad input, 128+N
+    when stopped by signal N."""
     from ampatch.tune import NoReference, tune
 
     check_output_path(args.out, "--out")

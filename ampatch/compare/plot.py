@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ampatch.compare.rows import Row
+from ampatch.runs.stats import RunStats
 
 LINE_STYLES = ("-", "--", "-.", ":")
 SCALER = "loss_scaler0"
 
 
-def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
+def write_plot(path: str, rows: Sequence[RunStats], title: str) -> None:
     """Two panels: loss per step, loss scale per step (log y). Raises ImportError without
     matplotlib, OSError/ValueError for a path it cannot write."""
     from matplotlib.figure import Figure  # optional dependency: ampatch[plot]

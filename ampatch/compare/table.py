@@ -10,10 +10,10 @@ from typing import Any
 
 from ampatch.machine import hardware
 from ampatch.machine.device_text import machine_line, slow_half_note
-from ampatch.compare.rows import BASELINE, FINAL_LOSS_WINDOW, WARMUP_FRACTION, Row
+from ampatch.runs.stats import BASELINE, FINAL_LOSS_WINDOW, WARMUP_FRACTION, RunStats
 from ampatch.runs.deviation import WINDOW
 
-# (heading, Row attribute, format)
+# (heading, RunStats attribute, format)
 COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
            ("step ms", "median_step_ms", "{:.1f}"), ("speed-up", "speedup_vs_O0", "{:.2f}x"),
            ("peak MiB", "peak_memory_mib", "{:.0f}"), ("B/param", "train_bytes_per_param", "{:.1f}"),
@@ -26,7 +26,7 @@ TEXT_COLUMNS = 2   # the first columns are text, left-aligned; numbers are right
 NOTE_WIDTH = 100
 
 
-def cell(row: Row, key: str, fmt: str) -> str:
+def cell(row: RunStats, key: str, fmt: str) -> str:
     """One cell: ``-`` for a missing value; the skipped steps are counted."""
     value = getattr(row, key)
     if key == "skipped_steps":
@@ -34,7 +34,7 @@ def cell(row: Row, key: str, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
+def format_table(rows: Sequence[RunStats], title: str, machine: str | None = None,
                  notes: Sequence[str] = ()) -> str:
     """The comparison table with its footnotes, as text: title, the machine line (device,
     torch, half dtype native or not), the table, the footnotes, then ``notes``."""
@@ -62,19 +62,19 @@ def format_table(rows: Sequence[Row], title: str, machine: str | None = None,
     return "\n".join(out)
 
 
-def deviation_basis(rows: Sequence[Row]) -> str:
+def deviation_basis(rows: Sequence[RunStats]) -> str:
     """What the "max dev" column is relative to: O0's progress over the run, or its level."""
     base = next((r for r in rows if r.level == BASELINE and r.ok), None)
     return base.reference().describe() if base is not None else "relative to O0's (no O0 row here)"
 
 
-def interrupted_note(rows: Sequence[Row], levels: Sequence[str]) -> str:
+def interrupted_note(rows: Sequence[RunStats], levels: Sequence[str]) -> str:
     """The note after Ctrl-C: which of the levels finished."""
     return (f"interrupted: {len(rows)} of {len(levels)} levels finished "
             f"({', '.join(r.level for r in rows) or 'none'}).")
 
 
-def machine_of(rows: Sequence[Row], fallback: str = "cpu") -> tuple[str, str | None]:
+def machine_of(rows: Sequence[RunStats], fallback: str = "cpu") -> tuple[str, str | None]:
     """The machine line and the slow-half note for the table, from the runs' reports (the
     device each script trained on); from ``fallback`` here when no report says."""
     device = next((r.report.device for r in rows if r.ok and r.report is not None and r.report.device), None)
@@ -83,6 +83,6 @@ def machine_of(rows: Sequence[Row], fallback: str = "cpu") -> tuple[str, str | N
     return machine_line(info, dtypes), slow_half_note(info, dtypes)
 
 
-def write_json(path: str, header: dict[str, Any], rows: Sequence[Row]) -> None:
+def write_json(path: str, header: dict[str, Any], rows: Sequence[RunStats]) -> None:
     """``header`` and all rows, with loss curves, loss-scale history and the full reports."""
     Path(path).write_text(json.dumps({**header, "rows": [r.to_dict() for r in rows]}, indent=1) + "\n")

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
-from ..compare.rows import Row
+from ..runs.stats import RunStats
 from ..config import env
 from ..record.child import DEFAULT_STEPS
 from ..record.records import Recording, RecordingError
@@ -93,9 +93,9 @@ def _number(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _figures(run: _Run, baseline: Row | None, keep: Sequence[str], settings: Settings) -> Figures:
+def _figures(run: _Run, baseline: RunStats | None, keep: Sequence[str], settings: Settings) -> Figures:
     """One run's figures against O0's `baseline` row (None: it is O0's own)."""
-    row = Row.of(run.run, baseline)
+    row = RunStats.of(run.run, baseline)
     losses, skipped, steps = row.losses, row.skipped_steps, row.steps or 0
     finite = (row.ok and bool(losses) and all(math.isfinite(x) for x in losses)
               and not (steps and (steps - 1) in skipped))
@@ -147,7 +147,7 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> Diagnosis:
     if not rec:
         return found
     baseline_run = _run(req, log, "the O0 reference", "O0", record=False)
-    baseline = Row.of(baseline_run.run)
+    baseline = RunStats.of(baseline_run.run)
     keep = list(req.keep_fp32) + [k for k in rec.keep_fp32 if k not in req.keep_fp32]
     tries: list[Figures] = []
     for _ in range(MAX_ROUNDS):

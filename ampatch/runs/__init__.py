@@ -13,6 +13,8 @@ One job per module:
 - ``budget``: the time budget that sets each level's deadline and step cap;
 - ``sizing``: the built-in workload's size, from a quick calibration (or ``--size``);
 - ``builtin``: runs of a built-in workload (device, launcher, each level's command);
+- ``stats``: a run's statistics against O0's (`RunStats`), shared by compare, tune and diagnose;
+- ``deviation``: the one measure of how far a loss curve strays from O0's, and how much it learns;
 - ``apex_site/sitecustomize.py``: what ``--apex-alias`` puts on a run's path.
 
 Nothing here prints: the command line (``ampatch.cli``) gives the stream to write progress to.

@@ -8,16 +8,17 @@ One job per module:
   the simplicity order that breaks ties (O0 the simplest);
 - ``measure``: one candidate's run (as ``ampatch run --policy`` runs it);
 - ``verdict``: whether it trains like FP32: finite, no late skipped step (a loss scaler's
-  growth probe aside), learning at least half of what O0 learns, and a deviation from O0's
-  curve relative to what O0 learns (`ampatch.runs.deviation`) within the tolerance above the
-  measured noise floor;
+  growth probe aside), learning between half and twice what O0 learns at 99% confidence, and
+  a deviation from O0's curve relative to what O0 learns (`ampatch.runs.deviation`) no more
+  than the tolerance beyond the noise of its paired differences from O0;
 - ``repair``: a failed candidate's recorded run, and the candidate its diagnosis suggests
   (modules kept in FP32, a loss scale, FP32 masters against stalled updates; or why none);
 - ``timing``: interleaved re-timing against O0 and the spread-based "faster" rule;
-- ``search``: the whole search within a budget; ``report``: the table and the JSON.
+- ``search``: the whole search within a budget (it stops with `NoProgress`, "run more steps",
+  when O0's loss does not fall beyond its own noise); ``report``: the table and the JSON.
 
 Nothing here prints: progress goes to the stream the caller gives (`tune(log=...)`).
 """
-from ampatch.tune.command import NoReference, TuneResult, tune
+from ampatch.tune.command import NoProgress, NoReference, TuneResult, tune
 
-__all__ = ["tune", "TuneResult", "NoReference"]
+__all__ = ["tune", "TuneResult", "NoReference", "NoProgress"]

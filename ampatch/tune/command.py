@@ -9,7 +9,8 @@ It runs the search (`search.Search`) on a user script (stopped after `steps` opt
 by ``AMPATCH_MAX_STEPS``, as `compare` runs it) or on a built-in workload, writes the chosen
 policy to `out` (unless interrupted, or `out` is None) and returns everything it measured.
 Bad arguments raise `ValueError` before anything runs; a reference O0 run that cannot be the
-reference raises `NoReference`. Progress goes to `log`.
+reference raises `NoReference`, one whose loss made no progress beyond its own noise raises
+its subclass `NoProgress` ("run more steps"). Progress goes to `log`.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from ampatch.runs.deviation import TOLERANCE
 from ampatch.tune import candidates, report, timing
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.measure import Job
-from ampatch.tune.search import NoReference, Result, Search
+from ampatch.tune.search import NoProgress, NoReference, Result, Search
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
-__all__ = ["tune", "TuneResult", "NoReference", "DEFAULT_STEPS", "DEFAULT_BUDGET_S", "DEFAULT_LEVELS", "DEFAULT_SIZE"]
+__all__ = ["tune", "TuneResult", "NoReference", "NoProgress", "DEFAULT_STEPS", "DEFAULT_BUDGET_S", "DEFAULT_LEVELS", "DEFAULT_SIZE"]
 
 DEFAULT_STEPS = 40
 DEFAULT_BUDGET_S = 600.0
@@ -63,8 +64,8 @@ class TuneResult:
         return self.search.interrupted
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON of ``--json``: `tolerance`, `deviation` (the measure, O0's progress, the noise
-        floor), `reference`, `candidates`, `chosen`, timings and notes."""
+        """The JSON of ``--json``: `tolerance`, `deviation` (the measure, O0's progress and its
+        significance), `reference`, `candidates`, `chosen`, timings and notes."""
         return {**report.to_json(self.search), "what": self.what, "steps": self.steps, "device": self.device,
                 "policy_file": self.out}
 
@@ -110,8 +111,8 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
 
     `levels`: the levels to try (O0 is the reference); `half_dtype`: "bfloat16"/"float16"
     (None: those worth trying on `device`); `tolerance`: the largest deviation from O0's loss
-    curve, relative to what O0 learns over the run, above the measured noise floor
-    (`ampatch.runs.deviation`); `steps`: optimizer steps per run; `budget`: seconds for the
+    curve, relative to what O0 learns over the run, beyond the noise of the candidate's paired
+    differences from O0 (`ampatch.runs.deviation`); `steps`: optimizer steps per run; `budget`: seconds for the
     whole search (None: no limit); `repair`: repair failed candidates with diagnose's
     recommendation; `rounds`: interleaved re-timing rounds (0: none); `objective`: "speed"
     (the fastest) or "memory" (the fewest bytes per trained parameter, the low-memory master
@@ -139,7 +140,7 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
     cands = candidates.initial(chosen_levels, dev, half, objective)
     log.write(builtin.machine_notice(dev, ["O0", *chosen_levels], half) + "\n")
     budget_text = "no budget" if budget is None else f"a {budget:g}s budget"
-    log.write(f"ampatch tune: {what}: O0 twice (the reference, the noise floor), then {len(cands)} candidate(s), "
+    log.write(f"ampatch tune: {what}: O0 (the reference), then {len(cands)} candidate(s), "
               f"{steps} steps each, repairs{' and re-timing' if objective == 'speed' else ''}, within {budget_text}; "
               f"tolerance {tolerance:.2%}; objective: {objective}\n")
     log.flush()

@@ -1,5 +1,5 @@
 """One candidate's run, as ``ampatch run --policy`` runs it, and its verdict against O0's
-(`verdict.judge`: finite, no late skipped step, learning, within the tolerance above the noise floor).
+(`verdict.judge`: finite, no late skipped step, learning, within the tolerance plus its noise allowance).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from ampatch.config import env
 from ampatch.runs.progress import Progress
-from ampatch.compare.rows import Row
+from ampatch.runs.stats import RunStats
 from ampatch.runs.runner import Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
 from ampatch.config.policy_file import save
 from ampatch.tune.candidates import Candidate
@@ -38,13 +38,16 @@ class Measured:
     """A candidate's run and verdict (`reason`: why it does not qualify, or what it is)."""
 
     candidate: Candidate
-    row: Row
+    row: RunStats
     qualifies: bool
     reason: str
     finite: bool
     deviation: float | None
     step_fault: bool = False
-    learned: float | None = None   # the share of O0's progress it makes (None: O0's loss does not fall)
+    learned: float | None = None          # the share of O0's progress it makes (None: not measured)
+    learned_margin: float | None = None   # ... at least learned - learned_margin, at the rule's confidence
+    noise: float | None = None            # the deviation's noise allowance, from its paired differences with O0
+    beyond: float | None = None           # how far its deviation goes beyond that allowance
 
     @property
     def step_ms(self) -> float | None:
@@ -58,7 +61,9 @@ class Measured:
                 "loss_scale": c.loss_scale, "master_weights": c.master_weights, "step_ms": ms,
                 "speedup": reference_ms / ms if reference_ms and ms else None,
                 "deviation": self.deviation if self.deviation is None or math.isfinite(self.deviation) else None,
-                "learned": self.learned, "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
+                "learned": self.learned, "learned_margin": self.learned_margin, "noise": self.noise,
+                "beyond_noise": self.beyond,
+                "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
                 "peak_memory_mib": self.row.peak_memory_mib, "train_bytes_per_param": self.row.train_bytes_per_param,
                 "final_loss": self.row.final_loss,
                 "repairs": c.repairs, "step_fault": self.step_fault}
@@ -85,15 +90,16 @@ def run_candidate(candidate: Candidate, job: Job, log: TextIO | None, record: bo
                          progress=progress, launch=job.launch)
 
 
-def measured(candidate: Candidate, done: Finished, reference: Row | None, rule: Rule,
+def measured(candidate: Candidate, done: Finished, reference: RunStats | None, rule: Rule,
              upto: int | None = None) -> Measured:
     """The verdict of `candidate`'s finished run against the O0 `reference` row (None: it is
     the reference)."""
-    row = Row.of(level_run(done, candidate.opt_level), reference, upto)
+    row = RunStats.of(level_run(done, candidate.opt_level), reference, upto)
     if reference is None:  # the reference itself
         return Measured(candidate, row, row.ok, "the reference (FP32)" if row.ok else f"run failed: {row.error}",
                         row.ok and all(math.isfinite(x) for x in row.losses), 0.0 if row.ok else None)
-    v = judge(row, rule)
-    return Measured(candidate, row, v.qualifies, v.reason, v.finite, v.deviation, learned=v.learned)
+    v = judge(row, rule, reference.reference(upto), upto)
+    return Measured(candidate, row, v.qualifies, v.reason, v.finite, v.deviation, learned=v.learned,
+                    learned_margin=v.learned_margin, noise=v.noise, beyond=v.beyond)
 
 

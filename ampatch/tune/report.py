@@ -10,23 +10,31 @@ from typing import Any
 
 import torch
 
-from ampatch.runs.deviation import MIN_FALL, MIN_SHARE, NOISE_MARGIN, WINDOW
+from ampatch.runs.deviation import CONFIDENCE, ENDS, MIN_SHARE, WINDOW
 from ampatch.config.policy_file import Policy
 from ampatch.machine.hardware import fingerprint
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.search import Result
 
-__all__ = ["render", "to_json", "policy_of", "write_json", "MEASURE", "FLOOR"]
+__all__ = ["render", "to_json", "policy_of", "write_json", "MEASURE", "NOISE"]
 
 MEASURE = (f"max over steps of |candidate - O0| ({WINDOW}-loss means, compared update for update after the loss "
-           f"scaler's initial back-offs) / O0's progress (the mean of its first {WINDOW} losses minus the mean of its "
-           f"last {WINDOW}); relative to O0's loss at each step instead when O0's loss falls by less than "
-           f"{MIN_FALL:.1%} of its level or by no more than {NOISE_MARGIN:g} standard errors of its own noise. A "
-           f"candidate qualifies within the tolerance above the noise floor, and only when it learns at least "
-           f"{MIN_SHARE:.0%} of what O0 learns.")
-FLOOR = ("the largest deviation, by the same measure, of an O0 run repeated with the same command, seed and data "
-         "(the noise-floor run and O0's re-timing runs) from the reference: run-to-run nondeterminism, the noise "
-         "in every candidate's comparison with O0 (they run on the same seed and data)")
+           f"scaler's initial back-offs) / O0's progress (the mean of its first losses minus the mean of its last: "
+           f"1/{ENDS} of the run each, at least {WINDOW}). O0 must make progress beyond its own noise (one-sided t "
+           f"test at {CONFIDENCE:.0%} confidence, the noise from the second differences of its curve), else tune "
+           f"stops: run more steps. A candidate qualifies when it learns between {MIN_SHARE:.0%} and "
+           f"{1 / MIN_SHARE:.0%} of what O0 learns at {CONFIDENCE:.0%} confidence, its noise allowance is within the "
+           f"tolerance, and its deviation goes no more than the tolerance beyond that allowance.")
+NOISE = ("from each run itself: O0's scatter around its trend (second differences of its curve) for its progress; "
+         "for a candidate, its paired per-step differences from O0 on the same batches (batch effects cancel): the "
+         "standard error of its share of O0's progress (learned_margin: the one-sided t margin at the confidence), "
+         "and the deviation its differences reach by noise alone at the confidence over every compared step "
+         "(noise, relative to O0's progress). A rerun of O0 with the same seed and data is deterministic on a CPU "
+         "and measures nothing: there is none.")
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is None or math.isfinite(x) else None
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -63,9 +71,12 @@ def to_json(result: Result) -> dict[str, Any]:
     return {"tolerance": result.tolerance, "objective": result.objective,
             "deviation": {"measure": MEASURE, "basis": basis.basis.value if basis else None,
                           "o0_progress": basis.progress if basis else None, "o0_first": basis.first if basis else None,
-                          "o0_last": basis.last if basis else None, "window": WINDOW, "min_learned": MIN_SHARE,
-                          "noise_floor": result.floor, "noise_floor_runs": result.floor_runs,
-                          "noise_floor_measured_by": FLOOR},
+                          "o0_last": basis.last if basis else None, "o0_noise": basis.noise if basis else None,
+                          "o0_progress_se": basis.se if basis else None,
+                          "o0_significance": _finite(basis.significance) if basis else None,
+                          "o0_needed": basis.needed if basis else None, "confidence": CONFIDENCE,
+                          "window": WINDOW, "ends": basis.ends if basis else None, "min_learned": MIN_SHARE,
+                          "noise_measured_by": NOISE},
             "reference": {"step_ms": o0, "final_loss": ref.row.final_loss if ref else None,
                           "peak_memory_mib": ref.row.peak_memory_mib if ref else None,
                           "train_bytes_per_param": ref.row.train_bytes_per_param if ref else None},
@@ -78,7 +89,8 @@ def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
     c = result.chosen or REFERENCE
     m = result.measured_of(c)
     return c.policy({"tolerance": result.tolerance, "steps": steps, "speedup": _speedup(result, c),
-                     "deviation": m.deviation if m is not None else None, "noise_floor": result.floor,
+                     "deviation": m.deviation if m is not None else None,
+                     "noise": m.noise if m is not None else None,
                      "machine": fingerprint(device).to_dict(),
                      "torch": torch.__version__, "what": what,
                      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
@@ -119,12 +131,13 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
                        f"only beyond {result.spread:.1%}.")
     basis = result.basis.describe() if result.basis is not None else "relative to O0"
     out.append(f"deviation: largest gap between the loss curve and O0's ({WINDOW}-loss means, update for update "
-               f"after the loss scaler's initial back-offs), {basis}; tolerance "
-               f"{result.tolerance:.2%} above the noise floor {result.floor:.2%} (O0 run again, same seed and data: "
-               f"{'/'.join('-' if d is None else f'{d:.2%}' for d in result.floor_runs) or 'not run'}). learns: the "
-               f"share of O0's progress the policy makes over the same updates; below {MIN_SHARE:.0%} it fails, "
-               "whatever the tolerance. B/param: bytes held per trained parameter for training (weight, master "
-               "copy or compensation, optimizer state)"
+               f"after the loss scaler's initial back-offs), {basis}; tolerance {result.tolerance:.2%} beyond the "
+               f"noise of the policy's own per-step differences from O0 on the same batches ({CONFIDENCE:.0%} "
+               f"confidence; a policy whose noise alone exceeds the tolerance is not judged). learns: the share of O0's progress the policy makes over the same updates; unless it "
+               f"is between {MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} at {CONFIDENCE:.0%} confidence, it fails, "
+               "whatever the tolerance. "
+               "B/param: bytes held per trained parameter for training (weight, master copy or compensation, "
+               "optimizer state)"
                + ("; the objective is memory: the fewest B/param wins, speed breaks ties." if result.objective == "memory"
                   else "."))
     out += [f"note: {n}" for n in result.notes]

@@ -1,13 +1,15 @@
-"""The search: O0 for reference, O0 again for the noise floor, every candidate, repairs of the
-failed ones, interleaved re-timing of the fastest that qualify (each repeat judged again), and
-the choice, within a time budget.
+"""The search: O0 for reference, every candidate, repairs of the failed ones, interleaved
+re-timing of the fastest that qualify (each repeat judged again), and the choice, within a
+time budget.
 
-- The reference must be sound: an O0 run that fails, records no loss, has a non-finite loss or
-  diverges (`deviation.unsound`) stops the search (`NoReference`): nothing can be judged against it.
-- The noise floor is measured: O0 runs again, same command, seed and data, and its deviation
-  from the reference (the same measure) is what run-to-run nondeterminism alone gives; each
-  of O0's re-timing runs can raise it. Candidates run on the same seed and data, so that is
-  the noise in their comparison with O0 too.
+- The reference must be sound and must learn: an O0 run that fails, records no loss, has a
+  non-finite loss or diverges (`deviation.unsound`) stops the search (`NoReference`), and so
+  does one whose progress is not beyond its own noise (`NoProgress`: "run more steps"):
+  nothing can be judged against it.
+- There is no separate noise-floor run: a rerun of O0 with the same seed and data is
+  deterministic on a CPU and measures nothing. The noise comes from each run itself: O0's
+  scatter around its trend, and each candidate's paired differences from O0 on the same
+  batches (`deviation.against`).
 - Ctrl-C (KeyboardInterrupt) stops the run in progress; the result then holds what was
   measured and the best qualifying policy so far (`Result.interrupted`).
 - The budget stops the search before a run that would not fit: the slowest plain run so far is
@@ -30,16 +32,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
-from ampatch.compare.rows import Row
+from ampatch.runs.stats import RunStats
 from ampatch.runs import process
-from ampatch.runs.deviation import Reference, unsound
+from ampatch.runs.deviation import Basis, Reference, unsound
 from ampatch.tune import timing
 from ampatch.tune.candidates import OBJECTIVES, REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
 from ampatch.tune.repair import MAX_REPAIRS, suggest
 from ampatch.tune.verdict import Rule
 
-__all__ = ["Result", "Search", "NoReference", "RECORD_FACTOR"]
+__all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "RECORD_FACTOR"]
 
 RECORD_FACTOR = 3.0   # a recorded run's time against a plain run's, until one is measured
 SAME_BYTES = 0.1      # footprints (bytes per trained parameter) this close are the same memory
@@ -47,6 +49,32 @@ SAME_BYTES = 0.1      # footprints (bytes per trained parameter) this close are 
 
 class NoReference(RuntimeError):
     """The O0 run failed, never trained under amp, or is unsound: nothing to judge the candidates against."""
+
+
+class NoProgress(NoReference):
+    """O0's loss did not fall beyond its own noise over the run: "run more steps"."""
+
+
+def reference_of(row: RunStats, steps: int | None = None) -> Reference:
+    """O0's row as the reference every candidate is judged against; `NoReference` when it
+    cannot be one (failed, no loss, unsound), `NoProgress` when it made no detectable progress
+    (`steps`: the steps it ran, for the message)."""
+    if not row.ok:
+        raise NoReference(f"the O0 reference run failed: {row.error}")
+    if not row.losses:
+        raise NoReference("the O0 reference run never completed an optimizer step after amp.scale_loss: "
+                          "the loss's backward must run inside `with amp.scale_loss(loss, optimizer) as "
+                          "scaled: scaled.backward()`.")
+    curve = {i * row.losses_every: x for i, x in enumerate(row.losses)}
+    why = unsound(curve, row.losses_per_step)
+    if why is not None:
+        raise NoReference(f"the O0 reference is unsound: {why}. No candidate can be judged against it: make the "
+                          "run train at O0 first (`ampatch run --opt-level O0 -- ...`), e.g. a lower learning "
+                          "rate, or check the loss and the data.")
+    ref = row.reference()
+    if ref.basis is not Basis.PROGRESS:
+        raise NoProgress(ref.no_progress(steps if steps is not None else row.steps))
+    return ref
 
 
 @dataclass
@@ -63,13 +91,11 @@ class Result:
     why: str = ""
     interrupted: int | None = None   # the signal that stopped the search (SIGINT: Ctrl-C)
     notes: list[str] = field(default_factory=list)
-    floor: float = 0.0                                          # O0's largest deviation from itself
-    floor_runs: list[float | None] = field(default_factory=list)  # each O0 repeat's deviation (None: it failed)
     objective: str = "speed"   # "memory": the fewest bytes per trained parameter (see the module docstring)
 
     @property
     def rule(self) -> Rule:
-        return Rule(self.tolerance, self.floor)
+        return Rule(self.tolerance)
 
     @property
     def basis(self) -> Reference | None:
@@ -160,43 +186,13 @@ class Search:
 
     def _reference(self) -> None:
         ref = self.measure(REFERENCE, "the FP32 reference")
-        if not ref.row.ok:
-            raise NoReference(f"the O0 reference run failed: {ref.row.error}")
-        if not ref.row.losses:
-            raise NoReference("the O0 reference run never completed an optimizer step after amp.scale_loss: "
-                              "the loss's backward must run inside `with amp.scale_loss(loss, optimizer) as "
-                              "scaled: scaled.backward()`.")
-        curve = {i * ref.row.losses_every: x for i, x in enumerate(ref.row.losses)}
-        why = unsound(curve, ref.row.losses_per_step)
-        if why is not None:
-            raise NoReference(f"the O0 reference is unsound: {why}. No candidate can be judged against it: make the "
-                              "run train at O0 first (`ampatch run --opt-level O0 -- ...`), e.g. a lower learning "
-                              "rate, or check the loss and the data.")
+        basis = reference_of(ref.row, ref.row.steps or self.job.steps)
         self.result.reference = ref
-        self.say(f"    deviations are {ref.row.reference().describe()}")
-
-    def _floor(self, done_row: Row | None) -> None:
-        """One O0 repeat's deviation from the reference raises the noise floor."""
-        r = self.result
-        dev = done_row.max_loss_dev_vs_O0 if done_row is not None and done_row.ok else None
-        r.floor_runs.append(dev)
-        if dev is not None and dev != float("inf"):
-            r.floor = max(r.floor, dev)
+        self.say(f"    deviations are {basis.describe()}")
 
     def _run(self) -> None:
         r = self.result
         self._reference()
-        if self.fits():
-            self.runs += 1
-            self.say(f"[{self.runs}] O0 again: the noise floor (O0 against itself){self.left()}")
-            again = measured(REFERENCE, self._timed(REFERENCE), r.reference.row, r.rule)  # type: ignore[union-attr]
-            if again.step_ms is not None:
-                r.timings.setdefault(REFERENCE.label, []).append(again.step_ms)
-            self._floor(again.row)
-            self.say(f"    noise floor {r.floor:.2%}" + (f"; {again.step_ms:.1f} ms/step" if again.step_ms else "")
-                     if again.row.ok else f"    it failed ({again.row.error}): floor 0")
-        else:
-            r.notes.append("budget reached before the noise-floor run: the floor is taken as 0.")
         runs = len(self.todo) + timing.RETIME * self.rounds + self.rounds
         self.say(f"trying {len(self.todo)} candidate(s): {', '.join(c.label for c in self.todo)}; about "
                  f"{self.last_wall:.1f}s a run: {runs} runs, about {runs * self.last_wall / 60:.1f} min, plus "
@@ -252,7 +248,7 @@ class Search:
 
     def retime(self) -> None:
         """The fastest qualifying candidates and O0, interleaved; every repeat is judged again
-        (a finalist that fails on one no longer qualifies), and O0's raise the noise floor."""
+        (a finalist that fails on one no longer qualifies); O0's are timed only."""
         r = self.result
         qual = sorted((m for m in r.candidates if m.qualifies and m.step_ms), key=lambda m: m.step_ms)[:timing.RETIME]
         if not qual or self.rounds < 1:
@@ -269,9 +265,7 @@ class Search:
             self.runs += 1
             self.say(f"[{self.runs}] {label}: re-timing{self.left()}")
             again = measured(c, self._timed(c), ref_row, r.rule)
-            if c == REFERENCE:
-                self._floor(again.row)
-            else:
+            if c != REFERENCE:
                 self._rejudge(c, again, n // len(by_label) + 1)
             if again.step_ms is not None:
                 r.timings.setdefault(label, []).append(again.step_ms)

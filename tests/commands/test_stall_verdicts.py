@@ -38,8 +38,10 @@ def test_tune_from_python_rejects_the_stalled_level_and_qualifies_the_ones_with_
     assert load(out).opt_level == result.chosen.opt_level
     data = result.to_dict()
     assert data["deviation"]["basis"] == "progress" and data["deviation"]["o0_progress"] > 0
-    assert data["deviation"]["noise_floor"] == 0.0 and "same command, seed and data" in \
-        data["deviation"]["noise_floor_measured_by"]
+    # O0's progress beyond its own noise, measured from its curve (no same-seed rerun: on a CPU it measures nothing)
+    assert data["deviation"]["o0_significance"] >= data["deviation"]["o0_needed"] > 0
+    assert "same batches" in data["deviation"]["noise_measured_by"] and "noise_floor" not in data["deviation"]
+    assert "O0 again" not in (tmp_path / "log.txt").read_text()
     cands = {(c["opt_level"], c["master_weights"]): c for c in data["candidates"]}
     assert cands[("O3", None)]["learned"] < MIN_SHARE and cands[("O3", True)]["qualifies"]
     json.dumps(data)

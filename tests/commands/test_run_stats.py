@@ -1,4 +1,4 @@
-"""`ampatch.compare.rows`: the statistics of each level, from hand-made reports."""
+"""`ampatch.runs.stats`: the statistics of each level, from hand-made reports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 from _reports import REQUIRED, report
 
-from ampatch.compare.rows import Row, common_steps, summarize
+from ampatch.runs.stats import RunStats, common_steps, summarize
 from ampatch.runs.runner import LevelRun
 from ampatch.session.report import Report
 
@@ -86,9 +86,9 @@ def test_common_steps_ignores_failed_runs() -> None:
 
 
 def test_a_row_from_a_run_alone() -> None:
-    row = Row.of(run("O0", BASE))
+    row = RunStats.of(run("O0", BASE))
     assert row.speedup_vs_O0 is None and row.steps == 0 and row.losses_every == 1
-    assert Row.of(run("O1", None, ok=False, error="x")).steps is None    # no report, no figures
+    assert RunStats.of(run("O1", None, ok=False, error="x")).steps is None    # no report, no figures
 
 
 def test_a_report_reads_back_from_its_dict_and_refuses_what_it_cannot_read() -> None:

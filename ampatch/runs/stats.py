@@ -1,6 +1,7 @@
-"""One row per level: the statistics of its run, computed from its report against O0's.
+"""The statistics of one run, computed from its report against O0's: what `compare` shows
+as a row, `tune` judges and `diagnose` verifies with.
 
-A `Row` is built once from a `LevelRun` (and the baseline's row) and never changed: median
+A `RunStats` is built once from a `LevelRun` (and the baseline's) and never changed: median
 step time (warm-up skipped), speed-up over O0, first and final loss, the deviation of the loss
 curve from O0's and the share of O0's progress it makes (`ampatch.runs.deviation`: relative to
 what O0 learns over the run, the loss scaler's initial back-offs shifted out), peak memory,
@@ -41,7 +42,7 @@ def common_steps(runs: Sequence[LevelRun]) -> int | None:
 
 
 @dataclass(frozen=True)
-class Row(LevelRun):
+class RunStats(LevelRun):
     """One level's line of the table (and of ``--json``): its run (the `LevelRun` fields), then
     its statistics."""
 
@@ -65,7 +66,7 @@ class Row(LevelRun):
     train_bytes_per_param: float | None = None
 
     @classmethod
-    def of(cls, run: LevelRun, baseline: Row | None = None, upto: int | None = None) -> Row:
+    def of(cls, run: LevelRun, baseline: RunStats | None = None, upto: int | None = None) -> RunStats:
         """The row of ``run``; ``baseline`` is O0's row (None: no comparison). ``upto``: final
         loss and deviation from the losses before that step only (a budget let the levels run
         different numbers of steps: they compare at the step all of them reached). Losses
@@ -113,8 +114,8 @@ class Row(LevelRun):
         return out
 
 
-def summarize(runs: Sequence[LevelRun], upto: int | None = None) -> list[Row]:
-    """The rows of ``runs``, each compared with O0's run when there is one (see `Row.of`)."""
+def summarize(runs: Sequence[LevelRun], upto: int | None = None) -> list[RunStats]:
+    """The rows of ``runs``, each compared with O0's run when there is one (see `RunStats.of`)."""
     base_run = next((r for r in runs if r.level == BASELINE), None)
-    base = Row.of(base_run, None, upto) if base_run is not None else None
-    return [Row.of(run, base, upto) for run in runs]
+    base = RunStats.of(base_run, None, upto) if base_run is not None else None
+    return [RunStats.of(run, base, upto) for run in runs]

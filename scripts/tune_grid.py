@@ -1,0 +1,402 @@
+#!/usr/bin/env python3
+"""tune's verdicts on a generated family of fine-tuning cases (issue 35): the table of
+docs/tune.md, "The grid", and the cells tests/commands/test_tune_grid.py checks.
+
+Each case is a wide MLP near a teacher: a network with pretrained-scale weights (std 0.1) is
+fine-tuned toward the same network with its head shifted, on targets with Gaussian noise no
+model can learn. Its axes:
+
+- ``noise``: the irreducible loss over the learnable one at the start (1, 10, 100): the loss
+  level is that many times, plus one, what there is to learn;
+- ``lr`` (1e-6 to 1e-3) and the optimizer (AdamW, or SGD with momentum 0.9);
+- ``steps`` (20 to 200), which with the lr sets the progress: 0.1% to 20% of the level and
+  more, down to none that a run's noise lets one see.
+
+Each cell runs O0, O3, O4 and O5 (bfloat16) in this process, on the same batches, and judges
+each run exactly as ``tune`` does (`ampatch.tune.search.reference_of`, then
+`ampatch.tune.verdict.judge`). What each run really did is measured beside the verdict, from
+outside the loss curve:
+
+- ``stall``: the share of the weights (as the run holds them) that never changed over the run;
+  "stalled" when most did (more than half);
+- the learnable loss (the error against the noiseless teacher, on 4096 held-out inputs, in
+  FP32 from the weights the optimizer steps) at the start and at 5 evenly spaced steps: the
+  share of O0's true progress a run makes, and the largest gap from O0's at those points
+  (over O0's true progress).
+
+A right verdict (`expected`): where O0 makes no detectable progress tune stops ("run more
+steps"); O3 fails wherever it stalls; a level whose learnable loss stays within half the
+tolerance of O0's qualifies; one that learns under half of what O0 learns, or strays more
+than twice the tolerance, fails; in between either verdict is right. The "old rule" column
+is the verdict before issue 35 (`old_rule`).
+
+    python scripts/tune_grid.py                      # the whole grid: 72 cells, ~6 min on 2 cores
+    python scripts/tune_grid.py --steps 20 --noise 10 --json cells.json
+    python scripts/tune_grid.py train --lr 2e-5 --noise 9 --steps 40 --opt-level O3   # one run, as a script
+    ampatch tune --levels O3,O5 --steps 40 --no-repair -- python scripts/tune_grid.py train --lr 2e-5 --noise 9 --seed 7
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+import ampatch as amp
+from ampatch.runs.stats import RunStats
+from ampatch.config import env
+from ampatch.runs.deviation import TOLERANCE
+from ampatch.runs.runner import LevelRun
+from ampatch.tune.search import NoProgress, NoReference, reference_of
+from ampatch.tune.verdict import Rule, judge
+
+LEVELS = ("O3", "O4", "O5")
+NOISES = (1.0, 10.0, 100.0)
+LRS = (1e-6, 1e-5, 1e-4, 1e-3)
+OPTIMIZERS = ("adamw", "sgd")
+STEPS = (20, 60, 200)
+STALLED = 0.5          # "most of its weights never change"
+FAR = 0.5              # learning less than half of O0's progress: a level that must fail
+D_IN, WIDTH, D_OUT, BATCH, EVAL = 32, 256, 256, 512, 4096
+CHECKPOINTS = 5       # the learnable loss is measured at the start and at 5 evenly spaced steps
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm1 = nn.Linear(D_IN, WIDTH), nn.LayerNorm(WIDTH)
+        self.fc2, self.norm2 = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.norm1(self.fc1(x)))
+        h = nn.functional.gelu(self.norm2(self.fc2(h)))
+        return self.head(h)
+
+
+def pretrained(seed: int) -> Net:
+    """Weights at a trained model's scale (std 0.1; norm gains around 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    net = Net()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            mean = 1.0 if name.startswith("norm") and name.endswith("weight") else 0.0
+            p.copy_(mean + 0.1 * torch.randn(p.shape, generator=gen))
+    return net
+
+
+@dataclass(frozen=True)
+class Case:
+    noise: float = 9.0      # irreducible loss / learnable loss at the start
+    lr: float = 2e-5
+    optimizer: str = "adamw"
+    steps: int = 40
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.optimizer} lr {self.lr:g}, {self.steps} steps, noise {self.noise:g}x"
+
+
+def _teacher(case: Case) -> tuple[Net, torch.Tensor, float]:
+    """The teacher (the student's start with its head shifted), the eval inputs, and the
+    target noise's standard deviation for `case.noise`."""
+    teacher = pretrained(case.seed)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    with torch.no_grad():
+        teacher.head.weight.add_(0.1 * torch.randn(teacher.head.weight.shape, generator=gen))
+        x_eval = torch.randn(EVAL, D_IN, generator=gen)
+        learnable = float(((pretrained(case.seed)(x_eval) - teacher(x_eval)) ** 2).mean())
+    return teacher, x_eval, math.sqrt(case.noise * learnable)
+
+
+@dataclass
+class Run:
+    level: str
+    report: amp.Report | None
+    error: str | None
+    wall_s: float
+    stall: float = math.nan            # share of the weights, as the run holds them, never changed
+    excess: list[float] = field(default_factory=list)   # error against the teacher at the checkpoints
+
+
+def train(case: Case, level: str, log_every: int = 0) -> Run:
+    """One run of `case` at `level` (bfloat16), in this process; the data is drawn from the
+    case's own generator, the same batches at every level."""
+    torch.manual_seed(case.seed)
+    teacher, x_eval, sigma = _teacher(case)
+    model = pretrained(case.seed)
+    fp32 = pretrained(case.seed)
+    opt_cls = torch.optim.AdamW if case.optimizer == "adamw" else torch.optim.SGD
+    kw = {} if case.optimizer == "adamw" else {"momentum": 0.9}
+    optimizer = opt_cls(model.parameters(), lr=case.lr, **kw)
+    start = time.perf_counter()
+    model, optimizer = amp.initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        held = [p.detach().clone() for p in model.parameters()]
+
+        def excess() -> float:
+            with torch.no_grad(), amp.disable_casts():
+                for dst, src in zip(fp32.parameters(), amp.master_params(optimizer)):
+                    dst.copy_(src.float())
+                return float(((fp32(x_eval) - teacher(x_eval)) ** 2).mean())
+        at = {round(case.steps * i / CHECKPOINTS) for i in range(1, CHECKPOINTS + 1)}
+        curve = [excess()]
+        gen = torch.Generator().manual_seed(case.seed + 2)
+        for step in range(case.steps):
+            x = torch.randn(BATCH, D_IN, generator=gen)
+            with torch.no_grad(), amp.disable_casts():
+                y = teacher(x) + sigma * torch.randn(BATCH, D_OUT, generator=gen)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            optimizer.zero_grad()
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            if log_every and step % log_every == 0:
+                print(f"step {step} loss {loss.item():.5f}", flush=True)
+            if step + 1 in at:
+                curve.append(excess())
+        wall = time.perf_counter() - start
+        same = sum(int((a == b).sum()) for a, b in zip(held, model.parameters()))
+        stall = same / sum(p.numel() for p in held)
+        return Run(level, amp.report(), None, wall, stall, curve)
+    except Exception as exc:  # a failing level is a row, as in tune
+        return Run(level, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - start)
+    finally:
+        amp.deinitialize()
+
+
+@dataclass
+class Judged:
+    level: str
+    qualifies: bool
+    reason: str
+    stall: float
+    learned: float | None          # what the verdict measured: the share of O0's progress on the batches' losses
+    true_share: float              # ... on the learnable loss, against the noiseless teacher
+    true_gap: float                # largest |its learnable loss - O0's| at the checkpoints / O0's true progress
+    expected: str                  # "qualify", "fail" or "either"
+    deviation: float | None = None
+    noise: float | None = None
+    old: bool | None = None        # the verdict of the rule before issue 35
+
+    @property
+    def right(self) -> bool:
+        return self.expected == "either" or (self.expected == "qualify") == self.qualifies
+
+
+@dataclass
+class Cell:
+    case: Case
+    o0_progress: float | None       # O0's progress over its level (the batches' losses)
+    o0_significance: float | None   # ... in standard errors of its own noise
+    o0_needed: float | None
+    stopped: str | None             # tune's "run more steps" message, when O0 made no detectable progress
+    o0_true: float                  # O0's true progress over its learnable loss at the start
+    levels: list[Judged] = field(default_factory=list)
+    o3_stall: float | None = None   # measured even where tune stops
+
+    @property
+    def right(self) -> bool:
+        return all(j.right for j in self.levels)
+
+
+def row_of(run: Run, base: RunStats | None) -> RunStats:
+    return RunStats.of(LevelRun(run.level, run.report is not None, run.error, 0, run.wall_s, run.report), base)
+
+
+def expected(level: str, stall: float, true_share: float, true_gap: float, tolerance: float) -> str:
+    """What a right verdict is, from what the run really did: O3 whose weights mostly never
+    changed fails; a level whose learnable loss stays within half the tolerance of O0's at every
+    checkpoint qualifies; one that learns less than half of what O0 learns, or strays more than
+    twice the tolerance, fails; in between (near the tolerance) either verdict is right."""
+    if level == "O3" and stall > STALLED:
+        return "fail"
+    if true_share < FAR or true_gap > 2 * tolerance:
+        return "fail"
+    if true_gap <= tolerance / 2:
+        return "qualify"
+    return "either"
+
+
+def old_rule(o0: list[float], run: list[float], tolerance: float) -> bool:
+    """The verdict before issue 35, for the comparison column: O0's progress (5-loss means at
+    each end) was the basis only when it fell by at least 0.5% of its level and by more than 2
+    standard errors of its step-to-step changes, else the loss level at each step was, and the
+    learning test (at least half of O0's progress) was off; the noise floor of a same-seed O0
+    rerun was 0 on a CPU."""
+    w = max(1, min(5, len(o0) // 2))
+    first, last = sum(o0[:w]) / w, sum(o0[-w:]) / w
+    changes = [b - a for a, b in zip(o0, o0[1:])]
+    noise = statistics.pstdev(changes) / math.sqrt(2) * math.sqrt(2 / w)
+    progress = first - last >= 0.005 * abs(first) and first - last > 2 * noise
+    if progress and (sum(run[:w]) - sum(run[-w:])) / w / (first - last) < 0.5:
+        return False
+
+    def smooth(c: list[float]) -> list[float]:
+        return [sum(c[max(0, i - 4):i + 1]) / len(c[max(0, i - 4):i + 1]) for i in range(len(c))]
+    dev = max(abs(a - b) / ((first - last) if progress else abs(b)) for a, b in zip(smooth(run), smooth(o0)))
+    return dev <= tolerance
+
+
+def recording() -> None:
+    """Sessions in this process record their losses, as under the ``ampatch`` command (the report
+    written at exit goes to a scratch file)."""
+    if not os.environ.get(env.REPORT):
+        os.environ[env.REPORT] = os.path.join(tempfile.mkdtemp(prefix="tune-grid-"), "report.json")
+
+
+def cell(case: Case, levels: tuple[str, ...] = LEVELS, tolerance: float = TOLERANCE) -> Cell:
+    """One cell: O0, then each level judged as tune judges it, beside what it really did."""
+    recording()
+    o0 = train(case, "O0")
+    base = row_of(o0, None)
+    true_fall = o0.excess[0] - o0.excess[-1]
+    try:
+        ref = reference_of(base, case.steps)
+        stopped = None
+    except NoProgress as exc:
+        ref, stopped = base.reference(), str(exc)
+    except NoReference as exc:
+        raise RuntimeError(f"{case.label}: {exc}") from None
+    out = Cell(case, ref.progress / ref.first if ref.progress is not None and ref.first else None,
+               ref.significance, ref.needed, stopped, true_fall / o0.excess[0])
+    if stopped is not None:
+        if "O3" in levels:
+            out.o3_stall = train(case, "O3").stall
+        return out
+    for level in levels:
+        run = train(case, level)
+        row = row_of(run, base)
+        v = judge(row, Rule(tolerance), ref)
+        share = (run.excess[0] - run.excess[-1]) / true_fall
+        gap = max(abs(a - b) for a, b in zip(run.excess, o0.excess)) / true_fall
+        old = old_rule(base.losses, row.losses, tolerance) if row.ok and len(row.losses) == len(base.losses) else None
+        out.levels.append(Judged(level, v.qualifies, v.reason, run.stall, v.learned, share, gap,
+                                 expected(level, run.stall, share, gap, tolerance), v.deviation, v.noise, old))
+        if level == "O3":
+            out.o3_stall = run.stall
+    return out
+
+
+def _pct(x: float | None, spec: str = ".1%") -> str:
+    return "-" if x is None or not math.isfinite(x) else format(x, spec)
+
+
+def _verdict(j: Judged) -> str:
+    return f"{'ok' if j.qualifies else 'FAIL'}{'' if j.right else ' (WRONG)'}"
+
+
+def table(cells: list[Cell]) -> str:
+    """The grid as a Markdown table (docs/tune.md)."""
+    lines = ["| optimizer | lr | steps | noise | O0 progress / level | O0 t (needed) | O3 stall | O3 | O3, old rule | O4 "
+             "| O5 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        k = c.case
+        z = "-" if c.o0_significance is None else ("inf" if c.o0_significance == math.inf
+                                                   else f"{c.o0_significance:.1f}")
+        sig = f"{z} ({c.o0_needed:.1f})" if c.o0_needed is not None else z
+        if c.stopped is not None:
+            verdicts = ["**run more steps**", "", "", ""]
+        else:
+            by = {j.level: j for j in c.levels}
+
+            def text(level: str) -> str:
+                j = by.get(level)
+                return "-" if j is None else f"{_verdict(j)} {_pct(j.deviation)}, learns {_pct(j.learned, '.0%')}"
+            o3 = by.get("O3")
+            old = "-" if o3 is None or o3.old is None else ("ok" if o3.old else "FAIL")
+            if o3 is not None and o3.old and o3.stall > STALLED:
+                old += " (wrong)"
+            verdicts = [text("O3"), old, text("O4"), text("O5")]
+        lines.append(f"| {k.optimizer} | {k.lr:g} | {k.steps} | {k.noise:g}x | {_pct(c.o0_progress, '.2%')} | {sig} | "
+                     f"{_pct(c.o3_stall, '.0%')} | " + " | ".join(verdicts) + " |")
+    return "\n".join(lines)
+
+
+def summary(cells: list[Cell]) -> str:
+    stopped = [c for c in cells if c.stopped is not None]
+    judged = [j for c in cells for j in c.levels]
+    wrong = [(c, j) for c in cells for j in c.levels if not j.right]
+    o3 = [j for c in cells for j in c.levels if j.level == "O3"]
+    stalled = [j for j in o3 if j.stall > STALLED]
+    free = [j for j in o3 if j.stall <= STALLED]
+
+    def count(js: list[Judged], what: str) -> str:
+        return f"{sum(j.expected == what for j in js)} ({sum(j.expected == what and j.right for j in js)} right)"
+    out = [f"{len(cells)} cells: {len(stopped)} stop with 'run more steps' (O0 made no detectable progress), "
+           f"{len(cells) - len(stopped)} judged ({len(judged)} verdicts).",
+           f"O3 stalled (most weights never change) in {len(stalled)} judged cells: {sum(not j.qualifies for j in stalled)} "
+           f"fail; the old rule passed {sum(bool(j.old) for j in stalled)} of them.",
+           f"O3 not stalled in {len(free)} judged cells: {sum(j.qualifies for j in free)} qualify, "
+           f"{sum(not j.qualifies for j in free)} fail.",
+           f"expected to qualify (track O0 within half the tolerance): {count(judged, 'qualify')}; to fail: "
+           f"{count(judged, 'fail')}; near the tolerance (either is right): {sum(j.expected == 'either' for j in judged)}.",
+           f"wrong verdicts: {len(wrong)}"]
+    out += [f"  WRONG: {c.case.label}: {j.level} {'qualifies' if j.qualifies else 'fails'} ({j.reason}); stall "
+            f"{j.stall:.0%}, true share {j.true_share:.2f}, true gap {j.true_gap:.3f}" for c, j in wrong]
+    return "\n".join(out)
+
+
+def _grid(a: argparse.Namespace) -> list[Case]:
+    return [Case(noise, lr, opt, steps) for opt, lr, steps, noise in
+            itertools.product(a.optimizer or OPTIMIZERS, a.lr or LRS, a.steps or STEPS, a.noise or NOISES)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        p = argparse.ArgumentParser(prog="tune_grid.py train", description="one run of a grid case, as a script "
+                                    "(ampatch run/compare/tune force the level from outside)")
+        p.add_argument("--noise", type=float, default=Case.noise)
+        p.add_argument("--lr", type=float, default=Case.lr)
+        p.add_argument("--optimizer", choices=OPTIMIZERS, default=Case.optimizer)
+        p.add_argument("--steps", type=int, default=Case.steps)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--opt-level", default="O0")
+        a = p.parse_args(argv[1:])
+        torch.set_num_threads(1)
+        run = train(Case(a.noise, a.lr, a.optimizer, a.steps, a.seed), a.opt_level, log_every=10)
+        if run.error:
+            print(run.error, file=sys.stderr)
+            return 1
+        print(f"{a.opt_level}: weights never changed {run.stall:.1%}; learnable loss {run.excess[0]:.5f} -> "
+              f"{run.excess[-1]:.5f}")
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--optimizer", nargs="*", choices=OPTIMIZERS)
+    p.add_argument("--lr", nargs="*", type=float)
+    p.add_argument("--steps", nargs="*", type=int)
+    p.add_argument("--noise", nargs="*", type=float)
+    p.add_argument("--tolerance", type=float, default=TOLERANCE)
+    p.add_argument("--json", metavar="PATH", help="every cell, every verdict")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    cells = []
+    start = time.perf_counter()
+    for case in _grid(a):
+        c = cell(case, tolerance=a.tolerance)
+        cells.append(c)
+        print(f"[{len(cells)}] {case.label}: " + (c.stopped[:60] if c.stopped else ", ".join(
+            f"{j.level} {'ok' if j.qualifies else 'FAIL'}{'' if j.right else ' WRONG'}" for j in c.levels))
+            + f" ({time.perf_counter() - start:.0f}s)", file=sys.stderr, flush=True)
+    print(table(cells))
+    print()
+    print(summary(cells))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([asdict(c) for c in cells], f, indent=1, default=str)
+    return 0 if all(c.right for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
