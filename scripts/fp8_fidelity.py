@@ -1,6 +1,6 @@
 """Does O5+fp8 train like O5? The measurement behind docs/fp8.md (issue 36), on CPU (emulated FP8).
 
-    python scripts/fp8_fidelity.py [--steps 150] [--size small] [--recipes tensorwise,rowwise] [--seed 0]
+    python scripts/fp8_fidelity.py [--steps 300] [--size small] [--recipes tensorwise,rowwise] [--seed 0]
                                    [--only lm|llama] [--llama-fp8-modules GLOBS] [--json PATH]
 
 Two models, each trained from the same seed on the same batches at O0, O5 and O5+fp8 (each
@@ -9,14 +9,17 @@ recipe):
   process through `ampatch run --opt-level L [--fp8 RECIPE] --report PATH`;
 - a 2-layer `LlamaForCausalLM` (from a `LlamaConfig`, no download) on the package's corpus,
   characters as tokens, in this process.
-For each it prints tune's deviation (`ampatch.runs.deviation`: the largest gap between
-5-step means of two loss curves, relative to what O0 learns over the run) of O5 from O0, of
-O5+fp8 from O0, and of O5+fp8 from O5, the last against tune's default tolerance (2%).
+For each it applies tune's rule (`ampatch.runs.deviation.against`, as `ampatch tune` judges a
+candidate: the largest gap between 5-step means of two loss curves relative to what the
+reference learns over the run, how far it goes beyond the noise of the paired per-step
+differences, and the share of the reference's progress learned) to each run against O0, and
+to each O5+fp8 run against O5, at tune's default tolerance (2%).
 Emulated FP8 shows numerics only: the step times printed are not FP8's speed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.resources
 import json
 import os
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 
 import ampatch as amp
-from ampatch.runs.deviation import TOLERANCE, Basis, Reference, deviation, learned
+from ampatch.runs.deviation import MIN_SHARE, TOLERANCE, Basis, Comparison, Reference, against
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,32 +90,48 @@ def llama_curve(level: str, recipe: str | None, steps: int, seed: int = 0, modul
     return losses, times[len(times) // 2]
 
 
+def judged(c: Comparison) -> str:
+    """tune's verdict on a comparison (`ampatch.tune.verdict.judge`, at the default tolerance)."""
+    margin = c.learned_margin() or 0.0
+    if c.learned is None or c.deviation is None:
+        return "not judged"
+    if c.learned - margin < MIN_SHARE or c.learned + margin > 1 / MIN_SHARE:
+        return "learns unlike the reference"
+    if (c.noise or 0.0) > TOLERANCE:
+        return "too noisy to judge"
+    beyond = c.beyond if c.beyond is not None else c.deviation
+    return "within 2%" if beyond <= TOLERANCE else "OUTSIDE 2%"
+
+
 def compare(name: str, curves: dict[str, tuple[list[float], float]]) -> dict[str, object]:
-    """Tune's deviations: each run from O0, and each FP8 run from O5 (relative to O0's progress)."""
+    """tune's rule (`ampatch.runs.deviation.against`), each run against O0, and each FP8 run
+    against O5 (O5's curve as the reference, its progress the unit)."""
     as_map = {label: dict(enumerate(losses)) for label, (losses, _) in curves.items()}
-    ref = Reference.of(as_map["O0"])
-    print(f"\n{name}: deviations {ref.describe()}")
-    print(f"  {'run':<22} {'final loss':>10} {'step ms':>8} {'dev vs O0':>10} {'learned':>8} {'dev vs O5':>10}")
-    against_o5 = Reference(as_map["O5"], ref.basis, ref.first, ref.last, ref.noise)  # O5's curve, O0's progress
+    ref0, ref5 = Reference.of(as_map["O0"]), Reference.of(as_map["O5"])
+    print(f"\n{name}\n  against O0: {ref0.describe()}\n  against O5: {ref5.describe().replace('O0', 'O5')}")
+    print(f"  {'run':<28} {'final':>7} {'step ms':>8}   {'vs O0: dev':>10} {'beyond':>7} {'learned':>8}  verdict"
+          f"{'':<12} {'vs O5: dev':>10} {'beyond':>7}  verdict")
     rows = {}
     for label, (losses, step_s) in curves.items():
         final = sum(losses[-5:]) / len(losses[-5:])
-        dev0 = deviation(as_map[label], ref)
-        share = learned(as_map[label], ref)
-        dev5 = deviation(as_map[label], against_o5) if "fp8" in label else None
-        ok = "" if dev5 is None else ("  within 2%" if dev5 <= TOLERANCE else "  OUTSIDE 2%")
-        print(f"  {label:<22} {final:>10.4f} {step_s * 1e3:>8.1f} {dev0:>10.2%} "
-              f"{share if share is not None else float('nan'):>8.2f} {'' if dev5 is None else f'{dev5:.2%}':>10}{ok}")
-        rows[label] = {"final_loss": final, "step_ms": step_s * 1e3, "deviation_vs_o0": dev0, "learned": share,
-                       "deviation_vs_o5": dev5, "losses": losses}
-    if ref.basis is not Basis.PROGRESS:
-        print("  (O0 made no clear progress: run more steps)")
+        c0 = against(as_map[label], ref0)
+        c5 = against(as_map[label], ref5) if "fp8" in label else None
+        line = (f"  {label:<28} {final:>7.4f} {step_s * 1e3:>8.1f}   {c0.deviation:>10.2%} {c0.beyond or 0:>7.2%} "
+                f"{c0.learned if c0.learned is not None else float('nan'):>8.2f}  {judged(c0):<19}")
+        if c5 is not None:
+            line += f" {c5.deviation:>10.2%} {c5.beyond or 0:>7.2%}  {judged(c5)}"
+        print(line)
+        rows[label] = {"final_loss": final, "step_ms": step_s * 1e3, "losses": losses,
+                       "vs_o0": dataclasses.asdict(c0), "verdict_vs_o0": judged(c0),
+                       "vs_o5": dataclasses.asdict(c5) if c5 else None, "verdict_vs_o5": judged(c5) if c5 else None}
+    if ref0.basis is not Basis.PROGRESS:
+        print("  (O0 made no detectable progress: run more steps)")
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--size", default="small", help="the built-in LM's size (its SIZES table)")
     parser.add_argument("--recipes", default="tensorwise,rowwise")
     parser.add_argument("--only", choices=("lm", "llama"), default=None)
