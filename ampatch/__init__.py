@@ -89,7 +89,7 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
                num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
                max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE, half_dtype: Any = None, allow_banned: bool = False,
                patch_torch_functions_type: Any = None, process_group: Any = None, keep_fp32: Any = None,
-               policy: Any = None) -> Any:
+               fp8: Any = None, fp8_modules: Any = None, policy: Any = None) -> Any:
     """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
 
     Returns the models and optimizers in the shape they came in (only the models when no
@@ -100,6 +100,11 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     models; classes; callables `(name, module) -> bool`) that run in FP32 with everything
     inside them, at any level. `policy`: a policy file `ampatch tune` wrote (a path, or a
     dict): its fields set the keywords this call does not give (see `ampatch.config.policy_file`).
+    `fp8`: torchao's float8 training (the `fp8` extra) on the model's Linear layers: True
+    (= "tensorwise"), a recipe name ("rowwise", "rowwise_with_gw_hp") or a torchao
+    `Float8LinearConfig`; `fp8_modules` picks the layers (names, globs, or a callable
+    `(module, fqn) -> bool`; default: every Linear with dims multiples of 16 but the output
+    head). Converted in place, put back by `deinitialize` (docs/fp8.md).
     """
     keywords = dict(locals())
     options = Options(**{k: v for k, v in keywords.items() if k not in ("models", "optimizers", "policy")})

@@ -3,7 +3,7 @@
 # Two pytest-xdist workers, each test file on one worker (its module fixtures run once): the
 # suite is mostly single-threaded and subprocess-bound, so on 2 cores it takes about half the
 # serial time. AMPATCH_TEST_WORKERS=0 runs it serially (as does a venv without xdist).
-EXTRAS="dev,plot,integrations"  # matplotlib, Lightning, Transformers too: their tests run instead of skipping
+EXTRAS="dev,plot,integrations,fp8"  # matplotlib, Lightning, Transformers, torchao too: their tests run instead of skipping
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 WORKERS="${AMPATCH_TEST_WORKERS:-2}"
 PARALLEL=()

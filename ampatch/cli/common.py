@@ -11,11 +11,11 @@ from typing import Any
 
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import levels as levels_policy
-from ampatch.config.values import parse_loss_scale, parse_master_weights, parse_names
+from ampatch.config.values import parse_fp8, parse_loss_scale, parse_master_weights, parse_names
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "positive", "threads", "budget", "loss_scale", "master_weights", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "positive", "threads", "budget", "loss_scale", "master_weights", "fp8_recipe", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -91,6 +91,14 @@ def _checked_text(parse: Callable[[str], Any]) -> Callable[[str], str]:
 
 loss_scale = argument(_checked_text(parse_loss_scale))          # a number or "dynamic"
 master_weights = argument(_checked_text(parse_master_weights))  # True, False, stochastic or kahan
+
+
+def _fp8_text(text: str) -> str:
+    """`--fp8 RECIPE` for AMPATCH_FP8: a recipe name, or "off"."""
+    return parse_fp8(text.strip(), "--fp8") or "off"
+
+
+fp8_recipe = argument(_fp8_text)
 
 
 def module_names(text: str) -> str:

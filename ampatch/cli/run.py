@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 
 from ampatch.config import env as envvars
-from ampatch.cli.common import (KEEP_FP32_HELP, add_level_options, check_half_dtype, check_output_path, loss_scale,
-                                master_weights, policy_path)
+from ampatch.cli.common import (KEEP_FP32_HELP, add_level_options, check_half_dtype, check_output_path, fp8_recipe,
+                                loss_scale, master_weights, policy_path)
 from ampatch.runs import process, runner
 
 
@@ -23,6 +23,10 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
     run.add_argument("--master-weights", type=master_weights, metavar="MODE",
                      help="force master_weights of every amp.initialize: True, False, stochastic or kahan (the last "
                           "two: a bfloat16 model at O2/O3/O5 without FP32 masters; AMPATCH_MASTER_WEIGHTS)")
+    run.add_argument("--fp8", type=fp8_recipe, nargs="?", const="tensorwise", metavar="RECIPE",
+                     help="run the script's Linear layers in FP8 with torchao (the fp8 extra): tensorwise (the "
+                          "default), rowwise or rowwise_with_gw_hp; 'off' turns off the script's own fp8 "
+                          "(AMPATCH_FP8). Emulated where the GPU has no FP8 tensor cores: numerics only, not speed")
     run.add_argument("--policy", type=policy_path, metavar="PATH",
                      help="apply a policy file (ampatch tune --out) to every amp.initialize, over the script's own "
                           "keywords (AMPATCH_POLICY)")
@@ -44,6 +48,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         env[envvars.LOSS_SCALE] = args.loss_scale
     if args.master_weights is not None:
         env[envvars.MASTER_WEIGHTS] = args.master_weights
+    if args.fp8 is not None:
+        env[envvars.FP8] = args.fp8
     if args.apex_alias:
         env = runner.with_apex_alias(env)
     return process.attached(cmd, env)

@@ -16,10 +16,10 @@ from typing import ClassVar
 import torch
 
 from . import levels
-from .values import parse_dtype, parse_loss_scale, parse_master_weights, parse_names
+from .values import parse_dtype, parse_fp8, parse_loss_scale, parse_master_weights, parse_names
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MASTER_WEIGHTS", "MAX_STEPS", "REPORT", "PROGRESS",
-           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "ALL", "Overrides", "read", "without_ampatch"]
+           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "ALL", "Overrides", "read", "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)
@@ -32,8 +32,9 @@ PROGRESS = "AMPATCH_PROGRESS"            # append "step loss" lines here while r
 TIME_WRAPPERS = "AMPATCH_TIME_WRAPPERS"  # "1": time every O1 wrapper's own work
 DIAGNOSE = "AMPATCH_DIAGNOSE"            # write per-module precision statistics here at exit
 POLICY = "AMPATCH_POLICY"                # apply this policy file (ampatch tune's) to every initialize
+FP8 = "AMPATCH_FP8"                      # force fp8: a recipe name, 1/true (tensorwise) or 0/off
 
-ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MASTER_WEIGHTS, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE, POLICY)
+ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MASTER_WEIGHTS, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE, POLICY, FP8)
 PREFIX = "AMPATCH_"
 
 
@@ -54,6 +55,7 @@ class Overrides:
     time_wrappers: bool = False              # AMPATCH_TIME_WRAPPERS
     diagnose: str | None = None              # AMPATCH_DIAGNOSE
     policy: str | None = None                # AMPATCH_POLICY: a policy file's path (see policy_file.from_outside)
+    fp8: str | bool | None = None            # AMPATCH_FP8: a recipe name, or False (forced off)
     raw: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     # field -> how messages name where its value came from, when not its own variable (a policy file)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -62,7 +64,7 @@ class Overrides:
         "opt_level": OPT_LEVEL, "half_dtype": HALF_DTYPE, "keep_fp32": KEEP_FP32, "loss_scale": LOSS_SCALE,
         "master_weights": MASTER_WEIGHTS,
         "max_steps": MAX_STEPS, "report": REPORT, "progress": PROGRESS, "time_wrappers": TIME_WRAPPERS,
-        "diagnose": DIAGNOSE, "policy": POLICY}
+        "diagnose": DIAGNOSE, "policy": POLICY, "fp8": FP8}
 
     def given(self, field_name: str) -> str:
         """"AMPATCH_X=value" for a field, as the user set it: what messages quote."""
@@ -126,6 +128,7 @@ def read(environ: Mapping[str, str] | None = None) -> Overrides:
         time_wrappers=(source.get(TIME_WRAPPERS) or "0") != "0",
         diagnose=v[DIAGNOSE],
         policy=v[POLICY],
+        fp8=_checked(FP8, v[FP8], lambda s: parse_fp8(s, "") or False),
         raw={name: value for name, value in v.items() if value is not None},
     )
 

@@ -25,7 +25,7 @@ from . import levels
 from .env import Overrides
 from .settings import SETTINGS
 from .values import (DEFAULT_MAX_LOSS_SCALE, DYNAMIC, MasterMode, check_scale_value, parse_bool, parse_dtype,
-                     parse_loss_scale, parse_master_weights)
+                     parse_fp8, parse_fp8_modules, parse_loss_scale, parse_master_weights)
 
 __all__ = ["Options", "OverrideError", "warn_or_err", "NO_CAST", "PROPERTY_KEYWORDS", "Properties", "resolve", "OUTSIDE"]
 
@@ -53,7 +53,9 @@ class Options:
     keeps them equal), `models`, `optimizers` and `policy` aside. Parsed on creation:
     `opt_level` normalized ("o2 " -> "O2"), dtypes as `torch.dtype`, Apex's string flags as
     bools, `loss_scale` a float or "dynamic", `cast_model_type=False` as `NO_CAST`,
-    `half_dtype` taking `patch_torch_functions_type` (its ROCm Apex alias)."""
+    `half_dtype` taking `patch_torch_functions_type` (its ROCm Apex alias), `fp8` None or a
+    recipe name or a torchao config (`values.parse_fp8`), `fp8_modules` a tuple of names or
+    globs or a callable."""
 
     enabled: bool = True
     opt_level: str = "O1"
@@ -72,6 +74,8 @@ class Options:
     patch_torch_functions_type: Any = None
     process_group: Any = None
     keep_fp32: Any = None
+    fp8: Any = None
+    fp8_modules: Any = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -112,6 +116,11 @@ class Options:
         if not isinstance(self.allow_banned, bool):
             raise TypeError(f"allow_banned must be True or False, got {self.allow_banned!r}.")
         _check_process_group(self.process_group)
+        put("fp8", parse_fp8(self.fp8))
+        put("fp8_modules", parse_fp8_modules(self.fp8_modules))
+        if self.fp8_modules is not None and self.fp8 is None:
+            raise ValueError("fp8_modules chooses the layers that run in FP8, but fp8 is off: pass fp8=True (or a "
+                             "recipe name such as 'rowwise') with it, or drop fp8_modules.")
 
     def given(self) -> dict[str, Any]:
         """The property keywords that were given (not None), in the signature's order."""
@@ -122,7 +131,7 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
-OUTSIDE = ("opt_level", "half_dtype", "loss_scale", "master_weights")  # what the environment may force
+OUTSIDE = ("opt_level", "half_dtype", "loss_scale", "master_weights", "fp8")  # what the environment may force
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,7 @@ class Properties:
     master_weights: bool | str | None  # None at O1/O4; "stochastic"/"kahan": see MasterMode
     loss_scale: float | str
     cast_model_outputs: torch.dtype | None = None
+    fp8: Any = None  # None: off; a recipe name (values.FP8_RECIPES) or a torchao Float8LinearConfig
 
     @property
     def casts_model(self) -> bool:
@@ -182,7 +192,13 @@ def resolve(options: Options, device: torch.device | None = None, overrides: Ove
         notes.append(f"ampatch: dropping half_dtype={options.half_dtype}, which conflicts with forced "
                      f"{overrides.opt_level}.")
         options = options.replace(half_dtype=None)
+    scripts_fp8 = options.fp8 is not None and overrides.fp8 is None
     options = _outside_wins(options, overrides, notes)
+    why = _fp8_conflict(options.replace(enabled=True, **dict.fromkeys(options.given())), device) \
+        if forced and scripts_fp8 else None
+    if why:
+        notes.append(f"ampatch: dropping fp8={options.fp8!r}, which conflicts with forced {options.opt_level} ({why})")
+        options = options.replace(fp8=None, fp8_modules=None)
     if not forced:
         return _build(options, device, hard), notes
     kept = options.replace(enabled=True, **dict.fromkeys(options.given()))  # a forced level runs, even disabled
@@ -206,6 +222,11 @@ def _outside_wins(options: Options, overrides: Overrides, notes: list[str]) -> O
     for name in OUTSIDE:
         value = getattr(overrides, name)
         if value is None:
+            continue
+        if name == "fp8" and value is False:  # AMPATCH_FP8=0: forced off
+            if options.fp8 is not None:
+                notes.append(f"ampatch: {overrides.given(name)} turns off the script's fp8={options.fp8!r}.")
+            changes.update(fp8=None, fp8_modules=None)
             continue
         if name == "half_dtype" and levels.half_dtype_conflict(level, value):
             notes.append(f"ampatch: {overrides.given(name)} does not apply to {level}, which always runs in "
@@ -235,12 +256,35 @@ def _build(options: Options, device: Any, hard_override: bool) -> Properties:
               "loss_scale": default_scale, **given}
     _check(level, merged, given, half, hard_override)
     cast = merged["cast_model_type"]
+    if options.fp8 is not None:
+        computes = half if merged["patch_torch_functions"] or cast not in (None, NO_CAST, torch.float32) else torch.float32
+        _check_fp8(level, options.fp8, computes)
     return Properties(
         enabled=options.enabled, opt_level=level, half_dtype=half,
         cast_model_type=None if cast is NO_CAST else cast,  # NO_CAST: the model stays as it came in
         patch_torch_functions=bool(merged["patch_torch_functions"]),
         keep_batchnorm_fp32=merged["keep_batchnorm_fp32"], master_weights=merged["master_weights"],
-        loss_scale=merged["loss_scale"], cast_model_outputs=options.cast_model_outputs)
+        loss_scale=merged["loss_scale"], cast_model_outputs=options.cast_model_outputs,
+        fp8=options.fp8 if options.enabled else None)
+
+
+def _fp8_conflict(options: Options, device: Any) -> str | None:
+    """Why `options.fp8` cannot run with the rest of `options` (None: it can)."""
+    try:
+        _build(options, device, True)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _check_fp8(level: str, fp8: Any, computes: torch.dtype) -> None:
+    """`fp8` runs where the converted layers compute in bfloat16 or FP32, as torchao's float8
+    training supports: O0, O4, O5, and O1/O2/O3 with bfloat16."""
+    if computes in (torch.bfloat16, torch.float32):
+        return
+    raise ValueError(f"fp8={fp8!r} runs where the layers compute in bfloat16 or FP32 (torchao's float8 training), but "
+                     f"{level} here computes in {short_name(computes)}. Use opt_level='O4' or 'O5' (bfloat16), or "
+                     f"pass half_dtype=torch.bfloat16 with {level} (or O0 for FP32), or leave fp8 off.")
 
 
 def _check(level: str, merged: dict[str, Any], given: dict[str, Any], half: torch.dtype,

@@ -4,20 +4,21 @@ A policy file is JSON with the fields of `amp.initialize` that a policy decides,
 they were measured on::
 
     {"format": 1, "opt_level": "O1", "half_dtype": "bfloat16", "keep_fp32": ["head"],
-     "loss_scale": null, "master_weights": null,
+     "loss_scale": null, "master_weights": null, "fp8": null,
      "measured": {"tolerance": 0.02, "steps": 60, "speedup": 1.41, "deviation": 0.004,
                   "machine": {"type": "cpu", "name": "...", "native": {"bfloat16": true, ...}},
                   "torch": "2.13.0", "what": "built-in workload lm (small)", "date": "..."}}
 
 ``half_dtype`` is null at O0 (FP32); ``loss_scale`` and ``master_weights`` null mean the
-level's default (or the script's own). It is applied two ways:
+level's default (or the script's own); ``fp8`` is null (the script's own), false (off) or a
+torchao recipe name ("tensorwise", "rowwise", "rowwise_with_gw_hp"), as ``AMPATCH_FP8``. It is applied two ways:
 
 - in code, ``amp.initialize(..., policy="ampatch-policy.json")`` (a path or a dict;
   `session.build.takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
   field, with a warning when they disagree;
 - from outside, ``AMPATCH_POLICY=path`` (what ``ampatch run --policy`` and ``ampatch compare
   --policy`` set) for an unmodified script (`from_outside`): the file's fields act as
-  ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
+  ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE``, ``AMPATCH_FP8`` and
   ``AMPATCH_KEEP_FP32`` would, by the one rule of settings from outside
   (`options.resolve`): its level wins, and each of the script's keywords that conflicts
   with it is dropped, with a warning. Its ``keep_fp32`` is added to the script's own (as
@@ -42,14 +43,14 @@ import torch
 from ..base.dtypes import HALF_NAMES
 from ..base.notices import warn
 from . import env, levels
-from .values import parse_dtype, parse_loss_scale, parse_master_weights, parse_names
+from .values import parse_dtype, parse_fp8, parse_loss_scale, parse_master_weights, parse_names
 
 __all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "apply_in_code", "from_outside",
            "DEFAULT_PATH"]
 
 FORMAT = 1
 DEFAULT_PATH = "ampatch-policy.json"
-FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale", "master_weights")  # the initialize keywords it sets
+FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale", "master_weights", "fp8")  # the initialize keywords it sets
 KEYS = ("format", *FIELDS, "measured")                             # every key a policy file may have
 
 
@@ -68,6 +69,7 @@ class Policy:
     keep_fp32: tuple[str, ...] = ()
     loss_scale: float | str | None = None
     master_weights: bool | str | None = None  # None: the level's own (True at O2/O5); "stochastic"/"kahan"
+    fp8: str | bool | None = None  # None: the script's own; False: off; a recipe name (values.FP8_RECIPES)
     measured: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, kw_only=True)
 
     def keywords(self) -> dict[str, Any]:
@@ -81,13 +83,15 @@ class Policy:
             out["loss_scale"] = self.loss_scale
         if self.master_weights is not None:
             out["master_weights"] = self.master_weights
+        if self.fp8 is not None:
+            out["fp8"] = self.fp8
         return out
 
     def to_dict(self) -> dict[str, Any]:
         """The file's JSON."""
         return {"format": FORMAT, "opt_level": self.opt_level, "half_dtype": self.half_dtype,
                 "keep_fp32": list(self.keep_fp32), "loss_scale": self.loss_scale,
-                "master_weights": self.master_weights, "measured": dict(self.measured) if self.measured is not None else None}
+                "master_weights": self.master_weights, "fp8": self.fp8, "measured": dict(self.measured) if self.measured is not None else None}
 
     def describe(self) -> str:
         """One short line: "O1 bfloat16, keep_fp32=['head'], loss_scale='dynamic'"."""
@@ -99,6 +103,8 @@ class Policy:
             text += f", loss_scale={self.loss_scale!r}"
         if self.master_weights is not None:
             text += f", master_weights={self.master_weights!r}"
+        if self.fp8:
+            text += f", fp8={self.fp8!r}"
         return text
 
 
@@ -140,10 +146,18 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
         masters = parse_master_weights(data.get("master_weights"))
     except (TypeError, ValueError) as exc:
         raise PolicyError(f"{where}: {exc}") from None
+    fp8 = data.get("fp8")
+    if fp8 is not None:
+        if fp8 is not False and not isinstance(fp8, (str, bool)):
+            raise PolicyError(f"{where}: fp8 must be null, false, true or a recipe name, got {fp8!r}.")
+        try:
+            fp8 = parse_fp8(fp8) or False
+        except (TypeError, ValueError) as exc:
+            raise PolicyError(f"{where}: {exc}") from None
     measured = data.get("measured")
     if measured is not None and not isinstance(measured, Mapping):
         raise PolicyError(f"{where}: measured must be an object (or null), got {type(measured).__name__}.")
-    return Policy(level, levels.half_name(level, half), tuple(k.strip() for k in keep), scale, masters,
+    return Policy(level, levels.half_name(level, half), tuple(k.strip() for k in keep), scale, masters, fp8,
                   measured=dict(measured) if measured is not None else None)
 
 
@@ -195,7 +209,7 @@ def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[st
 def from_outside(overrides: env.Overrides) -> env.Overrides:
     """`overrides` with the policy file ``AMPATCH_POLICY`` names merged in, as if its fields
     were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
-    ``AMPATCH_KEEP_FP32``, ``AMPATCH_MASTER_WEIGHTS`` (which, when set too, still win; its ``keep_fp32`` is added to
+    ``AMPATCH_KEEP_FP32``, ``AMPATCH_MASTER_WEIGHTS``, ``AMPATCH_FP8`` (which, when set too, still win; its ``keep_fp32`` is added to
     theirs): from outside, a policy beats the script by the same rule as those variables
     (`options.resolve`). Raises `PolicyError` for a missing or bad file."""
     if overrides.policy is None:
@@ -216,5 +230,8 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
     if overrides.master_weights is None and pol.master_weights is not None:
         fields["master_weights"] = pol.master_weights
         sources["master_weights"] = f"{given} (master_weights {pol.master_weights!r})"
+    if overrides.fp8 is None and pol.fp8 is not None:
+        fields["fp8"] = pol.fp8
+        sources["fp8"] = f"{given} (fp8 {pol.fp8!r})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
     return dataclasses.replace(overrides, **fields, sources=sources)

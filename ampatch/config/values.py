@@ -1,5 +1,6 @@
 """The values a setting may take, each parsed by one function: dtypes and their names, flags,
-loss scales (with their range and defaults), master-weight modes and comma-separated names.
+loss scales (with their range and defaults), master-weight modes, FP8 recipes and layer
+choices, and comma-separated names.
 
 `initialize`'s keywords, the ``AMPATCH_*`` variables, policy files and the command line all
 parse through here, so "bfloat16", "True" or "dynamic" mean the same wherever they are
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from typing import Any
 
 import torch
@@ -17,7 +19,8 @@ from ..base.dtypes import FLOATS
 
 __all__ = ["DYNAMIC", "USABLE_RANGE", "INITIAL_LOSS_SCALE", "DEFAULT_MIN_LOSS_SCALE", "DEFAULT_MAX_LOSS_SCALE",
            "BadFlagString", "MasterMode", "parse_dtype", "parse_bool", "parse_loss_scale", "check_scale_value",
-           "parse_master_weights", "parse_names"]
+           "parse_master_weights", "parse_names", "FP8_RECIPES", "DEFAULT_FP8_RECIPE", "parse_fp8", "parse_fp8_modules",
+           "is_fp8_config"]
 
 DYNAMIC = "dynamic"
 INITIAL_LOSS_SCALE = 2.0 ** 16       # where a dynamic scale starts (Apex's value)
@@ -133,3 +136,68 @@ def parse_names(text: str) -> list[str]:
     """"a, b,c" -> ["a", "b", "c"] (empty items dropped): the format of every comma-separated
     list (AMPATCH_KEEP_FP32, --keep-fp32, --levels, a policy file's keep_fp32 as a string)."""
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+# torchao's float8 training recipes (`torchao.float8.Float8LinearRecipeName`, a test keeps them
+# equal), written here so that parsing `fp8=` imports no torchao; True means the first.
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+DEFAULT_FP8_RECIPE = FP8_RECIPES[0]
+_FP8_ON, _FP8_OFF = ("true", "1", "on", "yes"), ("false", "0", "off", "no", "none")
+
+
+def is_fp8_config(value: Any) -> bool:
+    """Whether `value` is a `torchao.float8.Float8LinearConfig` (without importing torchao:
+    one exists only once torchao was imported)."""
+    module = sys.modules.get("torchao.float8.config")
+    cls = getattr(module, "Float8LinearConfig", None)
+    return cls is not None and isinstance(value, cls)
+
+
+def parse_fp8(value: Any, what: str = "fp8") -> Any:
+    """`fp8`: None or False (off, returned as None), True (= "tensorwise"), a recipe name
+    (any case; the strings "True"/"False"/"1"/"0"/"off" too, as the environment gives
+    them), or a `torchao.float8.Float8LinearConfig` (returned as is)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DEFAULT_FP8_RECIPE
+    if is_fp8_config(value):
+        return value
+    recipes = ", ".join(map(repr, FP8_RECIPES))
+    choices = (f"True, one of {recipes}, a torchao.float8.Float8LinearConfig, or None/False (off)" if what == "fp8"
+               else f"one of {recipes}, 1 (tensorwise) or off")
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in FP8_RECIPES:
+            return key
+        if key in _FP8_ON:
+            return DEFAULT_FP8_RECIPE
+        if key in _FP8_OFF:
+            return None
+        raise ValueError(f"{what + '=' if what else ''}{value!r} is not an fp8 recipe; use {choices}.")
+    raise TypeError(f"{what} must be {choices}; got {type(value).__name__}.")
+
+
+def parse_fp8_modules(value: Any) -> tuple[str, ...] | Any:
+    """`fp8_modules`: layer names or glob patterns as `named_modules()` gives them ("a,b", or a
+    list of them; returned as a tuple), a callable `(module, fqn) -> bool` (returned as is),
+    or None (the default choice)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        names = parse_names(value)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        if not all(isinstance(v, str) for v in value):
+            raise TypeError("fp8_modules takes layer names or glob patterns ('blocks.*.mlp.*'), or one callable "
+                            f"(module, fqn) -> bool; got a list holding {sorted({type(v).__name__ for v in value if not isinstance(v, str)})}.")
+        names = [n for v in value for n in parse_names(v)]
+    elif callable(value):
+        return value
+    else:
+        raise TypeError(f"fp8_modules takes layer names or glob patterns, or a callable (module, fqn) -> bool; got "
+                        f"{type(value).__name__}.")
+    if not names:
+        raise ValueError("fp8_modules is empty: name the layers to run in FP8 (globs such as 'blocks.*' work), or "
+                         "leave it None for the default choice (every Linear with dims multiples of 16 but the "
+                         "output head).")
+    return tuple(dict.fromkeys(names))

@@ -132,6 +132,35 @@ class Units:
             for fp in self.params:
                 fp.reset_sharded_param()
 
+    def check_all_gather_extensions(self) -> None:
+        """RuntimeError unless this torch's FSDP2 takes all-gather extensions on existing
+        parameters (`fsdp_pre_all_gather` on a sharded local tensor: torchao's FP8 all-gather)."""
+        needed = ("_init_extensions", "_sharded_param_data", "padded_sharded_param_size", "fsdp_placement")
+        if not all(hasattr(fp, name) for fp in self.params for name in needed):
+            raise RuntimeError(f"ampatch: FP8 all-gather under FSDP2 needs FSDP2's all-gather extensions, which torch "
+                               f"{torch.__version__} lacks: upgrade torch (2.11+), or pass a torchao "
+                               "Float8LinearConfig(enable_fsdp_float8_all_gather=False) as fp8= to all-gather in "
+                               "bfloat16 and compute in FP8.")
+
+    def replace_local(self, param: nn.Parameter, make: Any) -> None:
+        """Give a sharded parameter new local data, `make(padded shard)` (an all-gather
+        extension's wrapper of it, or the plain tensor back), keeping the Parameter object
+        (the optimizer's): FSDP2's flat shard and the parameter's local view both follow, as
+        when `fully_shard` meets a wrapped parameter. `refresh_params` afterwards."""
+        fp = next(fp for fp in self.params if fp.sharded_param is param)
+        dim = fp.fsdp_placement.dim
+        new = make(fp._sharded_param_data.view(fp.padded_sharded_param_size))
+        length = param._local_tensor.size(dim)
+        fp._sharded_param_data = new.view(-1)
+        param._local_tensor = new.narrow(dim, 0, length)
+
+    def refresh_params(self) -> None:
+        """After `replace_local`: FSDP2 allocates its all-gather buffers anew and re-reads
+        which parameters carry all-gather extensions, as its lazy init does."""
+        self.refresh_dtypes()
+        for fp in self.params:
+            fp._init_extensions()
+
 
 def _param_groups(state: Any) -> list[Any]:
     if hasattr(state, "_fsdp_param_groups"):  # newer torch: one group per mesh; older: one

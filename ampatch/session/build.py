@@ -28,7 +28,7 @@ from ..config.options import Properties, resolve
 from ..config.settings import SETTINGS
 from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE, MasterMode
 from ..machine import hardware
-from ..model import sharded
+from ..model import fp8, sharded
 from ..model.cast import ModelHandle, params_to_cast
 from ..model.forwards import keep_in_fp32, wrap_outputs
 from ..model.keep import Kept, kept_module_ids
@@ -40,7 +40,7 @@ from ..optim.sharded import ShardedOptimizerHandle
 logger = logging.getLogger("ampatch")
 
 __all__ = ["Prepared", "prepare", "build", "undo", "keep_forwards", "wrap_model_outputs", "as_list", "check_incoming_dtypes",
-           "takes_policy", "outside", "ParamGuard", "check_not_accelerated"]
+           "takes_policy", "outside", "ParamGuard", "check_not_accelerated", "check_fp8"]
 
 
 def takes_policy(initialize: Callable[..., Any]) -> Callable[..., Any]:
@@ -122,8 +122,22 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
                                                                           torch.optim.Optimizer)
     check_not_accelerated(model_list, opt_list)
     props, notes = resolve(options, hardware.model_device(model_list), overrides)
+    if props.fp8 is not None:
+        check_fp8(props, opt_list)
     return Prepared(options, props, overrides, model_list, opt_list, single_model, single_opt, optimizers is None,
                     notes)
+
+
+def check_fp8(props: Properties, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """What `fp8=` needs before anything changes: torchao that fits (ImportError naming the
+    extra), and an optimizer that tolerates it."""
+    fp8.require()
+    for o in optimizers:
+        if isinstance(o, torch.optim.LBFGS):
+            raise ValueError("fp8 with torch.optim.LBFGS: its line search and curvature pairs compare the losses and "
+                             "gradients of re-evaluated closures, which FP8's dynamic scaling perturbs by a few "
+                             "percent each time. Use a first-order optimizer (SGD, AdamW, ...) with fp8, or leave "
+                             "fp8 off with LBFGS.")
 
 
 def as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:

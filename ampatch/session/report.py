@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..machine.hardware import SessionDevice
+from ..model.fp8 import EMULATED
 
 __all__ = ["Report"]
 
@@ -48,6 +49,20 @@ class Report:
     trained_params: int = 0
     bytes_per_param: float = 0.0
     optimizer_state_bytes: int = 0  # the optimizers' state tensors (Adam's moments, momentum buffers, ...)
+    # fp8=: the recipe ("" when off; "custom" for a torchao config), whether it was emulated (no FP8
+    # tensor cores here: numerics only, not speed), and each Linear layer: name, kind, in_features,
+    # out_features, converted, reason (model.fp8_choice.LayerChoice)
+    fp8: str = ""
+    fp8_emulated: bool = False
+    fp8_layers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fp8_label(self) -> str:
+        """How a table row or a notice names this run's FP8: "" without it, else the recipe,
+        with "fp8 emulated: numerics only, not speed" where it was emulated."""
+        if not self.fp8:
+            return ""
+        return f"fp8 {self.fp8}" + (f" ({EMULATED})" if self.fp8_emulated else "")
 
     @property
     def training_bytes_per_param(self) -> float | None:
@@ -109,6 +124,16 @@ class Report:
             raise ValueError(f"report field 'device': {exc}") from None
         return cls(**data)
 
+    def _fp8_lines(self) -> list[str]:
+        if not self.fp8:
+            return []
+        converted = sum(1 for layer in self.fp8_layers if layer["converted"])
+        lines = [f"  {self.fp8_label}: {converted} of {len(self.fp8_layers)} Linear layers converted"]
+        for layer in self.fp8_layers:
+            lines.append(f"    {'fp8 ' if layer['converted'] else 'skip'} {layer['name']} ({layer['kind']} "
+                         f"{layer['in_features']}->{layer['out_features']}): {layer['reason']}")
+        return lines
+
     def __str__(self) -> str:
         lines = [f"ampatch report: opt_level={self.opt_level} half_dtype={self.half_dtype} "
                  f"enabled={self.enabled}",
@@ -117,6 +142,7 @@ class Report:
                  *([f"  master weights: {self.master_weights}, {self.bytes_per_param:.2f} bytes per trained "
                     f"parameter ({self.trained_params:,} parameters), "
                     f"{self.training_bytes_per_param:.2f} with the optimizer's state"] if self.trained_params else []),
+                 *self._fp8_lines(),
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
                  + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),
                  f"  cast cache: {self.cache['hits']} hits, {self.cache['misses']} misses",

@@ -26,7 +26,7 @@ from ..config.env import Overrides
 from ..config.options import Options
 from ..config.options import Properties
 from ..machine import hardware, tips
-from ..model import keep
+from ..model import fp8, keep
 from ..model.forwards import EAGER_UNDER_COMPILE
 from ..o1 import lists
 from ..o1.cache import CastCache
@@ -75,6 +75,7 @@ class Session:
         self.optimizers: list[OptimizerHandle] = []
         self.kept: list[keep.Kept] = []  # the modules kept in FP32 (keep_fp32, AMPATCH_KEEP_FP32)
         self.observers: list[observers.Observer] = []
+        self.fp8: fp8.Fp8Layers | None = None  # the layers run in FP8 (fp8=, AMPATCH_FP8)
         self.guard: build.ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
         self.device: hardware.SessionDevice | None = None  # hardware.check_half: the device, its half dtype
         self.closed = False
@@ -114,6 +115,9 @@ class Session:
         self.models, self.optimizers = build.build(props, models, optimizers, self.patcher, self._handle_context(),
                                                    kept)
         build.wrap_model_outputs(models, props, self.patcher, kept)
+        if props.fp8 is not None:  # after the cast: the sharded weights the FP8 all-gather wraps are final
+            self.fp8 = fp8.convert(models, props.fp8, self.options.fp8_modules, kept, hardware.model_device(models))
+            self._announce_fp8()
         self.guard = build.ParamGuard(models, self.optimizers)
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
@@ -125,6 +129,17 @@ class Session:
         if self.overrides.report or self.overrides.diagnose or self.overrides.max_steps is not None:
             observers.attach(self, models, self.overrides, recorder, lost)
         logger.info("ampatch: %s (%s), %s", props.opt_level, props.half_dtype, props)
+
+    def _announce_fp8(self) -> None:
+        """The start-up notice of fp8: a warning where it is emulated or converts nothing (a run
+        slower than without it, or no different), the layers with their reasons at INFO."""
+        layers = self.fp8
+        if layers.emulated or not layers.converted:
+            self.warn(f"ampatch: {layers.summary()}; report() lists the layers with their reasons.")
+        elif self.verbosity >= 1:
+            logger.info("ampatch: %s", layers.summary())
+        for line in layers.lines():
+            logger.info("ampatch:   %s", line)
 
     def _scaler(self) -> LossScaler:
         return LossScaler(self.properties.loss_scale, self.options.min_loss_scale, self.options.max_loss_scale)
@@ -263,6 +278,8 @@ class Session:
     def on_step(self, handle: OptimizerHandle, skipped: bool) -> None:
         """Called by every patched optimizer.step(): the params changed, so the casts are stale."""
         self.clear_casts()
+        if self.fp8 is not None and not skipped:
+            self.fp8.precompute()  # the FP8 all-gather's weight scales, from the weights just stepped
         iteration = handle.steps - 1
         if handle.index == 0:
             self.telemetry.on_step(iteration, skipped)
@@ -302,7 +319,7 @@ class Session:
         return self.telemetry.report(self.properties, cache,
                                      self.scalers, self.device, [k.label for k in self.kept],
                                      [h.masters.footprint() for h in self.optimizers],
-                                     sum(state_bytes(h.optimizer) for h in self.optimizers))
+                                     sum(state_bytes(h.optimizer) for h in self.optimizers), self.fp8)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -316,6 +333,8 @@ class Session:
             self.closed = True
             self._last_loss = None
             try:
+                if self.fp8 is not None:
+                    self.fp8.restore()
                 build.undo(self.models, self.optimizers)
             finally:  # whatever failed above, torch itself is restored
                 self.patcher.restore_all()

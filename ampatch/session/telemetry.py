@@ -21,6 +21,7 @@ import torch
 from ..base.counters import Counters
 from ..machine.hardware import SessionDevice
 from ..config.options import Properties
+from ..model.fp8 import Fp8Layers
 from ..optim.scaler import LossScaler
 from .report import Report
 
@@ -107,11 +108,12 @@ class Telemetry:
 
     def report(self, properties: Properties, cache: dict[str, int], scalers: Sequence[LossScaler],
                device: SessionDevice | None, kept: Sequence[str], footprints: Sequence[tuple[int, int]] = (),
-               state_bytes: int = 0) -> Report:
+               state_bytes: int = 0, fp8: Fp8Layers | None = None) -> Report:
         """The `Report` of a session: these counters with its `properties`, cast-cache
         `{"hits", "misses"}`, loss scalers, device (`hardware.check_half`), the labels of
         the modules kept in FP32, and the optimizers' `(params, bytes)` footprints (weights
-        plus masters or compensations, `Masters.footprint`) and the bytes of their state."""
+        plus masters or compensations, `Masters.footprint`) and the bytes of their state, and
+        the layers run in FP8 (`model.fp8.Fp8Layers`)."""
         params = sum(n for n, _ in footprints)
         size = sum(b for _, b in footprints)
         return Report(
@@ -136,6 +138,9 @@ class Telemetry:
             trained_params=params,
             bytes_per_param=size / params if params else 0.0,
             optimizer_state_bytes=state_bytes,
+            fp8=fp8.recipe if fp8 is not None else "",
+            fp8_emulated=fp8 is not None and fp8.emulated,
+            fp8_layers=[c.to_dict() for c in fp8.choices] if fp8 is not None else [],
         )
 
 
