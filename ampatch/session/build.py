@@ -9,6 +9,7 @@ what was built before it raises.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import logging
@@ -257,9 +258,8 @@ def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: S
 def undo(models: Sequence[Any], optimizers: Sequence[OptimizerHandle]) -> None:
     """Masters back out of the optimizers, models (`ModelHandle` or `ShardedModel`) to their
     dtypes (from the masters), optimizer state to the params' dtypes again."""
-    masters: dict[int, torch.Tensor] = {}
-    for h in optimizers:
-        masters.update(h.unswap())
+    # a view over each optimizer's values, not a merged copy: a kahan optimizer's are made one at a time
+    masters = collections.ChainMap(*[h.unswap() for h in optimizers])
     for m in models:
         m.restore(masters)
     if models:
