@@ -2,7 +2,7 @@
 
 - a fine-tuning run whose updates are below half a bfloat16 ulp: O3's weights stall, both
   modes learn (kahan as close to O0 as O5 is; stochastic within a few percent of O0's progress);
-- bad input at initialize: an unknown mode, a mode at O0/O1/O4, float16, LBFGS, FSDP2;
+- bad input at initialize: an unknown mode, a mode at O0/O1/O4, float16, LBFGS (FSDP2: test_sharded_lowmem.py);
 - a skipped overflow step leaves weights, compensation, optimizer state and RNG untouched;
 - checkpoints resume bit for bit (kahan compensation and stochastic RNG in the optimizer's
   state_dict), through torch.save/torch.load(weights_only=True);
@@ -205,21 +205,6 @@ def test_lbfgs_is_refused(mode):
     with pytest.raises(ValueError, match="LBFGS.*master_weights=True"):
         amp.initialize(model, opt, opt_level="O5", master_weights=mode, verbosity=0)
     assert model[0].weight.dtype == F32 and opt.param_groups[0]["params"][0] is model[0].weight
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_fsdp2_is_refused_before_anything_changes(mode, monkeypatch):
-    from _config import props as resolve
-    from ampatch.base.patcher import Patcher
-    from ampatch.model import sharded
-    from ampatch.session import build
-    props = resolve("O5", master_weights=mode)
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    monkeypatch.setattr(sharded, "is_sharded", lambda models: True)  # the sharded path, without FSDP
-    with pytest.raises(ValueError, match="FSDP2.*master_weights=True"):
-        build.build(props, [model], [opt], Patcher())
-    assert model[0].weight.dtype == F32
 
 
 # ---------------------------------------------------------------------------------------- skipping
