@@ -3,8 +3,8 @@
 O2/O5 become FSDP2's own mixed precision on every unit (the sharded FP32 parameters are the
 masters; half copies are all-gathered for forward and backward, gradients reduced in FP32);
 O3 turns the sharded parameters themselves half, as do master_weights "stochastic"/"kahan"
-(their gradients reduced in FP32). `ShardedModel.restore` puts back each unit's own policy
-and dtypes. FSDP2 has no public API to change a unit's policy or
+(their gradients computed, reduced and kept in bfloat16). `ShardedModel.restore` puts back
+each unit's own policy and dtypes. FSDP2 has no public API to change a unit's policy or
 parameter dtype after `fully_shard`: the internals used for it are confined to `Units`
 (torch 2.6+). The whole story, with the order of calls it supports: docs/fsdp.md.
 """
@@ -173,7 +173,6 @@ class ShardedModel:
         model = units.model
         half, keep_bn = props.cast_model_type, props.keep_batchnorm_fp32
         masters = props.casts_model and props.master_mode is MasterMode.FP32
-        fp32_grads = masters or props.master_mode.low_memory  # reduced in FP32 (low-memory: kept bfloat16)
         fp32_units = self._check(keep_bn, masters, kept)  # everything checked before anything changes
         self._policies = units.policies()
         self._cast: list[tuple[nn.Parameter, torch.dtype]] = []
@@ -190,7 +189,7 @@ class ShardedModel:
             for state, _ in self._policies:
                 units.set_policy(state, MixedPrecisionPolicy(
                     param_dtype=None if id(state) in fp32_units else half,
-                    reduce_dtype=torch.float32 if fp32_grads else None, output_dtype=None, cast_forward_inputs=True))
+                    reduce_dtype=torch.float32 if masters else None, output_dtype=None, cast_forward_inputs=True))
             if not masters:  # O3: the sharded parameters themselves go to half
                 self._cast = [(p, p.dtype) for p in params_to_cast(model, keep_bn, kept) if p.dtype != half]
                 units.swap_dtype([p for p, _ in self._cast], lambda p: half)
