@@ -72,6 +72,13 @@ if [ "$HAS_CUDA" = 1 ]; then
   tail -n 15 "$DEST/cuda_tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tee -a "$REPORT"
   step bench 150 "$PY" scripts/bench --device cuda --json "$DEST/gpu_bench.json"
   sed -n '/^ampatch bench/,$p' "$DEST/bench.log" | tee -a "$REPORT"
+  # FSDP2 on one GPU (a single rank still runs fully_shard): O5 against master_weights
+  # "stochastic" and "kahan", peak max_memory_allocated and step time (issue 37). Written without
+  # a GPU to try it on: untested on CUDA until a lent machine runs it.
+  step fsdp_lowmem 60 "$PY" scripts/lowmem_fsdp.py memory --world 1 --repeats 1
+  sed -n '/^per-rank/,$p' "$DEST/fsdp_lowmem.log" | tee -a "$REPORT"
+  step fsdp_lowmem_speed 60 "$PY" scripts/lowmem_fsdp.py speed --world 1 --repeats 1 --steps 10
+  sed -n '/^step time/,$p' "$DEST/fsdp_lowmem_speed.log" | tee -a "$REPORT"
 else
   log "== no CUDA device here: skipping the CUDA tests and the GPU bench (they need a GPU); the suite still runs"
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """master_weights "stochastic" and "kahan" under FSDP2 against sharded O5, on 2 gloo ranks
-launched by torchrun (issue 37): per-rank peak memory, step time, and learning where
+launched by torchrun (`--world`; issue 37): per-rank peak memory, step time, and learning where
 sharded O3 stalls.
 
 - memory: the peak RSS (`ru_maxrss`) of each rank's fresh process, no allocator tuning (on
@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("O5", "stochastic", "kahan")
 TARGETS = {"stochastic": 3.0, "kahan": 1.5}  # bytes per (held) parameter below sharded O5's peak
-TIME_TOL, WORLD = 0.15, 2
+TIME_TOL = 0.15
 
 
 def child(a: argparse.Namespace) -> None:
@@ -109,12 +109,13 @@ def launch(what: str, a: argparse.Namespace, mode: str = "O5") -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "AMPATCH_"))}
     env.update(OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="ampatch-lowmem-fsdp-") as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.world}",
                os.path.abspath(__file__), "--child", what, "--mode", mode, "--out", out, f"--width={a.width}",
+               f"--world={a.world}",
                f"--layers={a.layers}", f"--batch={a.batch}", f"--steps={a.steps}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         files = sorted(Path(out).glob("rank*.json"))
-        if len(files) != WORLD:
+        if len(files) != a.world:
             raise RuntimeError(f"{what} {mode}: {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         return [json.loads(f.read_text()) for f in files]
 
@@ -131,19 +132,20 @@ def memory(a: argparse.Namespace) -> bool:
     runs = interleaved("memory", a)
     first = runs["O5"][0][0]
     unit = "max_memory_allocated" if first["cuda"] else "peak RSS (ru_maxrss)"
-    per_rank = {m: [statistics.median(run[r]["peak"] for run in rs) for r in range(WORLD)] for m, rs in runs.items()}
+    per_rank = {m: [statistics.median(run[r]["peak"] for run in rs) for r in range(a.world)] for m, rs in runs.items()}
     mib, ok = 2 ** 20, True
     print(f"per-rank {unit} of fresh processes, no allocator tuning: {a.layers} x Linear({a.width}) = "
-          f"{first['params'] / 1e6:.1f}M params, fully_shard per layer, {WORLD} ranks "
+          f"{first['params'] / 1e6:.1f}M params, fully_shard per layer, {a.world} rank(s) "
           f"({first['held'] / 1e6:.1f}M held per rank), AdamW, batch {a.batch} per rank, {a.steps} steps; "
           f"median of {a.repeats} runs per mode, modes interleaved")
-    print(f"  {'mode':<11} {'rank 0 MiB':>11} {'rank 1 MiB':>11} {'below O5':>10} {'(per param)':>12} "
-          f"{'report B/param':>15}  runs (MiB, rank 0/1)")
+    print(f"  {'mode':<11} " + " ".join(f"{f'rank {r} MiB':>11}" for r in range(a.world))
+          + f" {'below O5':>10} {'(per param)':>12} {'report B/param':>15}  runs (MiB, by rank)")
     for mode, peaks in per_rank.items():
         saved = min((o - p) for o, p in zip(per_rank["O5"], peaks)) / first["held"]
-        print(f"  {mode:<11} {peaks[0] / mib:11.1f} {peaks[1] / mib:11.1f} {saved:6.2f} B/p "
-              f"{saved * first['held'] / first['params']:8.2f} B/p {runs[mode][0][0]['bytes_per_param']:15.2f}  "
-              + ", ".join(f"{run[0]['peak'] / mib:.0f}/{run[1]['peak'] / mib:.0f}" for run in runs[mode]))
+        print(f"  {mode:<11} " + " ".join(f"{p / mib:11.1f}" for p in peaks)
+              + f" {saved:6.2f} B/p {saved * first['held'] / first['params']:8.2f} B/p "
+              f"{runs[mode][0][0]['bytes_per_param']:15.2f}  "
+              + ", ".join("/".join(f"{rk['peak'] / mib:.0f}" for rk in run) for run in runs[mode]))
         if mode in TARGETS:
             ok &= saved >= TARGETS[mode]
     print("  below O5: the smaller saving of the two ranks, per parameter the rank holds (per parameter of the "
@@ -158,7 +160,7 @@ def speed(a: argparse.Namespace) -> bool:
     runs = interleaved("speed", a)
     step = {m: [max(r["step_s"] for r in run) for run in rs] for m, rs in runs.items()}  # the slower rank paces a step
     print(f"step time (zero_grad, forward, scale_loss, step; the slower rank), {a.layers} x Linear({a.width}), "
-          f"fully_shard per layer, {WORLD} gloo ranks, AdamW, batch {a.batch} per rank, median of {a.steps} steps "
+          f"fully_shard per layer, {a.world} rank(s), AdamW, batch {a.batch} per rank, median of {a.steps} steps "
           f"after warm-up; {a.repeats} rounds, modes interleaved in rotating order, each a fresh torchrun")
     print(f"  {'mode':<11} {'ms':>8} {'vs O5':>8}  runs (ms)")
     ok = True
@@ -176,7 +178,7 @@ def speed(a: argparse.Namespace) -> bool:
 def learning(a: argparse.Namespace) -> bool:
     ranks = launch("learning", a)
     ok = True
-    print(f"the fine-tuning case of tests/_fsdp_lowmem_worker.py (finetune), {WORLD} gloo ranks: distance of the final "
+    print(f"the fine-tuning case of tests/_fsdp_lowmem_worker.py (finetune), {a.world} rank(s): distance of the final "
           "FP32 loss from O0's over O0's progress | of the curve's end (mean of the last 40 losses); weights "
           "left unchanged; the same full model on every rank")
     for opt in ("adamw", "sgd"):
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None, help="per rank (default: memory 8, speed 64)")
     p.add_argument("--steps", type=int, default=None, help="(default: memory 3, speed 20)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--world", type=int, default=2, help="ranks (one GPU each where CUDA is available; default 2)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="O5", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -214,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     a.batch = a.batch or (64 if a.what == "speed" else 8)
     a.steps = a.steps or (20 if a.what == "speed" else 3)
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout if sys.platform == "linux" else ""
-    name = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
-    print(f"machine: {name}, {os.cpu_count()} cores; torch {torch.__version__}; {datetime.date.today()}")
+    from ampatch.machine import hardware
+    from ampatch.machine.device_text import machine_line
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"machine: {machine_line(hardware.describe(device), ['bfloat16'])}; {datetime.date.today()}")
     print(f"command: python scripts/lowmem_fsdp.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
     return 0 if {"memory": memory, "speed": speed, "learning": learning}[a.what](a) else 1
 

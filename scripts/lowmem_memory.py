@@ -85,6 +85,13 @@ def run_fresh(mode: str, optimizer: str, a: argparse.Namespace) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def machine() -> str:
+    """The machine line of ampatch's own tables (CPU model, cores, flags, torch, bfloat16 native or not)."""
+    from ampatch.machine import hardware
+    from ampatch.machine.device_text import machine_line
+    return "machine: " + machine_line(hardware.describe("cpu"), ["bfloat16"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=2048)
@@ -103,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"process peak (ru_maxrss of a fresh process, no allocator tuning), CPU: {a.layers} x Linear({a.width}, "
           f"{a.width}), batch {a.batch}, bfloat16, {a.steps} steps, torch {torch.__version__}, "
           f"{datetime.date.today()}; median of {a.repeats} runs per mode, modes interleaved")
+    print(machine())
     print(f"command: python scripts/lowmem_memory.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
     ok = True
     for optimizer in a.optimizers.split(","):
