@@ -10,6 +10,8 @@ sharded O3 stalls.
   holds (its shard: half of them on 2 ranks).
 - speed: the median step time (zero_grad, forward, scale_loss, step) of the same model, the
   modes interleaved in rotating order, each round's ratio to that round's O5 run; medians.
+- resume: the worker's resume scenarios: bit for bit on the same world size, within tune's
+  tolerance from 2 ranks to 1 and from 1 to 2 (torch.distributed.checkpoint).
 - learning: tests/_fsdp_lowmem_worker.py's fine-tuning case (updates of ~0.1 bfloat16 ulp)
   for AdamW and SGD with momentum: O0, sharded O3, O5 and both modes; the distance of each
   final loss from O0's over O0's progress, and whether the ranks hold the same full model.
@@ -20,6 +22,7 @@ Targets: "stochastic" at least 3 B/param below sharded O5 and "kahan" 1.5; step 
     python scripts/lowmem_fsdp.py memory            # 3 rounds of O5, stochastic, kahan
     python scripts/lowmem_fsdp.py speed --repeats 5
     python scripts/lowmem_fsdp.py learning
+    python scripts/lowmem_fsdp.py resume
 """
 from __future__ import annotations
 
@@ -59,7 +62,13 @@ def child(a: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     result: dict = {"rank": rank}
-    if a.child == "learning":
+    if a.child == "resume":
+        sys.path.insert(0, str(ROOT / "tests"))
+        import _fsdp_lowmem_worker as worker
+        done = worker.run_all(rank, dist.get_world_size(), set(a.scenarios.split(",")), a.where)
+        result.update({name: {k: v for k, v in r.items() if k in ("same", "losses", "rounds", "error")}
+                       for name, r in done.items()})
+    elif a.child == "learning":
         sys.path.insert(0, str(ROOT / "tests"))
         import _fsdp_lowmem_worker as worker
         for opt in ("adamw", "sgd"):
@@ -104,18 +113,20 @@ def child(a: argparse.Namespace) -> None:
     os._exit(0)  # gloo can abort in interpreter teardown (DESIGN's pitfalls)
 
 
-def launch(what: str, a: argparse.Namespace, mode: str = "O5") -> list[dict]:
+def launch(what: str, a: argparse.Namespace, mode: str = "O5", world: int | None = None,
+           extra: tuple[str, ...] = ()) -> list[dict]:
     """A fresh torchrun of WORLD ranks (no allocator tuning in their environment); each rank's figures."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "AMPATCH_"))}
     env.update(OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="ampatch-lowmem-fsdp-") as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.world}",
+        world = world or a.world
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                os.path.abspath(__file__), "--child", what, "--mode", mode, "--out", out, f"--width={a.width}",
-               f"--world={a.world}",
+               f"--world={world}", *extra,
                f"--layers={a.layers}", f"--batch={a.batch}", f"--steps={a.steps}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         files = sorted(Path(out).glob("rank*.json"))
-        if len(files) != a.world:
+        if len(files) != world:
             raise RuntimeError(f"{what} {mode}: {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         return [json.loads(f.read_text()) for f in files]
 
@@ -199,9 +210,40 @@ def learning(a: argparse.Namespace) -> bool:
     return ok
 
 
+def resume(a: argparse.Namespace) -> bool:
+    """tests/_fsdp_lowmem_worker.py's resume scenarios under torchrun: on 2 ranks, per-rank state
+    dicts, full state dicts and dcp.save/dcp.load, bit for bit; across world sizes (2 -> 1,
+    1 -> 2, dcp), the loss curve's largest gap from the straight run over its progress."""
+    from ampatch.runs.deviation import TOLERANCE
+    modes = ("stochastic", "kahan")
+    same = [f"resume/{m}/{how}" for m in modes for how in ("plain", "dcp_full", "dcp")]
+    saves, loads = [f"reshard_save/{m}" for m in modes], [f"reshard_load/{m}" for m in modes]
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="ampatch-reshard-") as where:
+        def run(world: int, names: list[str]) -> dict:
+            return launch("resume", a, world=world, extra=("--scenarios", ",".join(names), "--where", where))[0]
+        bits = run(2, same + saves)
+        one = run(1, saves + loads)
+        two = run(2, loads)
+    print("resume of the worker's 6-step runs (tests/_fsdp_lowmem_worker.py), AdamW, torchrun")
+    for name in same:
+        ok &= bool(bits[name].get("same"))
+        print(f"  {name:<28} same world size (2): {'bit for bit' if bits[name].get('same') else 'DIFFERS'}")
+    for mode in modes:
+        for label, straight, resumed in (("2 -> 1", bits, one), ("1 -> 2", one, two)):
+            s_losses, r_losses = straight[f"reshard_save/{mode}"]["losses"], resumed[f"reshard_load/{mode}"]["losses"]
+            half = len(s_losses) // 2
+            gap = max(abs(x - y) for x, y in zip(r_losses, s_losses[half:])) / (s_losses[0] - s_losses[-1])
+            ok &= gap <= TOLERANCE
+            print(f"  {mode:<10} {label}: largest gap from the straight run {gap:.3%} of its progress "
+                  f"(tune's tolerance {TOLERANCE:.0%})")
+    print(f"  targets: bit for bit on the same world size, within tune's tolerance across: {'met' if ok else 'NOT met'}")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", nargs="?", choices=("memory", "speed", "learning"), default="memory")
+    p.add_argument("what", nargs="?", choices=("memory", "speed", "learning", "resume"), default="memory")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--batch", type=int, default=None, help="per rank (default: memory 8, speed 64)")
@@ -211,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="O5", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--scenarios", help=argparse.SUPPRESS)
+    p.add_argument("--where", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         child(a)
@@ -222,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"machine: {machine_line(hardware.describe(device), ['bfloat16'])}; {datetime.date.today()}")
     print(f"command: python scripts/lowmem_fsdp.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
-    return 0 if {"memory": memory, "speed": speed, "learning": learning}[a.what](a) else 1
+    return 0 if {"memory": memory, "speed": speed, "learning": learning, "resume": resume}[a.what](a) else 1
 
 
 if __name__ == "__main__":
