@@ -194,3 +194,34 @@ def test_resume_on_another_world_size_is_within_tunes_tolerance(resharded, mode,
     assert progress > 0  # the run learns
     gap = max(abs(a - b) for a, b in zip(resumed, straight[half:]))
     assert gap <= TOLERANCE * progress, (gap, progress)
+
+
+# ---------------------------------------------------------------------------------------- tune
+@pytest.mark.slow
+def test_tune_for_memory_offers_the_sharded_modes(tmp_path):
+    """`ampatch tune --objective memory -- torchrun ... examples/fsdp.py`: both low-memory modes
+    run sharded, each rank's bytes per parameter counted, and the fewest that train like FP32
+    win ("stochastic": bfloat16 shard + FP32 moments, 2 bytes fewer than sharded O5's FP32 shard)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "tune.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+    cmd = [sys.executable, "-m", "ampatch", "tune", "--objective", "memory", "--levels", "O5", "--steps", "20",
+           "--json", str(out), "--", *torchrun, str(root / "examples" / "fsdp.py"), "--batch", "16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {c.get("master_weights"): c for c in data["candidates"]}
+    assert set(rows) == {None, "stochastic", "kahan"}
+    for mode in MODES:
+        assert rows[mode]["finite"] and rows[mode]["qualifies"], rows[mode]["reason"]
+    per_param = {m: r["train_bytes_per_param"] for m, r in rows.items()}
+    assert per_param["stochastic"] == pytest.approx(per_param[None] - 2, abs=0.05)  # bfloat16 shard, not FP32
+    assert per_param["kahan"] == pytest.approx(per_param[None], abs=0.05)           # plus its compensation
+    assert data["chosen"]["master_weights"] == "stochastic"
