@@ -3,8 +3,8 @@
 launched by torchrun (`--world`; issue 37): per-rank peak memory, step time, and learning where
 sharded O3 stalls.
 
-- memory: the peak RSS (`ru_maxrss`) of each rank's fresh process, no allocator tuning (on
-  CUDA, `max_memory_allocated`): `--layers` x Linear(`--width`) (25.2M parameters by
+- memory: the peak RSS of each rank's fresh process (VmHWM: torchrun's agent would lend
+  `ru_maxrss` its own peak), no allocator tuning (on CUDA, `max_memory_allocated`): `--layers` x Linear(`--width`) (25.2M parameters by
   default), each a fully_shard unit, AdamW, three steps of batch `--batch` per rank; the modes
   interleaved, `--repeats` rounds, medians. Bytes per parameter are per parameter the rank
   holds (its shard: half of them on 2 ranks).
@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -102,8 +101,8 @@ def child(a: argparse.Namespace) -> None:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             del loss
-        peak = (torch.cuda.max_memory_allocated(device) if cuda
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        from ampatch.session.telemetry import peak_memory_bytes
+        peak = peak_memory_bytes()  # max_memory_allocated on CUDA; the peak RSS (VmHWM) on a CPU
         report = amp.report()
         result.update(params=params, held=held, peak=peak, step_s=statistics.median(times[a.steps // 5:]),
                       bytes_per_param=report.training_bytes_per_param, cuda=cuda)
@@ -142,7 +141,7 @@ def interleaved(what: str, a: argparse.Namespace) -> dict[str, list[list[dict]]]
 def memory(a: argparse.Namespace) -> bool:
     runs = interleaved("memory", a)
     first = runs["O5"][0][0]
-    unit = "max_memory_allocated" if first["cuda"] else "peak RSS (ru_maxrss)"
+    unit = "max_memory_allocated" if first["cuda"] else "peak RSS (VmHWM)"
     per_rank = {m: [statistics.median(run[r]["peak"] for run in rs) for r in range(a.world)] for m, rs in runs.items()}
     mib, ok = 2 ** 20, True
     print(f"per-rank {unit} of fresh processes, no allocator tuning: {a.layers} x Linear({a.width}) = "

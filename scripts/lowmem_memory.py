@@ -4,8 +4,11 @@
 Each run builds the same FP32 model (`--layers` x Linear(`--width`, `--width`): 25.2M
 parameters by default), an optimizer, `amp.initialize`s it and trains three steps, in a
 fresh process of its own with no allocator tuning (the MALLOC_* variables are removed from
-its environment). Its figure is the process's peak resident memory, `ru_maxrss`, read at
-the end (and once after `initialize`: the peak up to then). The modes run interleaved in a
+its environment). Its figure is the process's peak resident memory, read before
+`deinitialize` (and once after `initialize`: the peak up to then), as `report()` reads it:
+VmHWM, i.e. `ru_maxrss` as `/usr/bin/time -v` shows it for a script started from a shell
+(Linux's `ru_maxrss` of a process exec'd by a larger one, pytest say, starts at that one's
+peak). The modes run interleaved in a
 rotating order, `--repeats` rounds per optimizer; the table quotes medians.
 
 Targets (issue 35), on the process peak: "stochastic" at least 3 bytes per parameter below
@@ -22,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
+from ampatch.session.telemetry import peak_memory_bytes
 
 # mode name -> initialize keywords
 MODES = {"O5": {"opt_level": "O5"},
@@ -43,8 +46,10 @@ TARGETS = {"stochastic": 3.0, "kahan": 1.5}  # bytes per parameter below O5's pr
 
 
 def peak_bytes() -> int:
-    """The process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The process's peak resident memory so far, as `report()` and `ampatch compare` read it
+    (`telemetry.peak_memory_bytes`: VmHWM on Linux, which is `ru_maxrss` without the peak
+    of the process that launched this one carried over)."""
+    return peak_memory_bytes()
 
 
 def measure(mode: str, a: argparse.Namespace) -> dict:
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(a.one, a)))
         return 0
     mib, names = 2 ** 20, list(MODES)
-    print(f"process peak (ru_maxrss of a fresh process, no allocator tuning), CPU: {a.layers} x Linear({a.width}, "
+    print(f"process peak (peak RSS of a fresh process, no allocator tuning), CPU: {a.layers} x Linear({a.width}, "
           f"{a.width}), batch {a.batch}, bfloat16, {a.steps} steps, torch {torch.__version__}, "
           f"{datetime.date.today()}; median of {a.repeats} runs per mode, modes interleaved")
     print(machine())

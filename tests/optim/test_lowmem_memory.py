@@ -30,3 +30,20 @@ def test_process_peak_below_o5(optimizer):
         assert saved >= target, (mode, saved, {m: r["peak"] >> 20 for m, r in runs.items()})
         assert runs[mode]["initialize"] <= o5["initialize"], (mode, runs[mode]["initialize"] >> 20,
                                                                 o5["initialize"] >> 20)
+
+
+def test_a_fresh_process_reports_its_own_peak():
+    """On Linux a process exec'd by a larger one starts with that one's `ru_maxrss` (pytest's
+    worker here; `ampatch compare` or torchrun's agent for a run): the peak `report()` and
+    `compare` quote is the run's own (VmHWM)."""
+    import subprocess
+    if not Path("/proc/self/status").exists():
+        pytest.skip("VmHWM is Linux's")
+    big = bytearray(512 * 2 ** 20)
+    big[::4096] = b"x" * len(big[::4096])  # touched: resident
+    del big
+    from ampatch.session.telemetry import peak_memory_bytes
+    mine = peak_memory_bytes()
+    code = "import ampatch.session.telemetry as t; print(t.peak_memory_bytes())"
+    theirs = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert mine >= 512 * 2 ** 20 and theirs < mine - 128 * 2 ** 20, (mine >> 20, theirs >> 20)
