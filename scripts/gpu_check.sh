@@ -78,6 +78,13 @@ if [ "$HAS_CUDA" = 1 ]; then
   sed -n '/^ampatch bench/,$p' "$DEST/bench.log" | tee -a "$REPORT"
   step fp8 220 "$PY" scripts/fp8_gpu.py --json "$DEST/fp8_gpu.json"
   grep -E "^(fp8_gpu|model|  |curves)" "$DEST/fp8.log" | tee -a "$REPORT"
+  # FSDP2 on one GPU (a single rank still runs fully_shard): O5 against master_weights
+  # "stochastic" and "kahan", peak max_memory_allocated and step time. Written without
+  # a GPU to try it on: untested on CUDA until a lent machine runs it.
+  step fsdp_lowmem 60 "$PY" scripts/lowmem_fsdp.py memory --world 1 --repeats 1
+  sed -n '/^per-rank/,$p' "$DEST/fsdp_lowmem.log" | tee -a "$REPORT"
+  step fsdp_lowmem_speed 60 "$PY" scripts/lowmem_fsdp.py speed --world 1 --repeats 1 --steps 10
+  sed -n '/^step time/,$p' "$DEST/fsdp_lowmem_speed.log" | tee -a "$REPORT"
 else
   log "== no CUDA device here: skipping the CUDA tests and the GPU bench (they need a GPU); the suite still runs"
 fi

@@ -11,7 +11,7 @@ each run's median step time (CPU and wall) and of the final loss (the mean of th
 tenth of the loss curve); against O5, times as the median over rounds of the ratio to the
 same round's O5 run.
 
-Targets: final loss within 1% of O5's, step time within 15% of O5's.
+Targets: final loss within 1% of O5's, step time within 10% of O5's (issue 35; issue 30 asked 15%).
 
     python scripts/lowmem_lm.py                         # size large, 150 steps, 5 repeats
     python scripts/lowmem_lm.py --size small --repeats 5
@@ -20,6 +20,7 @@ Targets: final loss within 1% of O5's, step time within 15% of O5's.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ import ampatch as amp
 from ampatch.workloads import lm
 
 MODES = ("O5", "stochastic", "kahan")  # "O5": FP32 masters, the reference
-LOSS_TOL, TIME_TOL = 0.01, 0.15
+LOSS_TOL, TIME_TOL = 0.01, 0.10  # issue 35: step time at most 10% above O5's
 
 
 def run_once(mode: str, a: argparse.Namespace) -> dict:
@@ -65,6 +66,13 @@ def run_once(mode: str, a: argparse.Namespace) -> dict:
             "master_weights": report.master_weights}
 
 
+def machine() -> str:
+    """The machine line of ampatch's own tables (CPU model, cores, flags, torch, bfloat16 native or not)."""
+    from ampatch.machine import hardware
+    from ampatch.machine.device_text import machine_line
+    return f"machine: {machine_line(hardware.describe('cpu'), ['bfloat16'])}; {datetime.date.today()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="large", help="the LM's size (tiny, small, medium, large, huge)")
@@ -91,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built-in LM (size {a.size}, {a.steps} steps, seed {a.seed}, {a.threads} thread(s), torch "
           f"{torch.__version__}) at O5, by "
           f"master_weights; median of {a.repeats} interleaved runs, each a fresh process")
+    print(machine())
     print(f"command: python scripts/lowmem_lm.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
     print(f"  {'master_weights':<15} {'CPU ms':>8} {'vs O5':>7} {'wall ms':>8} {'vs O5':>7} {'final loss':>11} "
           f"{'vs O5':>8} {'last loss':>10} {'B/param':>8}")

@@ -25,8 +25,9 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_ranks(worker: str | Path, tmp: Path, world: int, timeout_s: float) -> list[dict]:
-    """Run `worker` on `world` ranks; the results each rank saved (pytest.fail if one has none)."""
+def run_ranks(worker: str | Path, tmp: Path, world: int, timeout_s: float, args: Sequence[str] = ()) -> list[dict]:
+    """Run `worker` on `world` ranks (`args` after the protocol's own); the results each rank
+    saved (pytest.fail if one has none)."""
     import pytest
     import torch
 
@@ -35,7 +36,8 @@ def run_ranks(worker: str | Path, tmp: Path, world: int, timeout_s: float) -> li
         log = open(tmp / f"rank{rank}.log", "w+")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, str(worker), str(rank), str(world), str(tmp / "rdzv"), str(tmp / f"rank{rank}.pt")],
+            [sys.executable, str(worker), str(rank), str(world), str(tmp / "rdzv"), str(tmp / f"rank{rank}.pt"),
+             *args],
             stdout=log, stderr=subprocess.STDOUT, env=clean_env()))
     try:
         for p in procs:

@@ -2,8 +2,9 @@
 
 O2/O5 become FSDP2's own mixed precision on every unit (the sharded FP32 parameters are the
 masters; half copies are all-gathered for forward and backward, gradients reduced in FP32);
-O3 turns the sharded parameters themselves half. `ShardedModel.restore` puts back each
-unit's own policy and dtypes. FSDP2 has no public API to change a unit's policy or
+O3 turns the sharded parameters themselves half, as do master_weights "stochastic"/"kahan"
+(their gradients computed, reduced and kept in bfloat16). `ShardedModel.restore` puts back
+each unit's own policy and dtypes. FSDP2 has no public API to change a unit's policy or
 parameter dtype after `fully_shard`: the internals used for it are confined to `Units`
 (torch 2.6+). The whole story, with the order of calls it supports: docs/fsdp.md.
 """
@@ -121,14 +122,18 @@ class Units:
         for g in self.groups:
             g._init_mp_dtypes()
 
-    def swap_dtype(self, params: Sequence[nn.Parameter], dtype_of: Any) -> None:
+    def swap_dtype(self, params: Sequence[nn.Parameter], dtype_of: Any, values: Any = None) -> None:
         """Convert parameters in place, keeping each Parameter object (the optimizer holds
         them): `swap_tensors`, as `nn.Module._apply` does for DTensors; then FSDP2 re-reads
-        its sharded data (what `FSDPModule._apply` does after `model.to(dtype)`)."""
+        its sharded data (what `FSDPModule._apply` does after `model.to(dtype)`). `values`:
+        by param id, what a param takes instead of its own values converted (placed like it)."""
+        values = values or {}
         with torch.no_grad():
             for p in params:
                 p.grad = None
-                torch.utils.swap_tensors(p, nn.Parameter(p.to(dtype_of(p)), requires_grad=p.requires_grad))
+                value = values.get(id(p))
+                new = value.to(dtype_of(p)) if value is not None else p.to(dtype_of(p))
+                torch.utils.swap_tensors(p, nn.Parameter(new, requires_grad=p.requires_grad))
             for fp in self.params:
                 fp.reset_sharded_param()
 
@@ -202,6 +207,8 @@ class ShardedModel:
         self._cast: list[tuple[nn.Parameter, torch.dtype]] = []
         self._buffers: list[tuple[nn.Module, str, torch.dtype]] = []
         self._hook: Any = None
+        self._load_hooks: list[Any] = []
+        self._on_load: list[Any] = []
         custom = [p for _, p in self._policies if p != MixedPrecisionPolicy()]
         if custom:
             logger.warning("ampatch: %s sets FSDP2's mixed precision of the sharded model; the policy given to "
@@ -261,22 +268,62 @@ class ShardedModel:
                                  "its blocks.")
         return fp32_units
 
-    def restore(self, masters: dict[int, torch.Tensor] | None = None) -> None:
-        """Back to the units' own policies and the original dtypes (O3: from the half values)."""
+    def on_load(self, callback: Any) -> None:
+        """Run `callback(incoming, params)` after a `load_state_dict` of the model or one of its
+        modules, once per module with cast params: `params` its own cast params, `incoming`
+        by param id the tensor torch loaded into it (a kahan compensation takes what the
+        loaded values have beyond bfloat16)."""
+        if not self._on_load:
+            cast = {id(p) for p, _ in self._cast}
+            for m in self.units.model.modules():
+                names = [n for n, p in m._parameters.items() if p is not None and id(p) in cast]
+                if names:
+                    hook = _LoadHook(self._on_load, names)
+                    self._load_hooks += [m._register_load_state_dict_pre_hook(hook.pre, with_module=True),
+                                         m.register_load_state_dict_post_hook(hook)]
+        self._on_load.append(callback)
+
+    def restore(self, masters: Any = None) -> None:
+        """Back to the units' own policies and the original dtypes (O3: from the half values;
+        `masters`, by param id, the FP32 values a param takes instead: kahan's weight +
+        compensation)."""
         if self._hook is not None:
             self._hook.remove()
+        for h in self._load_hooks:
+            h.remove()
         units = self.units
         units.reshard()
         for state, policy in self._policies:
             units.set_policy(state, policy)
         if self._cast:
             dtypes = {id(p): dtype for p, dtype in self._cast}
-            units.swap_dtype([p for p, _ in self._cast], lambda p: dtypes[id(p)])
+            units.swap_dtype([p for p, _ in self._cast], lambda p: dtypes[id(p)], masters)
         units.refresh_dtypes()
         for m, name, dtype in self._buffers:
             b = m._buffers.get(name)
             if b is not None:
                 m._buffers[name] = b.to(dtype)
+
+
+class _LoadHook:
+    """`load_state_dict` hooks of one module with cast params: the pre-hook notes the tensor
+    each of `names` is loaded from, the post-hook hands them to `callbacks`."""
+
+    def __init__(self, callbacks: list, names: list[str]) -> None:
+        self.callbacks, self.names = callbacks, names
+        self.incoming: dict[str, torch.Tensor] = {}
+
+    def pre(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        self.incoming = {n: state_dict[prefix + n] for n in self.names
+                         if isinstance(state_dict.get(prefix + n), torch.Tensor)}
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        incoming, self.incoming = self.incoming, {}
+        params = [module._parameters[n] for n in self.names if module._parameters.get(n) is not None]
+        by_param = {id(module._parameters[n]): t for n, t in incoming.items()
+                    if module._parameters.get(n) is not None and t.shape == module._parameters[n].shape}
+        for cb in self.callbacks:
+            cb(by_param, params)
 
 
 def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:

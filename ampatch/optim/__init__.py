@@ -5,6 +5,7 @@
 - `context`: what a handle and its driver (a session, Apex's FP16_Optimizer) say to each other;
 - `masters`: the master weights an optimizer steps in place of half params;
 - `lowmem`: master_weights "stochastic"/"kahan", bfloat16 weights as the only copy, the
-  optimizer stepped in FP32 a chunk at a time; `rounding`: their arithmetic and chunking;
+  optimizer stepped in FP32 a chunk at a time (`stepper`, shared with `lowmem_sharded` for
+  FSDP2); `chunks`: how a step is cut up; `rounding`: their arithmetic;
 - `scaler`: loss scalers and the fused unscale + inf/NaN check.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,9 +19,10 @@ from torch import nn
 
 from ..config.values import MasterMode
 from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
-from .chunks import chunk_numel, has_step_hooks, narrowed, plan_chunks, step_hooks_once
-from .rounding import rotation, stochastic_round_
+from .chunks import Workspace, chunk_numel, is_elementwise
+from .rounding import rotation
 from .scaler import distributed, overflowed
+from .stepper import Rounding, Target, step_in_chunks
 
 logger = logging.getLogger("ampatch")
 
@@ -29,13 +30,64 @@ __all__ = ["LowMemMasters"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 SEED_SALT = 0x5EED_A3C7  # the rounding stream differs from the script's own draws of the same seed
-_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)  # odd 64-bit constants: a chunk's seed from (seed, ordinal)
 
 
-def chunk_seed(seed: int, ordinal: int, part: int) -> int:
-    """The rounding generator's seed for the chunk whose first master is the `ordinal`-th made,
-    its `part`-th device: the same at every step and on every rank."""
-    return (seed * _MIX[0] + ordinal * _MIX[1] + part) % (1 << 63)
+def refuse_lbfgs(optimizer: torch.optim.Optimizer, mode: MasterMode) -> None:
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(f"master_weights={mode.value!r} steps the parameters a chunk at a time, and LBFGS needs "
+                         "all of them at once (it re-evaluates a closure over the whole model); use "
+                         "master_weights=True (FP32 masters) with LBFGS.")
+
+
+SUM_BLOCK = 1 << 16  # elements summed at a time by `weight_sum` (fixed: the same values give the same sum)
+
+
+def compensation_of(p: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """What bfloat16 drops of `p` (zero for a bfloat16 one), in bfloat16, and `weight_sum` of `p`
+    rounded to bfloat16; computed through `scratch` (FP32, 1-D, at least `SUM_BLOCK` elements or
+    all of `p`'s), a block at a time, so that no temporary of the whole parameter is made."""
+    comp = torch.zeros(p.shape, dtype=BF16, device=p.device)
+    flat, out, total = p.detach().reshape(-1), comp.view(-1), 0.0
+    for a in range(0, flat.numel(), SUM_BLOCK):
+        x, c = flat[a:a + SUM_BLOCK], out[a:a + SUM_BLOCK]
+        s = scratch[:x.numel()]
+        c.copy_(x)  # rounded to nearest
+        s.copy_(c)
+        total += float(s.sum())
+        if p.dtype != BF16:
+            torch.sub(x, s, out=s)
+            c.copy_(s)
+    if p.dtype == BF16:
+        comp.zero_()
+    return comp, total
+
+
+def weight_sum(t: torch.Tensor, scratch: torch.Tensor) -> float:
+    """The sum of `t`'s values, a `SUM_BLOCK` at a time in FP32 through `scratch` (no temporary
+    of the whole tensor): the same for the same values, so a change of the weights shows."""
+    flat, total = t.detach().reshape(-1), 0.0
+    for a in range(0, flat.numel(), SUM_BLOCK):
+        x = flat[a:a + SUM_BLOCK]
+        total += float(scratch[:x.numel()].copy_(x).sum())
+    return total
+
+
+class WeightPlusCompensation(Mapping):
+    """id(model param) -> its FP32 value, weight + compensation, computed when asked for."""
+
+    def __init__(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.parts = parts
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        weight, comp = self.parts[key]
+        with torch.no_grad():
+            return weight.detach().float().add_(comp)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
 
 
 class LowMemMasters(Masters):
@@ -49,10 +101,7 @@ class LowMemMasters(Masters):
                  seed: int | None = None) -> None:
         if not mode.low_memory:
             raise ValueError(f"LowMemMasters is for master_weights 'stochastic' or 'kahan', not {mode.value!r}.")
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError(f"master_weights={mode.value!r} steps the parameters a chunk at a time, and LBFGS needs "
-                             "all of them at once (it re-evaluates a closure over the whole model); use "
-                             "master_weights=True (FP32 masters) with LBFGS.")
+        refuse_lbfgs(optimizer, mode)
         self.mode = mode
         self.chunk_numel: int | None = None  # elements per chunk; None: by device (chunks.chunk_numel)
         self.comp: dict[int, torch.Tensor] = {}     # id(master) -> bfloat16 compensation (kahan)
@@ -60,7 +109,7 @@ class LowMemMasters(Masters):
         self.seed = (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
         self.rounds = 0  # optimizer steps taken: the stochastic rounding's shift (`rounding.rotation`)
         self.ordinal: dict[int, int] = {}  # id(master) -> its place in the order masters were made
-        self.generators: dict[torch.device, torch.Generator] = {}  # scratch, reseeded per chunk
+        self.workspace = Workspace()  # the FP32 buffers of every chunk of every step
         super().__init__(optimizer, ids)
 
     # ------------------------------------------------------------------ making and aliasing
@@ -73,12 +122,12 @@ class LowMemMasters(Masters):
             raise ValueError(f"master_weights={self.mode.value!r} keeps bfloat16 parameters, but this one (shape "
                              f"{tuple(p.shape)}) is {p.dtype}; use master_weights=True for float16 or float64 params.")
         with torch.no_grad():
-            master = nn.Parameter(p.detach(), requires_grad=p.requires_grad)  # an alias until the step
+            # an alias of the weight; of an FP32 one about to be cast, a placeholder without memory
+            # until the cast (`follow_model`), so that the cast frees each FP32 weight as it goes
+            alias = p.detach() if p.dtype == BF16 else torch.empty((), dtype=BF16, device=p.device).expand(p.shape)
+            master = nn.Parameter(alias, requires_grad=p.requires_grad)
             if self.mode is MasterMode.KAHAN:
-                w = p.detach().to(BF16)
-                self.comp[id(master)] = ((p.detach() - w.float()).to(BF16) if p.dtype == F32
-                                         else torch.zeros_like(w))
-                self.baseline[id(master)] = float(w.double().sum())
+                self.comp[id(master)], self.baseline[id(master)] = compensation_of(p, self.scratch(p.device, p.numel()))
         self.model_of[id(master)] = p
         self.master_of[id(p)] = master
         self.ordinal[id(master)] = len(self.ordinal)
@@ -128,96 +177,41 @@ class LowMemMasters(Masters):
 
     # ------------------------------------------------------------------ the step
     def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
-        """One optimizer step, a chunk at a time (see the module docstring); `call(*args,
-        **kwargs)` is the optimizer's own step(), called once per chunk; returns what the
-        last call returned. A step that raises leaves the chunks before it stepped and the
-        raising chunk's values (as far as the optimizer got) in the model."""
+        """One optimizer step, a chunk at a time (`stepper.step_in_chunks`; docs/lowmem.md);
+        `call(*args, **kwargs)` is the optimizer's own step(), called once per chunk; returns
+        what the last call returned. The masters' (bfloat16) grads are spent: None after."""
         kwargs = kwargs or {}
         if args and callable(args[0]) or kwargs.get("closure") is not None:
             raise NotImplementedError(f"optimizer.step(closure) is not supported with master_weights="
                                       f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
         self.follow_model()
-        own, work = [], []  # params that are their own masters; (model param, master) with a grad
-        for group in self.optimizer.param_groups:
+        elementwise = is_elementwise(self.optimizer)
+        own, targets = [], []  # (group, param) that are their own masters; what steps in chunks
+        for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 mp = self.model_of.get(id(p))
                 if mp is None:
-                    own.append(p)
+                    own.append((gi, p))
                 elif p.grad is not None:
-                    work.append((mp, p))
-        budget = self.chunk_numel or (chunk_numel(work[0][0].device) if work else 1)
-        chunks = plan_chunks([m.numel() for _, m in work], budget) or [[]]
-        hooks = (step_hooks_once(self.optimizer, args, kwargs) if has_step_hooks(self.optimizer)
-                 else contextlib.nullcontext(lambda: (args, kwargs)))
-        out = None
-        with hooks as arguments:
-            for k, indices in enumerate(chunks):
-                chunk = [work[i] for i in indices]
-                members = {id(m) for _, m in chunk} | ({id(p) for p in own} if k == 0 else set())
-                lifted = self._lift(chunk)
-                try:
-                    with narrowed(self.optimizer, members):
-                        a, kw = arguments()
-                        out = call(*a, **kw)
-                finally:
-                    self._lower(lifted, self.ordinal[id(chunk[0][1])] if chunk else 0)
+                    g = p.grad
+                    split = elementwise and not g.is_sparse and g.is_contiguous() and mp.is_contiguous()
+                    targets.append(Target(p, gi, mp, g, self.comp.get(id(p)), self.ordinal[id(p)], 0, split))
+        budget = self.chunk_numel or (chunk_numel(targets[0].weight.device) if targets else 1)
+        rounding = Rounding(self.mode is MasterMode.STOCHASTIC, self.seed, rotation(self.rounds))
+        try:
+            out = step_in_chunks(self.optimizer, call, args, kwargs, targets, own, budget, self.workspace, rounding)
+        finally:
+            for t in targets:
+                t.key.grad = None
         self.rounds += 1
         return out
 
-    def _lift(self, chunk: list[Pair]) -> list[tuple[list[Pair], torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
-        """The chunk's masters on FP32 views (values: weight [+ compensation]; grads: FP32),
-        one flat buffer per device for each. Returns what `_lower` needs."""
-        by_device: dict[torch.device, list[Pair]] = {}
-        for mp, m in chunk:
-            by_device.setdefault(mp.device, []).append((mp, m))
-        lifted = []
-        with torch.no_grad():
-            for device, items in by_device.items():
-                sizes = [m.numel() for _, m in items]
-                flat = torch.empty(sum(sizes), dtype=F32, device=device)
-                gflat = torch.empty(sum(sizes), dtype=F32, device=device)
-                views = [v.view(m.shape) for v, (_, m) in zip(flat.split(sizes), items)]
-                gviews = [v.view(m.shape) for v, (_, m) in zip(gflat.split(sizes), items)]
-                torch._foreach_copy_(views, [mp for mp, _ in items])
-                if self.comp:
-                    torch._foreach_add_(views, [self.comp[id(m)] for _, m in items])
-                dense = [i for i, (_, m) in enumerate(items) if not m.grad.is_sparse]
-                if dense:
-                    torch._foreach_copy_([gviews[i] for i in dense], [items[i][1].grad for i in dense])
-                for (_, m), v, gv in zip(items, views, gviews):
-                    g = m.grad
-                    m.grad = None
-                    m.data = v
-                    m.grad = g.to(F32) if g.is_sparse else gv
-                lifted.append((items, flat, gflat, views))
-        return lifted
-
-    def _lower(self, lifted: list[tuple[list[Pair], torch.Tensor, torch.Tensor, list[torch.Tensor]]],
-               ordinal: int) -> None:
-        """The chunk's new FP32 values back into the bfloat16 weights (and compensations); the
-        masters alias the model again, without grads. `ordinal`: of the chunk's first master
-        (the stochastic rounding's draws depend on it, not on the step)."""
-        with torch.no_grad():
-            for part, (items, flat, gflat, views) in enumerate(lifted):
-                model = [mp for mp, _ in items]
-                if self.mode is MasterMode.STOCHASTIC:
-                    g = self.generator(flat.device).manual_seed(chunk_seed(self.seed, ordinal, part))
-                    stochastic_round_(flat, gflat, g, rotation(self.rounds))
-                    torch._foreach_copy_(model, views)  # exact: the low bits are zero
-                else:
-                    torch._foreach_copy_(model, views)  # to nearest
-                    torch._foreach_sub_(views, model)   # what rounding dropped (exact in FP32)
-                    torch._foreach_copy_([self.comp[id(m)] for _, m in items], views)
-                for mp, m in items:
-                    m.grad = None
-                    m.data = mp.data
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        """A scratch generator on `device` for the stochastic rounding (reseeded per chunk)."""
-        g = self.generators.get(device)
-        if g is None:
-            g = self.generators[device] = torch.Generator(device=device)
-        return g
+    def scratch(self, device: torch.device, numel: int) -> torch.Tensor:
+        """An FP32 buffer on `device` (the workspace's values), for what is done to a tensor of
+        `numel` elements a block at a time (`compensation_of`, `weight_sum`)."""
+        budget = max(self.chunk_numel or chunk_numel(device), SUM_BLOCK)
+        values = self.workspace.buffers.get(device, (None,))[0]
+        return self.workspace.take(device, max(min(budget, numel), 0 if values is None else values.numel()))[0]
 
     # ------------------------------------------------------------------ ranks, checkpoints
     def agree(self, process_group: Any) -> None:
@@ -236,8 +230,8 @@ class LowMemMasters(Masters):
                 dist.broadcast(agreed, src=src, group=process_group)
                 self.seed, self.rounds = (int(v) for v in agreed.tolist())
                 return
-            stale = any(abs(float(mp.detach().double().sum()) - self.baseline[id(m)]) > 1e-6 * (1 + abs(self.baseline[id(m)]))
-                        for mp, m in pairs if id(m) in self.baseline)
+            stale = any(abs(weight_sum(mp, self.scratch(mp.device, mp.numel())) - self.baseline[id(m)])
+                        > 1e-6 * (1 + abs(self.baseline[id(m)])) for mp, m in pairs if id(m) in self.baseline)
             if overflowed(torch.full((), float(stale), dtype=torch.float32, device=device), process_group):  # MAX: any rank
                 for c in self.comp.values():
                     c.zero_()
@@ -249,7 +243,8 @@ class LowMemMasters(Masters):
     def _note_baseline(self, masters: Iterable[torch.Tensor]) -> None:
         for m in masters:
             if id(m) in self.comp:
-                self.baseline[id(m)] = float(self.model_of[id(m)].detach().double().sum())
+                mp = self.model_of[id(m)]
+                self.baseline[id(m)] = weight_sum(mp, self.scratch(mp.device, mp.numel()))
 
     def saved_value(self, p: torch.Tensor) -> torch.Tensor | None:
         """What `model.state_dict()` saves for the bfloat16 weight `p`: under "kahan", weight +
@@ -348,14 +343,14 @@ class LowMemMasters(Masters):
                     self.comp[id(m)].copy_(src.to(mp.device, F32) - mp.float())
                     self._note_baseline([m])
 
-    def unswap(self) -> dict[int, torch.Tensor]:
+    def unswap(self) -> Mapping[int, torch.Tensor]:
         """Model params back into param_groups; returns, by model param id, the values the
-        model is restored from: weight + compensation in FP32 (kahan), nothing (stochastic:
-        the weight is the value)."""
-        values = {}
+        model is restored from: weight + compensation in FP32 (kahan), each made when it is
+        asked for (not all at once beside the bfloat16 model), nothing (stochastic: the weight
+        is the value)."""
+        values: Mapping[int, torch.Tensor] = {}
         if self.mode is MasterMode.KAHAN:
-            with torch.no_grad():
-                values = {id(mp): mp.float() + self.comp[id(m)].float() for mp, m in self.pairs()}
+            values = WeightPlusCompensation({id(mp): (mp, self.comp[id(m)]) for mp, m in self.pairs()})
         super().unswap()
         return values
 

@@ -91,9 +91,17 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
             raise ValueError(f"optimizer checkpoint: {len(comp) if isinstance(comp, (list, tuple)) else 'no list of'} "
                              f"compensation entries for {len(params)} params; " + bad)
         for i, (p, c) in enumerate(zip(params, comp)):
-            if c is not None and not (isinstance(c, torch.Tensor) and c.is_floating_point() and c.shape == p.shape):
-                raise ValueError(f"optimizer checkpoint: compensation {i} does not fit its param of shape "
-                                 f"{tuple(p.shape)}; " + bad)
+            if c is None:
+                continue
+            what = (type(c).__name__ if not isinstance(c, torch.Tensor) else f"dtype {c.dtype}" if c.dtype != torch.bfloat16
+                    else f"shape {tuple(c.shape)}" if c.shape != p.shape else None)
+            if what is not None:
+                raise ValueError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) is "
+                                 f"{what}, not a bfloat16 tensor of its param's shape; " + bad)
+            if not bool(torch.isfinite(c).all()):
+                raise ValueError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) holds "
+                                 "NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
+                                 "corrupted; nothing was loaded.")
     for key in ("seed", "rounds"):
         value = entry.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -1,9 +1,11 @@
 """An optimizer over FSDP2-sharded parameters (`ShardedOptimizerHandle`), beside the plain handle.
 
 At O2/O5 its parameters, the sharded FP32 ones, are the masters: nothing to copy after a
-step, no extra entry in `state_dict()`. It changes the plain handle only through its public
-hooks: a backward under `set_requires_gradient_sync(False)` leaves its gradients inside FSDP,
-unreduced and scaled, so their unscale waits for the backward that syncs (`unscale_waits`).
+step, no extra entry in `state_dict()`. Under master_weights "stochastic"/"kahan" its
+parameters are the sharded bfloat16 ones, stepped by `lowmem_sharded.ShardedLowMem`. It
+changes the plain handle only through its public hooks: a backward under
+`set_requires_gradient_sync(False)` leaves its gradients inside FSDP, unreduced and scaled,
+so their unscale waits for the backward that syncs (`unscale_waits`).
 """
 from __future__ import annotations
 
@@ -13,25 +15,45 @@ from typing import Any
 
 import torch
 
+from ..config.values import MasterMode
 from .context import HandleContext
 from .handle import OptimizerHandle
-from .masters import MASTERS_KEY
+from .lowmem_sharded import ShardedLowMem, local
+from .masters import LOWMEM_KEY, MASTERS_KEY, Masters
 
 logger = logging.getLogger("ampatch")
 
 __all__ = ["ShardedOptimizerHandle"]
 
 
+class ShardedMasters(Masters):
+    """No masters of their own (the sharded params are what the optimizer steps); the
+    footprint is this rank's: its local shards."""
+
+    def footprint(self) -> tuple[int, int]:
+        count = size = 0
+        for p in self.params():
+            mine = local(p)
+            count += mine.numel()
+            size += mine.numel() * mine.element_size()
+        return count, size
+
+
 class ShardedOptimizerHandle(OptimizerHandle):
     """`syncs_off()`: whether a sharded unit of the models has gradient sync off now.
     `masters`: the sharded params are FP32 masters (O2/O5: every unscale is checked, even at
-    a static scale of 1.0)."""
+    a static scale of 1.0). `mode` "stochastic"/"kahan": the sharded params are bfloat16, the
+    only copy (`ShardedLowMem`; `lowmem_ids`: the params the model cast turns bfloat16)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int, masters: bool, syncs_off: Callable[[], bool],
-                 context: HandleContext = HandleContext()) -> None:
+                 context: HandleContext = HandleContext(), mode: MasterMode = MasterMode.FP32,
+                 lowmem_ids: set[int] | None = None) -> None:
         super().__init__(optimizer, index, None, context)
-        self.use_masters = masters
+        self.masters = (ShardedLowMem(optimizer, lowmem_ids or set(), mode) if mode.low_memory
+                        else ShardedMasters(optimizer, None))
+        self.use_masters = masters or mode.low_memory
         self.syncs_off = syncs_off
+        self.process_group = context.process_group
 
     def unscale_waits(self) -> bool:
         return self.syncs_off()
@@ -44,10 +66,17 @@ class ShardedOptimizerHandle(OptimizerHandle):
                 "backward.")
 
     def checkpoint_entries(self) -> dict[str, Any]:
-        return {}  # the masters are the sharded params: in the model's state dict already
+        return {}  # the masters are the sharded params: in the model's state dict already (low-memory: a state hook)
 
     def load_entries(self, state_dict: dict, inner: Callable) -> None:
         if state_dict.pop(MASTERS_KEY, None) is not None:
             logger.info("ampatch: the optimizer checkpoint carries FP32 masters from an unsharded run; under FSDP2 "
                         "the masters are the sharded params, loaded with the model's state dict.")
-        inner(state_dict)
+        if state_dict.pop(LOWMEM_KEY, None) is not None:
+            logger.info("ampatch: the optimizer checkpoint carries the low-memory entry of an unsharded run; under "
+                        "FSDP2 its compensations and rounding state travel as state and param group entries: not "
+                        "loaded.")
+        if isinstance(self.masters, ShardedLowMem):
+            self.masters.load(state_dict, inner, self.process_group)
+        else:
+            inner(state_dict)

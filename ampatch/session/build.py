@@ -9,6 +9,7 @@ what was built before it raises.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import logging
@@ -241,20 +242,27 @@ def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
 def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                    patcher: Patcher, context: HandleContext, kept: Collection[int]) -> tuple[list[Any], list[Any]]:
     """`build` on FSDP2-sharded models (docs/fsdp.md): O2/O5 as FSDP2's own mixed precision,
-    the sharded FP32 params the masters; O3 with the sharded params half."""
-    if props.master_mode.low_memory:
-        raise ValueError(f"master_weights={props.master_mode.value!r} is not supported on FSDP2-sharded models "
-                         "(fully_shard): use master_weights=True (O5: FSDP2 keeps sharded FP32 masters, their memory "
-                         "divided by the number of ranks), or replicate with DistributedDataParallel instead of "
-                         "fully_shard to keep the low-memory mode.")
+    the sharded FP32 params the masters; O3 with the sharded params half, and so
+    master_weights "stochastic"/"kahan" (the sharded bfloat16 params the only copy)."""
     units = [sharded.Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
     if props.casts_model and not all(u.modules for u in units):
         raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
                          "of them.")
     sharded.check_order(models, optimizers)
     masters = props.master_mode is MasterMode.FP32
+    mode = props.master_mode if props.casts_model else MasterMode.FP32
     syncs_off = lambda: any(u.syncs_off() for u in units)  # noqa: E731
-    handles = [ShardedOptimizerHandle(opt, i, masters, syncs_off, context) for i, opt in enumerate(optimizers)]
+    cast_ids = ({id(p) for m in models for p in params_to_cast(m, props.keep_batchnorm_fp32, kept)}
+                if mode.low_memory else set())
+    # low-memory: the compensations are made here, from the FP32 shards, before the cast
+    handles: list[ShardedOptimizerHandle] = []
+    try:
+        for i, opt in enumerate(optimizers):
+            handles.append(ShardedOptimizerHandle(opt, i, masters, syncs_off, context, mode, cast_ids))
+    except BaseException:  # e.g. an optimizer the low-memory modes cannot step shard by shard
+        for h in handles:
+            h.unswap()
+        raise
     models_built: list[sharded.ShardedModel] = []
     if props.casts_model:
         try:
@@ -263,18 +271,22 @@ def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: S
         except BaseException:  # the units set up so far go back (a failing one restored itself)
             for m in models_built:
                 m.restore()
+            for h in handles:
+                h.unswap()
             raise
         for h in handles:
             h.recast_state()
+        if mode.low_memory:
+            for m in models_built:
+                m.on_load(lambda incoming, params: [h.resync_from_model(incoming, params) for h in handles])
     return models_built, handles
 
 
 def undo(models: Sequence[Any], optimizers: Sequence[OptimizerHandle]) -> None:
     """Masters back out of the optimizers, models (`ModelHandle` or `ShardedModel`) to their
     dtypes (from the masters), optimizer state to the params' dtypes again."""
-    masters: dict[int, torch.Tensor] = {}
-    for h in optimizers:
-        masters.update(h.unswap())
+    # a view over each optimizer's values, not a merged copy: a kahan optimizer's are made one at a time
+    masters = collections.ChainMap(*[h.unswap() for h in optimizers])
     for m in models:
         m.restore(masters)
     if models:

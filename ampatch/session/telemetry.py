@@ -145,7 +145,17 @@ class Telemetry:
 
 
 def peak_memory_bytes() -> int:
-    """CUDA peak allocation when CUDA was used, else the process's peak RSS."""
+    """CUDA peak allocation when CUDA was used, else the process's peak RSS: on Linux its
+    VmHWM, since `ru_maxrss` there carries over the peak of the process that exec'd this one
+    (a run launched by `ampatch compare`, torchrun or pytest would report at least their
+    peak); `ru_maxrss` elsewhere."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated())
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

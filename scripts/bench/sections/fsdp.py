@@ -120,7 +120,9 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
 
 def render(res: dict[str, Any]) -> list[str]:
     mib, shape = 2 ** 20, res["shape"]
-    lines = [f"FSDP2 peak memory per rank, {shape['depth']} x Linear({shape['width']}) units, batch {shape['batch']} "
+    lines = [f"FSDP2 peak memory per rank (a decomposition: training state + a step's transient, malloc tuned; "
+             f"not the process peak, see scripts/lowmem_fsdp.py), {shape['depth']} x Linear({shape['width']}) units, "
+             f"batch {shape['batch']} "
              f"per rank, AdamW, {res['world_size']} gloo ranks (MiB)",
              f"{'mode':<8}{'peak':>10}{'persistent':>12}{'transient':>11}"]
     for m in MODES:

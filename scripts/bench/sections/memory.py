@@ -113,7 +113,8 @@ def render(results: dict[str, Any]) -> list[str]:
     mem, mib, lines = results["memory"], 2 ** 20, []
     if "peak_bytes" in mem:
         pb = mem["peak_bytes"]
-        lines.append(f"CNN peak memory of a training step: O0 {pb['O0'] / mib:.1f} MiB, O2 {pb['O2'] / mib:.1f} MiB -> "
+        lines.append(f"CNN peak memory of a training step (a decomposition, not the process peak): O0 "
+                     f"{pb['O0'] / mib:.1f} MiB, O2 {pb['O2'] / mib:.1f} MiB -> "
                      f"{mem['peak_bytes_ratio']:.3f}")
     lb = mem["live_tensor_bytes"]
     lines.append(f"CNN live tensors at end of forward: O0 {lb['O0'] / mib:.1f} MiB, O2 {lb['O2'] / mib:.1f} "

@@ -1,0 +1,407 @@
+"""master_weights "stochastic"/"kahan" on FSDP2-sharded models (`ShardedLowMem`), beside
+`lowmem`'s plain ones.
+
+The sharded bfloat16 parameters (DTensors) are the only copy of the weights, and they stay
+in the optimizer's param_groups (so `torch.distributed.checkpoint`'s helpers find them by
+name); the optimizer's state is sharded like them (DTensors, in FP32). `step` runs the
+optimizer's own step() on FP32 views of each rank's local shard, a chunk at a time
+(`stepper`), and rounds back stochastically (each threshold a function of the element's
+index in the whole parameter: the same on every rank that holds it) or to nearest, the
+remainder kept in a compensation sharded like its parameter. The compensation (a state
+entry) and the rounding's seed and step count (param group entries) travel in
+`optimizer.state_dict()`. docs/fsdp.md tells the whole story.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config.values import MasterMode
+from .chunks import Workspace, chunk_numel, is_elementwise
+from .lowmem import SEED_SALT, SUM_BLOCK, WeightPlusCompensation, compensation_of, refuse_lbfgs
+from .masters import Masters, cast_state
+from .rounding import rotation
+from .scaler import distributed, overflowed
+from .stepper import Layout, Rounding, Target, step_in_chunks
+
+logger = logging.getLogger("ampatch")
+
+__all__ = ["ShardedLowMem", "COMP_KEY", "SEED_KEY", "ROUNDS_KEY", "local"]
+
+F32, BF16 = torch.float32, torch.bfloat16
+COMP_KEY = "ampatch_compensation"  # kahan: a param's state entry, its compensation (a DTensor like the param)
+SEED_KEY, ROUNDS_KEY = "ampatch_seed", "ampatch_rounds"  # stochastic: param group entries
+
+
+def _dtensor() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")  # imported already where a model is sharded
+    return getattr(module, "DTensor", None)
+
+
+def local(t: Any) -> Any:
+    """A DTensor's local shard (a view: writing it writes the DTensor); anything else as it is."""
+    cls = _dtensor()
+    return t.to_local() if cls is not None and isinstance(t, cls) else t
+
+
+def shard_offset(p: torch.Tensor) -> int:
+    """The index, in `p` flattened, of its local shard's first element: FSDP2 shards dim 0 as
+    `torch.chunk` does (each mesh coordinate a run of whole rows); replicated mesh dims hold
+    the same rows. Raises for any other placement."""
+    cls = _dtensor()
+    if cls is None or not isinstance(p, cls):
+        return 0
+    coordinate = p.device_mesh.get_coordinate() or []
+    rows, start, sharded = (p.shape[0] if p.dim() else 1), 0, False
+    for dim, placement in enumerate(p.placements):
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard(dim=0) or sharded:
+            raise ValueError(f"master_weights 'stochastic'/'kahan' step FSDP2 shards of whole rows (Shard(0), "
+                             f"replicated or not); a parameter of shape {tuple(p.shape)} is placed {p.placements}: "
+                             "use master_weights=True.")
+        sharded = True
+        size = p.device_mesh.size(dim)
+        start = coordinate[dim] * -(-rows // size)
+    mine = local(p)
+    if mine.numel() and mine.shape[0] != min(rows, start + mine.shape[0]) - start:
+        raise RuntimeError(f"ampatch: the local shard of a parameter of shape {tuple(p.shape)} is not the rows FSDP2 "
+                           "gives it (torch.chunk on dim 0); this torch shards otherwise.")
+    return min(start, rows) * (p.numel() // rows if rows else 0)
+
+
+class _ShardLayout(Layout):
+    """DTensor state: its local shard lines up with the local shard of the weight."""
+
+    def local(self, value: Any) -> Any:
+        return local(value)
+
+    def adopt(self, target: Target, values: torch.Tensor) -> torch.Tensor:
+        return as_param(target.key, values)
+
+
+def as_param(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` (`p`'s local shape) as a tensor placed like `p` (a DTensor over its mesh), no copy."""
+    cls = _dtensor()
+    if cls is None or not isinstance(p, cls):
+        return values
+    return cls.from_local(values, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class ShardedLowMem(Masters):
+    """The low-memory mode of one optimizer over sharded params (see the module docstring).
+    `ids`: the params the model cast turns bfloat16 (their compensations are made now, from
+    their FP32 values); `seed`: of the stochastic rounding (default: from `torch.initial_seed()`)."""
+
+    steps_itself = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, ids: set[int], mode: MasterMode,
+                 seed: int | None = None) -> None:
+        refuse_lbfgs(optimizer, mode)
+        if not is_elementwise(optimizer):
+            raise ValueError(
+                f"master_weights={mode.value!r} on an FSDP2-sharded model steps each rank's shard on its own, so the "
+                f"optimizer's update of an element must depend on that element alone; {type(optimizer).__name__} "
+                "is not one of torch.optim's elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, "
+                "NAdam, RAdam) and does not declare `ampatch_elementwise = True` (a trust ratio or a factored "
+                "moment needs the whole tensor). Use master_weights=True (FSDP2's sharded FP32 masters).")
+        self.mode = mode
+        self.ids = ids
+        self.chunk_numel: int | None = None
+        self.comp: dict[int, torch.Tensor] = {}   # id(param) -> its local shard's compensation (kahan)
+        self.ordinal: dict[int, int] = {}
+        self.offset: dict[int, int] = {}
+        self.seed = (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
+        self.rounds = 0
+        self.loaded: set[int] = set()  # params whose compensation an optimizer checkpoint set (until a step)
+        self.workspace = Workspace()
+        super().__init__(optimizer, None)
+        self.enabled = True
+        for p in self.params():
+            self.make(p)
+        self._hook = optimizer.register_state_dict_post_hook(self._add_entries)
+
+    # ------------------------------------------------------------------ params
+    def make(self, p: torch.Tensor) -> torch.Tensor:
+        """Note `p` (its place, its shard's offset; for kahan, the compensation of a weight
+        about to be cast); the param itself is what the optimizer steps."""
+        if id(p) in self.ordinal:
+            return p
+        offset = shard_offset(p)
+        self.ordinal[id(p)] = len(self.ordinal)
+        self.offset[id(p)] = offset
+        if self.mode is MasterMode.KAHAN and (id(p) in self.ids or p.dtype == BF16):
+            with torch.no_grad():
+                mine = local(p).detach()
+                self.comp[id(p)], _ = compensation_of(mine, self._scratch(mine))
+        return p
+
+    def _scratch(self, t: torch.Tensor) -> torch.Tensor:
+        """The workspace's FP32 values, for what is done to `t` a block at a time (at least
+        `SUM_BLOCK` elements, or all of `t`'s, as `compensation_of` needs)."""
+        budget = self.chunk_numel or chunk_numel(t.device)
+        return self.workspace.take(t.device, max(1, min(max(budget, SUM_BLOCK), t.numel())), budget)[0]
+
+    def model_params(self) -> list[torch.Tensor]:
+        return list(self.params())
+
+    def recast_state(self) -> None:
+        """The optimizer computes in FP32: floating state stays FP32, whatever the params' dtype."""
+        state = self.optimizer.state
+        for p in list(state):
+            if isinstance(p, torch.Tensor):
+                state[p] = cast_state(state[p], F32)
+
+    def follow_model(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ the step
+    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """One optimizer step over the local shards, a chunk at a time (`stepper.step_in_chunks`);
+        FP32 params (units kept FP32) step as they are, in a call of their own."""
+        kwargs = kwargs or {}
+        if args and callable(args[0]) or kwargs.get("closure") is not None:
+            raise NotImplementedError(f"optimizer.step(closure) is not supported with master_weights="
+                                      f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
+        targets, own = [], []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.dtype != BF16:
+                    own.append((gi, p))
+                    continue
+                w, g = local(p).detach(), local(p.grad)
+                split = not g.is_sparse and g.is_contiguous() and w.is_contiguous()
+                targets.append(Target(p, gi, w, g, self.comp.get(id(p)), self.ordinal[id(p)], self.offset[id(p)],
+                                      split))
+        device = targets[0].weight.device if targets else torch.device("cpu")
+        budget = self.chunk_numel or chunk_numel(device)
+        rounding = Rounding(self.mode is MasterMode.STOCHASTIC, self.seed, rotation(self.rounds))
+        self.loaded.clear()
+        out = step_in_chunks(self.optimizer, call, args, kwargs, targets, own, budget, self.workspace, rounding,
+                             _ShardLayout(), own_apart=True)
+        # torch.distributed.checkpoint makes an optimizer's state with a step at lr 0 (nothing moves):
+        # that is not a step of the rounding's
+        if any(float(g.get("lr", 1.0)) != 0.0 for g in self.optimizer.param_groups):
+            self.rounds += 1
+        return out
+
+    # ------------------------------------------------------------------ ranks
+    def agree(self, process_group: Any) -> None:
+        """At the first scale_loss, under torch.distributed: every rank takes rank 0's rounding
+        seed and step count (the ranks holding an element must round it alike)."""
+        if self.mode is not MasterMode.STOCHASTIC or not distributed(process_group):
+            return
+        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        device = next((p.device for p in self.params()), torch.device("cpu"))
+        agreed = torch.tensor([self.seed, self.rounds], dtype=torch.int64, device=device)
+        dist.broadcast(agreed, src=src, group=process_group)
+        self.seed, self.rounds = (int(v) for v in agreed.tolist())
+
+    # ------------------------------------------------------------------ checkpoints
+    def _add_entries(self, optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+        """`optimizer.state_dict()`'s post-hook: a copy of each compensation as its param's
+        state entry (`COMP_KEY`, placed like the param), or the rounding's seed and step count
+        in every param group (`SEED_KEY`, `ROUNDS_KEY`). A copy: torch.distributed.checkpoint
+        loads into the tensors of a state dict in place, before `load_state_dict` checks them."""
+        if self.mode is MasterMode.KAHAN:
+            for i, p in enumerate(self.params()):
+                c = self.comp.get(id(p))
+                if c is not None:  # a dict of its own: torch's entries are the live state's dicts
+                    sd["state"][i] = {**sd["state"].get(i, {}), COMP_KEY: as_param(p, c.detach().clone())}
+        else:
+            sd["param_groups"] = [{**g, SEED_KEY: self.seed, ROUNDS_KEY: self.rounds} for g in sd["param_groups"]]
+        return sd
+
+    def load(self, state_dict: dict, inner: Callable, process_group: Any = None) -> None:
+        """`optimizer.load_state_dict` (see `take_entries`): the entries checked on every rank
+        before anything loads; torch's own load of the param groups; the state put back as it
+        was saved (FP32: torch would cast it to the params' bfloat16); then the entries."""
+        apply = self.take_entries(state_dict, process_group)
+        saved = state_dict.get("state", {})
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        inner(dict(state_dict, state={}))  # torch checks the groups before it changes anything
+        groups = self.optimizer.param_groups
+        by_id = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in groups)))
+        fused = {id(p) for g in groups if g.get("fused") or g.get("capturable") for p in g["params"]}
+        for k, entry in saved.items():
+            p = by_id.get(k)
+            if p is None or not entry:
+                continue
+            self.optimizer.state[p] = {key: _state_value(p, key, v, id(p) in fused, self.offset[id(p)])
+                                       for key, v in entry.items()}
+        apply()
+
+    def take_entries(self, state_dict: dict, process_group: Any = None) -> Callable[[], None]:
+        """Take ampatch's entries out of `state_dict` and check them (a compensation: a bfloat16
+        tensor of its param's shape, finite; a seed and step count: ints >= 0); a malformed one
+        on any rank raises on every rank before anything loads. Returns what applies them."""
+        params = list(self.params())
+        # the caller's checkpoint stays as it was: its state and groups are copied before entries leave them
+        state_dict["state"] = dict(state_dict.get("state", {}))
+        state_dict["param_groups"] = [dict(g) for g in state_dict.get("param_groups", [])]
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        index = {k: i for i, k in enumerate(saved_ids)}
+        comps, problem = {}, None
+        for k, entry in list(state_dict["state"].items()):
+            if isinstance(entry, dict) and COMP_KEY in entry:
+                entry = state_dict["state"][k] = dict(entry)
+                c = entry.pop(COMP_KEY)
+                i = index.get(k)
+                if i is None or i >= len(params):
+                    problem = problem or f"a compensation for state entry {k!r}, which no param of the optimizer has"
+                    continue
+                problem = problem or _bad_compensation(c, params[i], i)
+                comps[i] = c
+        seeds = []
+        for g in state_dict["param_groups"]:
+            if SEED_KEY in g or ROUNDS_KEY in g:
+                seeds.append((g.pop(SEED_KEY, None), g.pop(ROUNDS_KEY, None)))
+        for key, value in (("seed", s) for s, _ in seeds):
+            problem = problem or _bad_count(key, value)
+        for key, value in (("rounds", r) for _, r in seeds):
+            problem = problem or _bad_count(key, value, missing_ok=True)
+        if distributed(process_group):  # one verdict for every rank: a rank that raised alone would hang the others
+            device = params[0].device if params else torch.device("cpu")
+            if overflowed(torch.tensor(float(problem is not None), device=device), process_group):
+                said: list[Any] = [None] * dist.get_world_size(process_group)
+                dist.all_gather_object(said, problem, group=process_group)
+                rank, problem = next((r, p) for r, p in enumerate(said) if p is not None)
+                problem = f"{problem} (in rank {rank}'s part)"
+        if problem is not None:
+            raise ValueError(f"optimizer checkpoint: {problem}; nothing was loaded.")
+
+        def apply() -> None:
+            kahan = self.mode is MasterMode.KAHAN
+            if comps and kahan:
+                with torch.no_grad():
+                    for i, c in comps.items():
+                        p = params[i]
+                        if id(p) in self.comp:
+                            self.comp[id(p)].copy_(_local_part(c, p, self.offset[id(p)]))
+                            self.loaded.add(id(p))
+            if (comps and not kahan) or (seeds and kahan):
+                logger.info("ampatch: the optimizer checkpoint was saved with master_weights=%r, this session uses "
+                            "%r: its %s not loaded.", "kahan" if comps else "stochastic", self.mode.value,
+                            "compensation is" if comps else "rounding seed is")
+            if seeds and not kahan:
+                seed, rounds = seeds[0]
+                self.seed = int(seed) if seed is not None else self.seed
+                self.rounds = int(rounds) if rounds is not None else 0
+                if rounds is None:
+                    logger.info("ampatch: the optimizer checkpoint has no stochastic rounding step count: rounding "
+                                "goes on from step 0, unbiased as before, but not bit for bit.")
+        return apply
+
+    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
+                          params: list[torch.Tensor] | None = None) -> None:
+        """After the model's `load_state_dict`: a compensation takes what the loaded tensor has
+        beyond its bfloat16 rounding (zero for a bfloat16 checkpoint), except one an optimizer
+        checkpoint has just set where the loaded tensor has nothing beyond bfloat16: that is
+        the compensation of the weight just loaded (torch.distributed.checkpoint's
+        `set_state_dict` loads the optimizer before the model)."""
+        if self.mode is not MasterMode.KAHAN or not incoming:
+            return
+        with torch.no_grad():
+            for p in (params if params is not None else list(self.params())):
+                src, c = incoming.get(id(p)), self.comp.get(id(p))
+                if src is None or c is None:
+                    continue
+                values = _local_part(src, p, self.offset[id(p)]).reshape(-1)
+                if id(p) in self.loaded and not self._remainder(values, p, None):
+                    continue
+                self._remainder(values, p, c.view(-1))
+
+    def _remainder(self, values: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None) -> bool:
+        """`values` minus `p`'s local weight, into `out` (bfloat16) if given, a block at a time
+        through the workspace; whether any is not zero."""
+        weight, step = local(p).detach().reshape(-1), self._scratch(local(p)).numel()
+        buf, rounded = self.workspace.take(weight.device, step)
+        nonzero = False
+        for a in range(0, values.numel(), step):
+            n = min(step, values.numel() - a)
+            diff = buf[:n].copy_(values[a:a + n]).sub_(rounded[:n].copy_(weight[a:a + n]))
+            if out is not None:
+                out[a:a + n].copy_(diff)
+            else:
+                nonzero = nonzero or bool(diff.any())
+        return nonzero
+
+    # ------------------------------------------------------------------ undo, report
+    def unswap(self) -> Mapping[int, torch.Tensor]:
+        """Nothing was swapped; returns, by param id, the FP32 values to restore the model from:
+        weight + compensation, placed like the param, each made when asked for (kahan)."""
+        self._hook.remove()
+        if self.mode is not MasterMode.KAHAN:
+            return {}
+        return _PlacedSum({id(p): (p, self.comp[id(p)]) for p in self.params() if id(p) in self.comp})
+
+    def footprint(self) -> tuple[int, int]:
+        """(params, bytes) of this rank: its local shards of the weights, plus the compensations."""
+        count = size = 0
+        for p in self.params():
+            mine = local(p)
+            count += mine.numel()
+            size += mine.numel() * mine.element_size()
+        return count, size + sum(c.numel() * c.element_size() for c in self.comp.values())
+
+
+class _PlacedSum(WeightPlusCompensation):
+    """id(param) -> weight + compensation in FP32, placed like the (sharded) param."""
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        p, comp = self.parts[key]
+        with torch.no_grad():
+            return as_param(p, local(p).detach().float().add_(comp))
+
+
+def _local_part(value: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tensor:
+    """The part of a saved tensor of `p`'s (global) shape that lines up with `p`'s local shard:
+    a DTensor's local shard where it is placed like `p`, else the rows from `offset` of the whole."""
+    cls = _dtensor()
+    mine = local(p)
+    if cls is not None and isinstance(value, cls):
+        if isinstance(p, cls) and value.placements == p.placements and value.device_mesh == p.device_mesh:
+            return value.to_local().to(mine.device)
+        value = value.full_tensor()
+    return value.reshape(-1)[offset:offset + mine.numel()].view(mine.shape).to(mine.device)
+
+
+def _state_value(p: torch.Tensor, key: Any, value: Any, fused: bool, offset: int) -> Any:
+    """A saved state value of `p`'s, as the optimizer keeps it here: on p's device, floating
+    tensors in FP32 (the step count as saved, FP32 for fused/capturable optimizers), a whole
+    per-element tensor placed like `p`."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        return value.to(dtype=F32, device=p.device) if fused else value
+    cls = _dtensor()
+    if cls is not None and isinstance(p, cls) and not isinstance(value, cls) and value.shape == p.shape:
+        value = as_param(p, _local_part(value, p, offset).clone())
+    return value.to(device=p.device, dtype=F32) if value.is_floating_point() else value.to(device=p.device)
+
+
+def _bad_compensation(c: Any, p: torch.Tensor, i: int) -> str | None:
+    what = (type(c).__name__ if not isinstance(c, torch.Tensor) else f"dtype {c.dtype}" if c.dtype != BF16
+            else f"shape {tuple(c.shape)}" if c.shape != p.shape else None)
+    if what is not None:
+        return f"the compensation of param {i} (shape {tuple(p.shape)}) is {what}, not a bfloat16 tensor of its shape"
+    if not bool(torch.isfinite(local(c)).all()):
+        return (f"the compensation of param {i} (shape {tuple(p.shape)}) holds NaN or inf (the next step would turn "
+                "its weights into NaN): the checkpoint is corrupted")
+    return None
+
+
+def _bad_count(key: str, value: Any, missing_ok: bool = False) -> str | None:
+    if value is None and missing_ok:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return f"the stochastic rounding's {key!r} must be an int >= 0, got {value!r}"
+    return None
