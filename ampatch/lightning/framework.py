@@ -45,8 +45,6 @@ REFUSED = {
     "DeepSpeedStrategy": "DeepSpeed runs its own mixed precision, loss scaling and FP32 master weights inside its "
                          "engine's optimizer step; " + _OWN_PRECISION,
     "FSDPStrategy": "FSDP shards the parameters and owns their precision (MixedPrecision); " + _OWN_PRECISION,
-    "ModelParallelStrategy": "ModelParallelStrategy shards the parameters as DTensors (FSDP2/tensor parallel) inside "
-                             "configure_model, after the precision plugin would cast them; " + _OWN_PRECISION,
     "XLAStrategy": "XLA compiles the step for TPUs; " + _OWN_PRECISION,
     "XLAFSDPStrategy": "XLA compiles the step for TPUs; " + _OWN_PRECISION,
     "SingleDeviceXLAStrategy": "XLA compiles the step for TPUs; " + _OWN_PRECISION,

@@ -4,8 +4,9 @@
 
 The plugin drives `amp.initialize` + `amp.scale_loss` from Lightning's hooks:
 
-- `convert_module`: refuses the strategies that own precision (DeepSpeed, FSDP,
-  ModelParallel, XLA); the module stays FP32 until `connect`;
+- `convert_module`: refuses the strategies that own precision (DeepSpeed, FSDP1, XLA;
+  ModelParallelStrategy runs: it shards with FSDP2 in `configure_model`, before `connect`);
+  the module stays FP32 until `connect`;
 - `connect` (once the strategy made the optimizers): `amp.initialize` on the bare
   LightningModule and, when fitting, the optimizers (an evaluation stage initializes the
   model alone: the report at exit keeps the training steps). Under DDP the module arrives

@@ -351,3 +351,24 @@ def check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Op
         raise RuntimeError(f"amp.initialize: the optimizer holds {len(orphans)} tensors that are not the sharded "
                            f"model's parameters, and the model's sharded parameters ({', '.join(unheld[:3])}...) are "
                            f"in no optimizer: it was built before fully_shard. The order under FSDP2: {ORDER}.")
+
+
+def check_dtensors_sharded(models: Sequence[nn.Module]) -> None:
+    """DTensor parameters outside every `fully_shard` unit (tensor parallelism with
+    `parallelize_module`, a DTensor made by hand) are refused: ampatch applies its levels to
+    FSDP2's units, and a cast or master of such a parameter would be made blind to its
+    placement."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return
+    for model in models:
+        covered = {id(sub) for unit in sharded_modules(model) for sub in unit.modules()}
+        for name, module in model.named_modules():
+            for pname, p in module._parameters.items():
+                if isinstance(p, dtensor) and id(module) not in covered:
+                    full = f"{name}.{pname}" if name else pname
+                    raise ValueError(f"amp.initialize: parameter {full!r} is a DTensor outside every fully_shard unit "
+                                     "(tensor parallelism, e.g. parallelize_module): ampatch applies its levels to "
+                                     "FSDP2's fully_shard units only. Shard with fully_shard alone (Lightning: "
+                                     "ModelParallelStrategy(tensor_parallel_size=1)), or train without ampatch's "
+                                     "casting on those layers.")

@@ -122,6 +122,7 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
     opt_list, single_opt = ([], True) if optimizers is None else as_list(optimizers, "optimizers",
                                                                           torch.optim.Optimizer)
     check_not_accelerated(model_list, opt_list)
+    sharded.check_dtensors_sharded(model_list)
     props, notes = resolve(options, hardware.model_device(model_list), overrides)
     if props.fp8 is not None:
         check_fp8(props, opt_list)

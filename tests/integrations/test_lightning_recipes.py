@@ -447,7 +447,7 @@ def test_a_policy_alone_decides_the_level(policy: dict | None, level: str) -> No
     assert seen == [level]
 
 
-@pytest.mark.parametrize("name", ["DeepSpeedStrategy", "ModelParallelStrategy", "FSDPStrategy"])
+@pytest.mark.parametrize("name", ["DeepSpeedStrategy", "FSDPStrategy"])
 def test_strategies_that_own_precision_are_refused(name: str) -> None:
     strategy_cls = getattr(L.strategies, name)
     lit = Classifier()
