@@ -132,7 +132,8 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
-OUTSIDE = ("opt_level", "half_dtype", "loss_scale", "master_weights", "fp8")  # what the environment may force
+# what the environment may force
+OUTSIDE = ("opt_level", "half_dtype", "loss_scale", "master_weights", "fp8", "fp8_modules")
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class Properties:
     loss_scale: float | str
     cast_model_outputs: torch.dtype | None = None
     fp8: Any = None  # None: off; a recipe name (values.FP8_RECIPES) or a torchao Float8LinearConfig
+    fp8_modules: Any = None  # with fp8: the layers (names/globs, a callable; None: the default choice)
 
     @property
     def casts_model(self) -> bool:
@@ -229,6 +231,10 @@ def _outside_wins(options: Options, overrides: Overrides, notes: list[str]) -> O
                 notes.append(f"ampatch: {overrides.given(name)} turns off the script's fp8={options.fp8!r}.")
             changes.update(fp8=None, fp8_modules=None)
             continue
+        if name == "fp8_modules" and changes.get("fp8", options.fp8) is None:  # "fp8" comes first in OUTSIDE
+            notes.append(f"ampatch: {overrides.given(name)} ignored: fp8 is off (set AMPATCH_FP8 with it).")
+            changes["fp8_modules"] = None
+            continue
         if name == "half_dtype" and levels.half_dtype_conflict(level, value):
             notes.append(f"ampatch: {overrides.given(name)} does not apply to {level}, which always runs in "
                          "bfloat16; ignored.")
@@ -266,7 +272,8 @@ def _build(options: Options, device: Any, hard_override: bool) -> Properties:
         patch_torch_functions=bool(merged["patch_torch_functions"]),
         keep_batchnorm_fp32=merged["keep_batchnorm_fp32"], master_weights=merged["master_weights"],
         loss_scale=merged["loss_scale"], cast_model_outputs=options.cast_model_outputs,
-        fp8=options.fp8 if options.enabled else None)
+        fp8=options.fp8 if options.enabled else None,
+        fp8_modules=options.fp8_modules if options.enabled and options.fp8 is not None else None)
 
 
 def _fp8_conflict(options: Options, device: Any) -> str | None:
