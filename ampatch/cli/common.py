@@ -15,7 +15,7 @@ from ampatch.config.values import parse_fp8, parse_loss_scale, parse_master_weig
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights", "fp8_recipe", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights", "fp8_recipe", "layer_names", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -100,6 +100,14 @@ def _fp8_text(text: str) -> str:
 
 
 fp8_recipe = argument(_fp8_text)
+
+
+def layer_names(text: str) -> str:
+    """"a, b" -> "a,b": layer names or globs for AMPATCH_FP8_MODULES."""
+    found = parse_names(text)
+    if not found:
+        raise argparse.ArgumentTypeError("--fp8-modules needs layer names or globs, e.g. --fp8-modules 'blocks.*.mlp.*'")
+    return ",".join(found)
 
 
 def module_names(text: str) -> str:
