@@ -17,7 +17,7 @@ from _reports import REQUIRED
 from ampatch.config import env as envvars
 from ampatch.config import levels
 from ampatch.model.fp8 import EMULATED
-from ampatch.runs import runner
+from ampatch.runs import runner, sizing
 from ampatch.workloads.calibrate import step_kinds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,3 +125,6 @@ def test_the_calibration_times_fp8_steps(tmp_path):
     data = json.loads(out.read_text())
     assert data["kinds"] == {"O0": "float32", "O5+kahan": "bfloat16", "O5+fp8": "bfloat16+fp8:tensorwise"}
     assert set(data["sizes"][0]["step"]) == {"float32", "bfloat16", "bfloat16+fp8:tensorwise"}
+    labels = ("O0", "O5+kahan", "O5+fp8")
+    choice = sizing.choose(data, sizing.Goal(labels, 120.0, 40, True), overhead_s=1.0)  # a KeyError before
+    assert set(choice.weights) == set(labels)
