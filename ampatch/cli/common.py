@@ -106,7 +106,8 @@ def layer_names(text: str) -> str:
     """"a, b" -> "a,b": layer names or globs for AMPATCH_FP8_MODULES."""
     found = parse_names(text)
     if not found:
-        raise argparse.ArgumentTypeError("--fp8-modules needs layer names or globs, e.g. --fp8-modules 'blocks.*.mlp.*'")
+        raise argparse.ArgumentTypeError("--fp8-modules needs layer names or globs, e.g. "
+                                         "--fp8-modules 'blocks.*.mlp.*'")
     return ",".join(found)
 
 

@@ -27,8 +27,8 @@ from .settings import SETTINGS
 from .values import (DEFAULT_MAX_LOSS_SCALE, DYNAMIC, MasterMode, check_scale_value, parse_bool, parse_dtype,
                      parse_fp8, parse_fp8_modules, parse_loss_scale, parse_master_weights)
 
-__all__ = ["Options", "OverrideError", "warn_or_err", "NO_CAST", "PROPERTY_KEYWORDS", "Properties", "resolve", "OUTSIDE",
-           "check_fp8", "fp8_conflict"]
+__all__ = ["Options", "OverrideError", "warn_or_err", "NO_CAST", "PROPERTY_KEYWORDS", "Properties", "resolve",
+           "OUTSIDE", "check_fp8", "fp8_conflict"]
 
 NO_CAST = "no cast"  # cast_model_type=False: Apex's "leave the model as it is", at any level
 # The keywords that override a level's defaults (Apex's `amp` properties); None: the level's own.

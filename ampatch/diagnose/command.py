@@ -15,10 +15,12 @@ stopped after the same number of optimizer steps (``AMPATCH_MAX_STEPS``), with t
    FP8 once those FP8 hurts are left out), recording too: while it is still not finite,
    the set grows by its first non-finite module (or the parent of the last module added) and
    is verified again, at most `MAX_ROUNDS` times; then the diagnosis says plainly that it gave
-   up. With `Request.fp8` the diagnosed run and its reruns run the script's Linear layers in FP8
-(``AMPATCH_FP8``), and O0 never does. Each run is judged against O0 as ``tune`` judges a candidate: its deviation from O0's
+   up. Each run is judged against O0 as ``tune`` judges a candidate: its deviation from O0's
    curve within `TOLERANCE` of what O0 learns, and learning at least `MIN_SHARE` of it
    (`Figures.follows_O0`): a fix for stalled updates is verified by the loss following O0 again.
+
+With `Request.fp8` the diagnosed run and its reruns run the Linear layers in FP8
+(``AMPATCH_FP8``); O0 never does.
 """
 from __future__ import annotations
 

@@ -140,8 +140,8 @@ def _recommendation(result: Diagnosis) -> str:
     what = [f"keep_fp32={list(rec.keep_fp32)}"] if rec.keep_fp32 else []
     what += [f"{k}={v!r}" for k, v in rec.settings.to_dict().items()]
     if rec.fp8_exclude:
-        what.append(f"leave {list(rec.fp8_exclude)} out of FP8 ("
-                    + (f"fp8_modules={list(rec.fp8_modules)}" if rec.fp8_modules else "fp8 off: no layer is left") + ")")
+        left = f"fp8_modules={list(rec.fp8_modules)}" if rec.fp8_modules else "fp8 off: no layer is left"
+        what.append(f"leave {list(rec.fp8_exclude)} out of FP8 ({left})")
     return "recommendation: " + ", ".join(what)
 
 
