@@ -15,7 +15,7 @@ from ampatch.config.values import parse_fp8, parse_loss_scale, parse_master_weig
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "positive", "threads", "budget", "loss_scale", "master_weights", "fp8_recipe", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights", "fp8_recipe", "layer_names", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -40,12 +40,13 @@ def argument(parse: Callable[[str], Any], message: Callable[[str, Exception], st
 
 opt_level = argument(levels_policy.normalize,
                      lambda text, _: f"unknown opt level {text!r} (choose from {', '.join(LEVELS)})")
-# A level of `compare --levels`: "O5", or a level that casts the model with a low-memory
-# master mode, "O5+stochastic" / "O5+kahan" (`levels.variant`).
+# A level of `compare --levels` / `tune --levels`: "O5", a level that casts the model with a
+# low-memory master mode, "O5+stochastic" / "O5+kahan", or with FP8, "O5+fp8" / "O5+fp8:rowwise"
+# (`levels.variant`, the one reading of them).
 level_variant = argument(
-    lambda text: levels_policy.variant_label(*levels_policy.variant(text)),
+    lambda text: levels_policy.variant(text).label,
     lambda text, exc: str(exc) if "+" in text else (f"unknown opt level {text!r} (choose from {', '.join(LEVELS)}, "
-                                                   "or e.g. O5+kahan)"))
+                                                   "or e.g. O5+kahan, O5+fp8)"))
 
 
 def opt_levels(text: str, each: Callable[[str], str] = opt_level) -> list[str]:
@@ -101,6 +102,15 @@ def _fp8_text(text: str) -> str:
 fp8_recipe = argument(_fp8_text)
 
 
+def layer_names(text: str) -> str:
+    """"a, b" -> "a,b": layer names or globs for AMPATCH_FP8_MODULES."""
+    found = parse_names(text)
+    if not found:
+        raise argparse.ArgumentTypeError("--fp8-modules needs layer names or globs, e.g. "
+                                         "--fp8-modules 'blocks.*.mlp.*'")
+    return ",".join(found)
+
+
 def module_names(text: str) -> str:
     """"a, b" -> "a,b": module names as `named_modules()` gives them, for AMPATCH_KEEP_FP32."""
     found = parse_names(text)
@@ -118,6 +128,17 @@ def check_output_path(path: str | None, option: str) -> None:
     """An output file's directory must exist before any run starts."""
     if path and not Path(path).resolve().parent.is_dir():
         raise CliError(f"{option}: directory of {path!r} does not exist")
+
+
+def check_fp8_levels(labels: list[str], half_dtype: str | None, device: str | None) -> None:
+    """Refuse a level with FP8 ("O2+fp8") whose layers would compute in float16 here, with
+    `initialize`'s own message (fp8 runs where they compute in bfloat16 or FP32)."""
+    from ampatch.config.options import fp8_conflict  # imports torch: only when a level has fp8
+    for label in labels:
+        level, _, fp8 = levels_policy.variant(label)
+        why = fp8_conflict(level, fp8, half_dtype, device) if fp8 is not None else None
+        if why:
+            raise CliError(f"{label}: {why}")
 
 
 def check_half_dtype(level: str | None, half_dtype: str | None) -> None:

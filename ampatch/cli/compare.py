@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_output_path, level_variants, module_names, policy_path, positive, threads)
+from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_fp8_levels, check_output_path,
+                                level_variants, module_names, policy_path, positive, threads)
 from ampatch.config import env as envvars
 from ampatch.compare.plot import write_plot
 from ampatch.runs.stats import common_steps, summarize
@@ -27,7 +28,10 @@ def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
                          usage="ampatch compare [options] [-- python train.py ARGS...]")
     cmp.add_argument("--levels", type=level_variants, default=list(LEVELS),
                      help="comma-separated opt levels (default: O0,O1,O2,O3,O4,O5); a level that casts the model "
-                          "may carry a low-memory master mode: O5+stochastic, O5+kahan (master_weights)")
+                          "may carry a low-memory master mode: O5+stochastic, O5+kahan (master_weights); a level "
+                          "that computes in bfloat16 or FP32 may run its Linear layers in FP8 with torchao (the fp8 "
+                          "extra): O5+fp8 (tensorwise), O5+fp8:rowwise, O5+fp8:rowwise_with_gw_hp (emulated where "
+                          "the GPU has no FP8 tensor cores: numerics only, not speed)")
     cmp.add_argument("--steps", type=positive,
                      help=f"steps per run (built-in workloads only; default {DEFAULT_STEPS[DEFAULT_WORKLOAD]}, "
                           "within the budget)")
@@ -76,6 +80,7 @@ def compare_script(args: argparse.Namespace) -> Compared:
     if given:
         raise CliError(f"{'/'.join(given)} apply to the built-in workloads; give your script its own options after --")
     cmd = runner.resolve_command(args.command)
+    check_fp8_levels(args.levels, args.half_dtype, builtin.workload_device(None))
     runs, interrupted = runner.run_all({lv: lambda cap, deadline: cmd for lv in args.levels},
                                        args.half_dtype, sys.stderr, keep_fp32=args.keep_fp32)
     if args.policy and not interrupted:
@@ -87,6 +92,7 @@ def compare_script(args: argparse.Namespace) -> Compared:
 def compare_builtin(args: argparse.Namespace) -> Compared:
     began, workload = time.time(), args.workload or DEFAULT_WORKLOAD
     device = builtin.workload_device(args.device)
+    check_fp8_levels(args.levels, args.half_dtype, device)
     print(builtin.machine_notice(device, args.levels, args.half_dtype), file=sys.stderr, flush=True)
     # an explicit --budget (none included) wins; --steps alone asks for exactly that many steps
     seconds = args.budget if hasattr(args, "budget") else (None if args.steps else DEFAULT_BUDGET_S)

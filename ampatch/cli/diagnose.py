@@ -7,13 +7,15 @@ import argparse
 import json
 import sys
 
-from ampatch.cli.common import CliError, add_level_options, check_half_dtype, check_output_path, positive
+from ampatch.cli.common import (CliError, add_level_options, check_fp8_levels, check_half_dtype, check_output_path,
+                                fp8_recipe, positive)
 from ampatch.diagnose import command as diagnosis
 from ampatch.record.child import DEFAULT_STEPS as DIAGNOSE_STEPS
 from ampatch.diagnose.render import render
 from ampatch.diagnose.render import write_plot as write_diagnosis_plot
 from ampatch.config.values import parse_names
 from ampatch.runs import runner
+from ampatch.runs.builtin import workload_device
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
 
@@ -27,6 +29,11 @@ def add_diagnose(sub: argparse._SubParsersAction, half: dict) -> None:
                       help=f"optimizer steps recorded; each run stops after them (default {DIAGNOSE_STEPS})")
     diag.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     diag.add_argument("--size", choices=SIZES, default="small", help="size of the built-in workload (default small)")
+    diag.add_argument("--fp8", type=fp8_recipe, nargs="?", const="tensorwise", metavar="RECIPE",
+                      help="run the Linear layers in FP8 with torchao (the fp8 extra; AMPATCH_FP8): tensorwise (the "
+                           "default), rowwise or rowwise_with_gw_hp; each converted layer is measured against "
+                           "bfloat16 on its own inputs, those FP8 hurts are named and a rerun without them verifies "
+                           "it (default level O5 for a built-in workload)")
     diag.add_argument("--json", metavar="PATH", help="write the diagnosis (every module) as JSON")
     diag.add_argument("--plot", metavar="PATH", help="write a PNG of each module's error and headroom")
     diag.set_defaults(func=cmd_diagnose)
@@ -38,22 +45,29 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
     check_half_dtype(args.opt_level, args.half_dtype)
+    fp8 = None if args.fp8 in (None, "off") else args.fp8
+    if args.fp8 == "off":
+        raise CliError("--fp8 off: diagnose --fp8 measures the layers run in FP8; leave --fp8 out to diagnose "
+                       "without it")
     if args.command is not None:
         if args.workload:
             raise CliError("--workload and a script after -- exclude each other")
         cmd, level, shown = runner.resolve_command(args.command), args.opt_level, " ".join(args.command)
         rerun = " ".join([*(["--opt-level", level] if level else []),
                           *(["--half-dtype", args.half_dtype] if args.half_dtype else []),
+                          *(["--fp8", fp8] if fp8 else []),
                           *(["--apex-alias"] if args.apex_alias else [])])
         rerun = f"ampatch run {rerun + ' ' if rerun else ''}{{options}}-- {shown}"
     else:
         workload = args.workload or DEFAULT_WORKLOAD
         cmd = [sys.executable, "-m", f"ampatch.workloads.{workload}", "--size", args.size, "--threads", "1",
                "--steps", str(args.steps)]
-        level, shown = args.opt_level or "O1", f"built-in workload {workload} ({args.size})"
+        level, shown = args.opt_level or ("O5" if fp8 else "O1"), f"built-in workload {workload} ({args.size})"
         rerun = None
+    if fp8 and level is not None:
+        check_fp8_levels([f"{level}+fp8:{fp8}"], args.half_dtype, workload_device(None))  # CUDA if here
     kept = tuple(parse_names(args.keep_fp32 or ""))
-    req = diagnosis.Request(cmd, level, args.half_dtype, args.steps, args.apex_alias, kept)
+    req = diagnosis.Request(cmd, level, args.half_dtype, args.steps, args.apex_alias, kept, fp8)
     try:
         result = diagnosis.diagnose(req, sys.stderr)
     except diagnosis.RunFailed as exc:

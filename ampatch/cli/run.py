@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ampatch.config import env as envvars
 from ampatch.cli.common import (KEEP_FP32_HELP, add_level_options, check_half_dtype, check_output_path, fp8_recipe,
-                                loss_scale, master_weights, policy_path)
+                                layer_names, loss_scale, master_weights, policy_path)
 from ampatch.runs import process, runner
 
 
@@ -27,6 +27,10 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
                      help="run the script's Linear layers in FP8 with torchao (the fp8 extra): tensorwise (the "
                           "default), rowwise or rowwise_with_gw_hp; 'off' turns off the script's own fp8 "
                           "(AMPATCH_FP8). Emulated where the GPU has no FP8 tensor cores: numerics only, not speed")
+    run.add_argument("--fp8-modules", type=layer_names, metavar="NAMES",
+                     help="the Linear layers that run in FP8 while fp8 is on: comma-separated names or globs as "
+                          "model.named_modules() gives them, replacing the script's own choice "
+                          "(AMPATCH_FP8_MODULES; what ampatch diagnose --fp8 recommends)")
     run.add_argument("--policy", type=policy_path, metavar="PATH",
                      help="apply a policy file (ampatch tune --out) to every amp.initialize, over the script's own "
                           "keywords (AMPATCH_POLICY)")
@@ -50,6 +54,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         env[envvars.MASTER_WEIGHTS] = args.master_weights
     if args.fp8 is not None:
         env[envvars.FP8] = args.fp8
+    if args.fp8_modules is not None:
+        env[envvars.FP8_MODULES] = args.fp8_modules
     if args.apex_alias:
         env = runner.with_apex_alias(env)
     return process.attached(cmd, env)

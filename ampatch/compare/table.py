@@ -10,6 +10,7 @@ from typing import Any
 
 from ampatch.machine import hardware
 from ampatch.machine.device_text import machine_line, slow_half_note
+from ampatch.model.fp8 import EMULATED
 from ampatch.runs.stats import BASELINE, FINAL_LOSS_WINDOW, WARMUP_FRACTION, RunStats
 from ampatch.runs.deviation import WINDOW
 
@@ -24,11 +25,14 @@ COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
            ("steps", "steps", "{}")]
 TEXT_COLUMNS = 2   # the first columns are text, left-aligned; numbers are right-aligned
 NOTE_WIDTH = 100
+EMULATED_MARK = "*"  # after the level of a row whose FP8 was emulated (the footnote says what it means)
 
 
 def cell(row: RunStats, key: str, fmt: str) -> str:
     """One cell: ``-`` for a missing value; the skipped steps are counted."""
     value = getattr(row, key)
+    if key == "level" and fp8_emulated(row):
+        value = f"{value} {EMULATED_MARK}"
     if key == "skipped_steps":
         value = len(value or [])
     return "-" if value is None else fmt.format(value)
@@ -58,8 +62,36 @@ def format_table(rows: Sequence[RunStats], title: str, machine: str | None = Non
             "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS; B/param: bytes held "
             "per trained parameter for training (weight, master copy or compensation, optimizer state)."]
     out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
-            for n in notes if n]
+            for n in [*fp8_notes(rows), *notes] if n]
     return "\n".join(out)
+
+
+def fp8_emulated(row: RunStats) -> bool:
+    """Whether the row's run had FP8 layers that torchao emulated (no FP8 tensor cores there)."""
+    return row.ok and row.report is not None and bool(row.report.fp8) and row.report.fp8_emulated
+
+
+def fp8_notes(rows: Sequence[RunStats]) -> list[str]:
+    """The footnotes of the rows that ran with FP8: each one's recipe and layers, and for the
+    emulated ones (marked) what their figures show: "fp8 emulated: numerics only, not speed"."""
+    fp8 = [r for r in rows if r.ok and r.report is not None and r.report.fp8]
+    if not fp8:
+        return []
+    each = []
+    for row in fp8:
+        rep = row.report
+        converted = sum(1 for layer in rep.fp8_layers if layer.get("converted"))
+        each.append(f"{row.level} {rep.fp8} on {converted} of {len(rep.fp8_layers)} Linear layers" if converted else
+                    f"{row.level} {rep.fp8}, but on no layer (none could run in FP8: see its report)")
+    out = [f"fp8 (torchao): {'; '.join(each)}."]
+    emulated = [r.level for r in fp8 if fp8_emulated(r)]
+    if emulated:
+        out.append(f"{EMULATED_MARK} {EMULATED}: no FP8 tensor cores here, so torchao emulated FP8 (casts to FP8 and "
+                   f"back, GEMMs in high precision): the losses of {', '.join(emulated)} show FP8's numerics; "
+                   f"{'its' if len(emulated) == 1 else 'their'} step time and speed-up say nothing of FP8's speed.")
+    if len(emulated) < len(fp8):
+        out.append("FP8 on tensor cores: torchao needs torch.compile for its speed, and ampatch compiles nothing.")
+    return out
 
 
 def deviation_basis(rows: Sequence[RunStats]) -> str:

@@ -5,8 +5,8 @@
 - `fixed_half_dtype` / `half_dtype_conflict`: O4/O5 are O1/O2 in bfloat16, by definition;
 - `default_half_dtype` / `half_dtype_for`: float16 on CUDA, bfloat16 elsewhere, unless asked;
 - `half_name(level, dtype)`: the half dtype a level runs in, by name; None at O0 (FP32);
-- `variant(text)`: a level with a low-memory master mode, as the command line names it
-  ("O5+kahan" -> ("O5", "kahan")), and `variant_label` back.
+- `variant(text)`: a level as the command line's `--levels` names it, with a low-memory master
+  mode and/or FP8 ("O5+kahan", "O5+fp8", "O5+fp8:rowwise" -> `Variant`), and `variant_label` back.
 
 Data and pure functions only: `options.resolve` turns a level plus overrides into a
 session's `Properties`.
@@ -14,16 +14,16 @@ session's `Properties`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..base.dtypes import short_name
-from .values import DYNAMIC, LOW_MEMORY_MODES, parse_dtype
+from .values import DYNAMIC, FP8_RECIPES, LOW_MEMORY_MODES, parse_dtype
 
 __all__ = ["HALF", "Level", "LEVELS", "BFLOAT16_LEVELS", "PATCHING_LEVELS", "FP32_LEVEL", "normalize",
            "fixed_half_dtype", "half_dtype_conflict", "default_half_dtype", "half_dtype_for", "uses_half",
-           "half_name", "variant", "variant_label", "CASTING_LEVELS"]
+           "half_name", "Variant", "variant", "variant_label", "CASTING_LEVELS", "FP8_VARIANT"]
 
 HALF = "half"  # in the table: the session's half dtype
 FP32_LEVEL = "O0"  # the one level without a half dtype
@@ -51,7 +51,8 @@ LEVELS: dict[str, Level] = {
 BFLOAT16_LEVELS = ("O4", "O5")
 PATCHING_LEVELS = ("O1", "O4")
 CASTING_LEVELS = ("O2", "O3", "O5")  # the model itself is cast to half
-VARIANT = "+"  # "O5+kahan": a level with a low-memory master mode (the command line's --levels)
+VARIANT = "+"  # "O5+kahan", "O5+fp8": a level with a low-memory master mode or FP8 (the command line's --levels)
+FP8_VARIANT = "fp8"  # "O5+fp8" (initialize's fp8=True), "O5+fp8:rowwise" (that recipe)
 DESCRIPTION = ("O0 FP32, O1 patched casts, O2 half model + FP32 masters, O3 pure half, O4/O5 = O1/O2 in "
                "bfloat16")
 
@@ -126,26 +127,71 @@ def half_dtype_for(level: str, device: torch.device | str | None, requested: Any
     return default_half_dtype(torch.device(device) if isinstance(device, str) else device)
 
 
-def variant(text: Any, what: str = "level") -> tuple[str, str | None]:
-    """A level as the command line names it, with an optional low-memory master mode:
-    "O5" -> ("O5", None), " o5+Kahan" -> ("O5", "kahan"). The mode applies to the levels that
-    cast the model (O2, O3, O5); anything else raises ValueError naming what is accepted."""
-    if not isinstance(text, str):
-        raise TypeError(f"{what} must be a string such as 'O5' or 'O5+kahan', got {type(text).__name__}.")
-    base, sep, mode = text.partition(VARIANT)
-    level = normalize(base, what)
+class Variant(NamedTuple):
+    """A level as `--levels` names it: the level, a low-memory master mode (None: the level's
+    own masters), and FP8: None (off), True ("+fp8": initialize's `fp8=True`, tensorwise; in
+    `tune`, each recipe) or a recipe name ("+fp8:rowwise")."""
+
+    level: str
+    master_weights: str | None = None
+    fp8: str | bool | None = None
+
+    @property
+    def label(self) -> str:
+        """"O5", "O5+kahan", "O5+fp8", "O5+kahan+fp8:rowwise": what `variant` reads back."""
+        return variant_label(self.level, self.master_weights, self.fp8)
+
+
+def _fp8_part(part: str, text: str, what: str) -> str | bool:
+    """"fp8" -> True, "fp8:rowwise" -> "rowwise"; an unknown recipe raises ValueError naming them."""
+    _, sep, recipe = part.partition(":")
     if not sep:
-        return level, None
-    mode = mode.strip().lower()
-    if mode not in LOW_MEMORY_MODES:
-        raise ValueError(f"{what} {text!r}: after '+' comes a master_weights mode, one of "
-                         f"{', '.join(LOW_MEMORY_MODES)} (e.g. O5+kahan).")
-    if level not in CASTING_LEVELS:
-        raise ValueError(f"{what} {text!r}: master_weights={mode!r} applies to the levels that cast the model to "
-                         f"bfloat16 ({', '.join(CASTING_LEVELS)}), not to {level}.")
-    return level, mode
+        return True
+    recipe = recipe.strip().lower()
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"{what} {text!r}: {recipe!r} is not an fp8 recipe; use one of "
+                         f"{', '.join(map(repr, FP8_RECIPES))} (e.g. O5+fp8:rowwise), or O5+fp8 for tensorwise.")
+    return recipe
 
 
-def variant_label(level: str, mode: str | None) -> str:
-    """"O5" or "O5+kahan": the inverse of `variant`."""
-    return level if mode is None else f"{level}{VARIANT}{mode}"
+def variant(text: Any, what: str = "level") -> Variant:
+    """A level as the command line names it, with optional parts after '+': a low-memory master
+    mode ("O5+kahan": master_weights="kahan", for the levels that cast the model: O2, O3, O5)
+    and FP8 ("O5+fp8": tensorwise, "O5+fp8:rowwise"), each at most once, in any order:
+    "O5" -> Variant("O5"), " o5+Kahan+FP8:rowwise" -> Variant("O5", "kahan", "rowwise").
+    Anything else raises ValueError naming what is accepted. Whether FP8 fits the level's half
+    dtype is `options.check_fp8`'s to say, once the device is known."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a string such as 'O5', 'O5+kahan' or 'O5+fp8', got {type(text).__name__}.")
+    base, *parts = text.split(VARIANT)
+    level = normalize(base, what)
+    mode: str | None = None
+    fp8: str | bool | None = None
+    for raw in parts:
+        part = raw.strip().lower()
+        if part.partition(":")[0].strip() == FP8_VARIANT:
+            if fp8 is not None:
+                raise ValueError(f"{what} {text!r}: fp8 is given twice.")
+            fp8 = _fp8_part(part, text, what)
+            continue
+        if part not in LOW_MEMORY_MODES:
+            raise ValueError(f"{what} {text!r}: after '+' comes a master_weights mode, one of "
+                             f"{', '.join(LOW_MEMORY_MODES)} (e.g. O5+kahan), or fp8 with an optional recipe "
+                             f"(O5+fp8, O5+fp8:rowwise; recipes: {', '.join(FP8_RECIPES)}).")
+        if mode is not None:
+            raise ValueError(f"{what} {text!r}: one master_weights mode at most.")
+        if level not in CASTING_LEVELS:
+            raise ValueError(f"{what} {text!r}: master_weights={part!r} applies to the levels that cast the model to "
+                             f"bfloat16 ({', '.join(CASTING_LEVELS)}), not to {level}.")
+        mode = part
+    return Variant(level, mode, fp8)
+
+
+def variant_label(level: str, mode: str | None = None, fp8: str | bool | None = None) -> str:
+    """"O5", "O5+kahan", "O5+fp8", "O5+fp8:rowwise": the inverse of `variant`."""
+    label = level if mode is None else f"{level}{VARIANT}{mode}"
+    if fp8 is True:
+        label += f"{VARIANT}{FP8_VARIANT}"
+    elif fp8:
+        label += f"{VARIANT}{FP8_VARIANT}:{fp8}"
+    return label

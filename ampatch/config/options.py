@@ -27,7 +27,8 @@ from .settings import SETTINGS
 from .values import (DEFAULT_MAX_LOSS_SCALE, DYNAMIC, MasterMode, check_scale_value, parse_bool, parse_dtype,
                      parse_fp8, parse_fp8_modules, parse_loss_scale, parse_master_weights)
 
-__all__ = ["Options", "OverrideError", "warn_or_err", "NO_CAST", "PROPERTY_KEYWORDS", "Properties", "resolve", "OUTSIDE"]
+__all__ = ["Options", "OverrideError", "warn_or_err", "NO_CAST", "PROPERTY_KEYWORDS", "Properties", "resolve",
+           "OUTSIDE", "check_fp8", "fp8_conflict"]
 
 NO_CAST = "no cast"  # cast_model_type=False: Apex's "leave the model as it is", at any level
 # The keywords that override a level's defaults (Apex's `amp` properties); None: the level's own.
@@ -131,7 +132,8 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
-OUTSIDE = ("opt_level", "half_dtype", "loss_scale", "master_weights", "fp8")  # what the environment may force
+# what the environment may force
+OUTSIDE = ("opt_level", "half_dtype", "loss_scale", "master_weights", "fp8", "fp8_modules")
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ class Properties:
     loss_scale: float | str
     cast_model_outputs: torch.dtype | None = None
     fp8: Any = None  # None: off; a recipe name (values.FP8_RECIPES) or a torchao Float8LinearConfig
+    fp8_modules: Any = None  # with fp8: the layers (names/globs, a callable; None: the default choice)
 
     @property
     def casts_model(self) -> bool:
@@ -228,6 +231,10 @@ def _outside_wins(options: Options, overrides: Overrides, notes: list[str]) -> O
                 notes.append(f"ampatch: {overrides.given(name)} turns off the script's fp8={options.fp8!r}.")
             changes.update(fp8=None, fp8_modules=None)
             continue
+        if name == "fp8_modules" and changes.get("fp8", options.fp8) is None:  # "fp8" comes first in OUTSIDE
+            notes.append(f"ampatch: {overrides.given(name)} ignored: fp8 is off (set AMPATCH_FP8 with it).")
+            changes["fp8_modules"] = None
+            continue
         if name == "half_dtype" and levels.half_dtype_conflict(level, value):
             notes.append(f"ampatch: {overrides.given(name)} does not apply to {level}, which always runs in "
                          "bfloat16; ignored.")
@@ -258,14 +265,15 @@ def _build(options: Options, device: Any, hard_override: bool) -> Properties:
     cast = merged["cast_model_type"]
     if options.fp8 is not None:
         computes = half if merged["patch_torch_functions"] or cast not in (None, NO_CAST, torch.float32) else torch.float32
-        _check_fp8(level, options.fp8, computes)
+        check_fp8(level, options.fp8, computes)
     return Properties(
         enabled=options.enabled, opt_level=level, half_dtype=half,
         cast_model_type=None if cast is NO_CAST else cast,  # NO_CAST: the model stays as it came in
         patch_torch_functions=bool(merged["patch_torch_functions"]),
         keep_batchnorm_fp32=merged["keep_batchnorm_fp32"], master_weights=merged["master_weights"],
         loss_scale=merged["loss_scale"], cast_model_outputs=options.cast_model_outputs,
-        fp8=options.fp8 if options.enabled else None)
+        fp8=options.fp8 if options.enabled else None,
+        fp8_modules=options.fp8_modules if options.enabled and options.fp8 is not None else None)
 
 
 def _fp8_conflict(options: Options, device: Any) -> str | None:
@@ -277,7 +285,15 @@ def _fp8_conflict(options: Options, device: Any) -> str | None:
     return None
 
 
-def _check_fp8(level: str, fp8: Any, computes: torch.dtype) -> None:
+def fp8_conflict(level: str, fp8: Any, half_dtype: Any = None, device: Any = None) -> str | None:
+    """Why `fp8` cannot run at `level` with `half_dtype` (a dtype or its name; None or "auto":
+    the device's own) on `device`: `initialize`'s refusal, word for word (None: it can). What
+    the command line checks for `--levels O2+fp8` before any run starts."""
+    half = None if half_dtype in (None, "auto") else half_dtype
+    return _fp8_conflict(Options(opt_level=level, half_dtype=half, fp8=fp8), device)
+
+
+def check_fp8(level: str, fp8: Any, computes: torch.dtype) -> None:
     """`fp8` runs where the converted layers compute in bfloat16 or FP32, as torchao's float8
     training supports: O0, O4, O5, and O1/O2/O3 with bfloat16."""
     if computes in (torch.bfloat16, torch.float32):

@@ -4,21 +4,25 @@ A policy file is JSON with the fields of `amp.initialize` that a policy decides,
 they were measured on::
 
     {"format": 1, "opt_level": "O1", "half_dtype": "bfloat16", "keep_fp32": ["head"],
-     "loss_scale": null, "master_weights": null, "fp8": null,
+     "loss_scale": null, "master_weights": null, "fp8": null, "fp8_modules": null,
      "measured": {"tolerance": 0.02, "steps": 60, "speedup": 1.41, "deviation": 0.004,
                   "machine": {"type": "cpu", "name": "...", "native": {"bfloat16": true, ...}},
                   "torch": "2.13.0", "what": "built-in workload lm (small)", "date": "..."}}
 
 ``half_dtype`` is null at O0 (FP32); ``loss_scale`` and ``master_weights`` null mean the
 level's default (or the script's own); ``fp8`` is null (the script's own), false (off) or a
-torchao recipe name ("tensorwise", "rowwise", "rowwise_with_gw_hp"), as ``AMPATCH_FP8``. It is applied two ways:
+torchao recipe name ("tensorwise", "rowwise", "rowwise_with_gw_hp"), as ``AMPATCH_FP8``;
+``fp8_modules`` null (the default choice of layers, or the script's own) or the list of layers that
+run in FP8 (what ``tune`` writes once ``diagnose`` named layers FP8 hurts), as
+``AMPATCH_FP8_MODULES``. It is applied two ways:
 
 - in code, ``amp.initialize(..., policy="ampatch-policy.json")`` (a path or a dict;
   `session.build.takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
   field, with a warning when they disagree;
 - from outside, ``AMPATCH_POLICY=path`` (what ``ampatch run --policy`` and ``ampatch compare
   --policy`` set) for an unmodified script (`from_outside`): the file's fields act as
-  ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE``, ``AMPATCH_FP8`` and
+  ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE``, ``AMPATCH_FP8``,
+  ``AMPATCH_FP8_MODULES`` and
   ``AMPATCH_KEEP_FP32`` would, by the one rule of settings from outside
   (`options.resolve`): its level wins, and each of the script's keywords that conflicts
   with it is dropped, with a warning. Its ``keep_fp32`` is added to the script's own (as
@@ -50,7 +54,8 @@ __all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "apply_i
 
 FORMAT = 1
 DEFAULT_PATH = "ampatch-policy.json"
-FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale", "master_weights", "fp8")  # the initialize keywords it sets
+# the initialize keywords it sets
+FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale", "master_weights", "fp8", "fp8_modules")
 KEYS = ("format", *FIELDS, "measured")                             # every key a policy file may have
 
 
@@ -70,6 +75,7 @@ class Policy:
     loss_scale: float | str | None = None
     master_weights: bool | str | None = None  # None: the level's own (True at O2/O5); "stochastic"/"kahan"
     fp8: str | bool | None = None  # None: the script's own; False: off; a recipe name (values.FP8_RECIPES)
+    fp8_modules: tuple[str, ...] | None = None  # None: the default choice (or the script's own); the layers in FP8
     measured: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, kw_only=True)
 
     def keywords(self) -> dict[str, Any]:
@@ -85,13 +91,16 @@ class Policy:
             out["master_weights"] = self.master_weights
         if self.fp8 is not None:
             out["fp8"] = self.fp8
+        if self.fp8_modules is not None:
+            out["fp8_modules"] = list(self.fp8_modules)
         return out
 
     def to_dict(self) -> dict[str, Any]:
         """The file's JSON."""
         return {"format": FORMAT, "opt_level": self.opt_level, "half_dtype": self.half_dtype,
                 "keep_fp32": list(self.keep_fp32), "loss_scale": self.loss_scale,
-                "master_weights": self.master_weights, "fp8": self.fp8, "measured": dict(self.measured) if self.measured is not None else None}
+                "master_weights": self.master_weights, "fp8": self.fp8,
+                "fp8_modules": list(self.fp8_modules) if self.fp8_modules is not None else None, "measured": dict(self.measured) if self.measured is not None else None}
 
     def describe(self) -> str:
         """One short line: "O1 bfloat16, keep_fp32=['head'], loss_scale='dynamic'"."""
@@ -105,6 +114,8 @@ class Policy:
             text += f", master_weights={self.master_weights!r}"
         if self.fp8:
             text += f", fp8={self.fp8!r}"
+        if self.fp8_modules is not None:
+            text += f", fp8_modules={list(self.fp8_modules)}"
         return text
 
 
@@ -154,10 +165,21 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
             fp8 = parse_fp8(fp8) or False
         except (TypeError, ValueError) as exc:
             raise PolicyError(f"{where}: {exc}") from None
+    layers = data.get("fp8_modules")
+    if layers is not None:
+        if isinstance(layers, str):
+            layers = parse_names(layers)
+        if not isinstance(layers, list) or not layers or not all(isinstance(k, str) and k.strip() for k in layers):
+            raise PolicyError(f"{where}: fp8_modules must be null or a non-empty list of layer names or globs (as "
+                              f"named_modules() gives them), got {layers!r}.")
+        if fp8 is False:
+            raise PolicyError(f"{where}: fp8_modules names the layers that run in FP8, but fp8 is false (off): "
+                              "drop one of them.")
+        layers = tuple(k.strip() for k in layers)
     measured = data.get("measured")
     if measured is not None and not isinstance(measured, Mapping):
         raise PolicyError(f"{where}: measured must be an object (or null), got {type(measured).__name__}.")
-    return Policy(level, levels.half_name(level, half), tuple(k.strip() for k in keep), scale, masters, fp8,
+    return Policy(level, levels.half_name(level, half), tuple(k.strip() for k in keep), scale, masters, fp8, layers,
                   measured=dict(measured) if measured is not None else None)
 
 
@@ -209,7 +231,7 @@ def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[st
 def from_outside(overrides: env.Overrides) -> env.Overrides:
     """`overrides` with the policy file ``AMPATCH_POLICY`` names merged in, as if its fields
     were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
-    ``AMPATCH_KEEP_FP32``, ``AMPATCH_MASTER_WEIGHTS``, ``AMPATCH_FP8`` (which, when set too, still win; its ``keep_fp32`` is added to
+    ``AMPATCH_KEEP_FP32``, ``AMPATCH_MASTER_WEIGHTS``, ``AMPATCH_FP8``, ``AMPATCH_FP8_MODULES`` (which, when set too, still win; its ``keep_fp32`` is added to
     theirs): from outside, a policy beats the script by the same rule as those variables
     (`options.resolve`). Raises `PolicyError` for a missing or bad file."""
     if overrides.policy is None:
@@ -233,5 +255,8 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
     if overrides.fp8 is None and pol.fp8 is not None:
         fields["fp8"] = pol.fp8
         sources["fp8"] = f"{given} (fp8 {pol.fp8!r})"
+    if overrides.fp8_modules is None and pol.fp8_modules is not None:
+        fields["fp8_modules"] = pol.fp8_modules
+        sources["fp8_modules"] = f"{given} (fp8_modules {list(pol.fp8_modules)})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
     return dataclasses.replace(overrides, **fields, sources=sources)

@@ -10,5 +10,6 @@ turns it into a verified recommendation:
 - `analysis`: recording -> diagnosis: the first non-finite module, modules ranked, the
   recommendation (modules to keep in FP32, a loss scale, FP32 masters);
 - `stalls`: stalled updates (weights each optimizer step leaves unchanged) read from the recording;
+- `fp8`: the layers run in FP8, each against bfloat16, and those FP8 hurts (`diagnose --fp8`);
 - `result`: the typed diagnosis and its JSON; `render`: the text and the plot.
 """

@@ -18,7 +18,9 @@ or its JSON) into a typed `Diagnosis` (`result.py`); `analyse` is its JSON:
   FP32 master weights against stalled updates, `stalls.py`), and notes in words;
 - `step_fault`: an optimizer step that turned finite weights inf/NaN from finite gradients (a
   float16-rounded Adam eps at O3): not a module's precision, so no module is recommended for
-  what follows from it (the next forward's inf/NaN).
+  what follows from it (the next forward's inf/NaN);
+- `fp8`: with layers run in FP8, each against bfloat16, and those FP8 hurts (`fp8.judge`),
+  which the recommendation leaves out of FP8.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 from ..base.dtypes import from_short_name, is_low
 from ..record.records import ModuleRecord, Recording, StepRecord
 from ..record.stats import headroom
+from . import fp8 as fp8_layers
 from . import stalls
 from .result import Diagnosis, FirstNonfinite, ModuleEntry, Recommendation, Settings, StepFault
 
@@ -205,7 +208,9 @@ def diagnosis(doc: dict[str, Any] | Recording) -> Diagnosis:
     first, keep = _first_nonfinite(steps, fault, notes)
     _outliers(leaves, half, keep, notes)
     keep = [k for k in keep if not _is_within(k, [o for o in keep if o != k])]  # the smallest set
-    loss_scale = _underflow(leaves, steps, half, rec.opt_level, notes)
+    fp8, fp8_notes = fp8_layers.judge(fp8_layers.entries(rec.fp8))
+    hurt = {e.name for e in fp8 if e.hurts}  # their gradients vanish in FP8's casts: no loss scale brings them back
+    loss_scale = _underflow([e for e in leaves if e.name not in hurt], steps, half, rec.opt_level, notes)
     stall = stalls.stall(rec.params, rec.master_weights)
     if stall is not None:
         notes.append(stalls.note(stall, rec.opt_level))
@@ -213,8 +218,12 @@ def diagnosis(doc: dict[str, Any] | Recording) -> Diagnosis:
         notes.append("no optimizer step was recorded: the script never completed a step under an ampatch "
                      "session (amp.initialize, then scale_loss and optimizer.step).")
     settings = Settings(loss_scale=loss_scale, master_weights=True if stall is not None and stall.finding else None)
+    notes += fp8_notes
+    exclude = tuple(e.name for e in fp8 if e.hurts)
+    left = tuple(e.name for e in fp8 if not e.hurts) if exclude else None
     return Diagnosis(steps=len(steps), half_dtype=half, first_nonfinite=first, modules=tuple(leaves + others),
-                     recommendation=Recommendation(tuple(keep), settings, tuple(notes)), step_fault=fault,
+                     recommendation=Recommendation(tuple(keep), settings, tuple(notes), exclude, left),
+                     step_fault=fault, fp8=tuple(fp8),
                      stall=stall, loss=tuple(s.loss for s in steps), loss_scale=tuple(s.loss_scale for s in steps),
                      skipped_steps=tuple(s.step for s in steps if s.skipped), opt_level=rec.opt_level,
                      master_weights=rec.master_weights)

@@ -11,12 +11,16 @@ stopped after the same number of optimizer steps (``AMPATCH_MAX_STEPS``), with t
    "without the fix" figures;
 2. O0, the reference of every loss curve;
 3. the run with the recommendation (``AMPATCH_KEEP_FP32``, ``AMPATCH_LOSS_SCALE`` and
-   ``AMPATCH_MASTER_WEIGHTS`` for the settings), recording too: while it is still not finite,
+   ``AMPATCH_MASTER_WEIGHTS`` for the settings, ``AMPATCH_FP8_MODULES`` for the layers left in
+   FP8 once those FP8 hurts are left out), recording too: while it is still not finite,
    the set grows by its first non-finite module (or the parent of the last module added) and
    is verified again, at most `MAX_ROUNDS` times; then the diagnosis says plainly that it gave
    up. Each run is judged against O0 as ``tune`` judges a candidate: its deviation from O0's
    curve within `TOLERANCE` of what O0 learns, and learning at least `MIN_SHARE` of it
    (`Figures.follows_O0`): a fix for stalled updates is verified by the loss following O0 again.
+
+With `Request.fp8` the diagnosed run and its reruns run the Linear layers in FP8
+(``AMPATCH_FP8``); O0 never does.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ class Request:
     steps: int = DEFAULT_STEPS
     apex_alias: bool = False
     keep_fp32: tuple[str, ...] = ()  # kept already (the user's --keep-fp32): diagnosed with them
+    fp8: str | None = None           # a recipe: the Linear layers in FP8 (AMPATCH_FP8; None: as the script says)
 
 
 @dataclass(frozen=True)
@@ -69,13 +74,24 @@ class _Run:
 
 
 def _run(req: Request, log: TextIO, what: str, level: str | None, keep: Sequence[str] = (),
-         settings: Settings = Settings(), record: bool = True) -> _Run:
+         settings: Settings = Settings(), record: bool = True, fp8_modules: Sequence[str] | None = None) -> _Run:
+    """One child run at `level` ("O0": the reference, never in FP8), with `keep` in FP32,
+    `settings`, and only `fp8_modules` in FP8 (None: the layers the run chooses; none: fp8 off)."""
     log.write(f"ampatch diagnose: {what} ...\n")
     log.flush()
     variables = child_env(level, req.half_dtype)
     variables[env.MAX_STEPS] = str(req.steps)
-    for name in (env.KEEP_FP32, env.LOSS_SCALE, env.MASTER_WEIGHTS, env.DIAGNOSE, env.REPORT):
+    for name in (env.KEEP_FP32, env.LOSS_SCALE, env.MASTER_WEIGHTS, env.DIAGNOSE, env.REPORT, env.FP8_MODULES):
         variables.pop(name, None)
+    if level == "O0":
+        variables[env.FP8] = "off"  # the FP32 reference, whatever the script or the shell says
+    elif req.fp8 is not None:
+        variables[env.FP8] = req.fp8
+    if fp8_modules is not None:
+        if fp8_modules:
+            variables[env.FP8_MODULES] = ",".join(fp8_modules)
+        else:
+            variables[env.FP8] = "off"
     if keep:
         variables[env.KEEP_FP32] = ",".join(keep)
     if settings.loss_scale is not None:
@@ -93,7 +109,8 @@ def _number(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _figures(run: _Run, baseline: RunStats | None, keep: Sequence[str], settings: Settings) -> Figures:
+def _figures(run: _Run, baseline: RunStats | None, keep: Sequence[str], settings: Settings,
+             fp8_exclude: Sequence[str] = ()) -> Figures:
     """One run's figures against O0's `baseline` row (None: it is O0's own)."""
     row = RunStats.of(run.run, baseline)
     losses, skipped, steps = row.losses, row.skipped_steps, row.steps or 0
@@ -103,7 +120,7 @@ def _figures(run: _Run, baseline: RunStats | None, keep: Sequence[str], settings
     follows = None if baseline is None else (finite and dev is not None and dev <= TOLERANCE
                                              and (share is None or share >= MIN_SHARE))
     return Figures(tuple(keep), settings, row.level, finite, _number(row.final_loss), dev, share, follows,
-                   len(skipped), steps, row.error)
+                   len(skipped), steps, row.error, tuple(fp8_exclude))
 
 
 def _grow(keep: list[str], run: _Run) -> str | None:
@@ -151,9 +168,11 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> Diagnosis:
     keep = list(req.keep_fp32) + [k for k in rec.keep_fp32 if k not in req.keep_fp32]
     tries: list[Figures] = []
     for _ in range(MAX_ROUNDS):
-        what = f"verifying keep_fp32={keep}" + (f" with {rec.settings.to_dict()}" if rec.settings else "")
-        run = _run(req, log, what, req.level, keep=keep, settings=rec.settings)
-        figures = _figures(run, baseline, keep, rec.settings)
+        what = ", ".join([f"keep_fp32={keep}"] * bool(keep) + [f"{rec.settings.to_dict()}"] * bool(rec.settings)
+                         + [f"{list(rec.fp8_exclude)} out of FP8"] * bool(rec.fp8_exclude))
+        run = _run(req, log, f"verifying {what}", req.level, keep=keep, settings=rec.settings,
+                   fp8_modules=rec.fp8_modules)
+        figures = _figures(run, baseline, keep, rec.settings, rec.fp8_exclude)
         tries.append(figures)
         if figures.finite or figures.error:
             break

@@ -12,6 +12,12 @@ Columns of the module table, per module over the recorded steps:
   dtype holding the weights and round away (stalled updates);
 - ``rel error``: its local relative error, ``||out - shadow||_2 / ||shadow||_2`` against its
   FP32 shadow (the same call on FP32 inputs with FP32 params and no casts), worst call.
+
+With layers run in FP8, a table of them (`fp8_table`): each against the same GEMMs in
+bfloat16 on its own inputs (``out err``, ``wgrad err``: relative errors of the output and
+the weight gradient, worst call), and over the recipe's FP8 casts the largest shares of values
+that saturate, flush to zero (``flushed``) or land among FP8's subnormals, and whether FP8
+hurts it (`diagnose.fp8`).
 """
 from __future__ import annotations
 
@@ -19,9 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..runs.deviation import MIN_SHARE, TOLERANCE
+from ..model.fp8 import EMULATED
+from .fp8 import Fp8Entry
 from .result import Diagnosis, Figures, ModuleEntry, Recommendation
 
-__all__ = ["render", "write_plot", "MODULE_ROWS"]
+__all__ = ["render", "write_plot", "fp8_table", "MODULE_ROWS"]
 
 MODULE_ROWS = 12  # modules shown in the table (all are in --json)
 
@@ -59,6 +67,26 @@ def _chosen(result: Diagnosis) -> list[ModuleEntry]:
     return picked[:max(MODULE_ROWS, len(keep) + 4)]
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else "0%" if x == 0 else "<0.01%" if x < 1e-4 else f"{x:.2%}"
+
+
+def fp8_table(layers: Sequence[Fp8Entry]) -> list[str]:
+    """The FP8 layers, each against bfloat16 on its own inputs (see the module docstring)."""
+    if not layers:
+        return []
+    first = layers[0]
+    where = f", {EMULATED}" if first.emulated else ", on FP8 tensor cores"
+    head = (f"fp8 layers ({first.recipe}{where}; each against the same GEMMs in bfloat16 on its own inputs, "
+            "worst call; shares: the largest over the recipe's FP8 casts):")
+    rows = [[e.name, e.kind, _fmt(e.out_rel_err, ".3g"), _fmt(e.wgrad_rel_err, ".3g"), _pct(e.saturated),
+             _pct(e.flushed), _pct(e.subnormal), e.flushed_in or "-",
+             "yes" if e.hurts else ("not measured" if not e.calls else "no")] for e in layers]
+    table = _table(["layer", "kind", "out err", "wgrad err", "saturated", "flushed", "subnormal", "flushed most in",
+                    "FP8 hurts"], rows, 2)
+    return ["", head, *("  " + ln for ln in table)]
+
+
 def _verdict(f: Figures) -> str:
     if f.follows_O0 is None:
         return "reference"
@@ -78,6 +106,7 @@ def _verification(result: Diagnosis, level: str) -> list[str]:
     for t in v.tries:
         fix = [f"keep_fp32={list(t.keep_fp32)}"] if t.keep_fp32 else []
         fix += [f"{k}={val!r}" for k, val in t.settings.to_dict().items()]
+        fix += [f"{list(t.fp8_exclude)} out of FP8"] if t.fp8_exclude else []
         rows.append(row(f"{level} + {', '.join(fix)}", t))
     rows.append(row("O0", v.O0))
     return _table(header, rows, 1)
@@ -88,11 +117,15 @@ def _apply(rec: Recommendation, rerun: str | None) -> list[str]:
     settings = rec.settings.to_dict()
     args = [f"keep_fp32={list(rec.keep_fp32)!r}"] if rec.keep_fp32 else []
     args += [f"{k}={v!r}" for k, v in settings.items()]
+    if rec.fp8_modules is not None:
+        args.append(f"fp8_modules={list(rec.fp8_modules)!r}" if rec.fp8_modules else "fp8=False")
     lines = [f"apply it: amp.initialize(..., {', '.join(args)})"]
     if rerun is not None:
         options = (f"--keep-fp32 {','.join(rec.keep_fp32)} " if rec.keep_fp32 else "")
         options += (f"--loss-scale {settings['loss_scale']} " if "loss_scale" in settings else "")
         options += (f"--master-weights {settings['master_weights']} " if "master_weights" in settings else "")
+        if rec.fp8_modules is not None:
+            options += f"--fp8-modules {','.join(rec.fp8_modules)} " if rec.fp8_modules else "--fp8 off "
         lines.append("  or, without editing the script: " + rerun.format(options=options))
     return lines
 
@@ -106,6 +139,9 @@ def _recommendation(result: Diagnosis) -> str:
         return "recommendation: none: no module stands out and nothing went non-finite."
     what = [f"keep_fp32={list(rec.keep_fp32)}"] if rec.keep_fp32 else []
     what += [f"{k}={v!r}" for k, v in rec.settings.to_dict().items()]
+    if rec.fp8_exclude:
+        left = f"fp8_modules={list(rec.fp8_modules)}" if rec.fp8_modules else "fp8 off: no layer is left"
+        what.append(f"leave {list(rec.fp8_exclude)} out of FP8 ({left})")
     return "recommendation: " + ", ".join(what)
 
 
@@ -113,8 +149,10 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
     """The diagnosis as the command prints it; `rerun` is the `ampatch run` line that applies
     the fix to an unmodified script, with "{options}" where the fix's options go."""
     level = result.opt_level
-    out = [f"ampatch diagnose: {command}", f"level {level}, half dtype {result.half_dtype}, {result.steps} optimizer "
-           "steps recorded"]
+    fp8 = result.fp8[0] if result.fp8 else None
+    out = [f"ampatch diagnose: {command}", f"level {level}, half dtype {result.half_dtype}"
+           + (f", fp8 {fp8.recipe} on {len(result.fp8)} Linear layers" + (f" ({EMULATED})" if fp8.emulated else "")
+              if fp8 else "") + f", {result.steps} optimizer steps recorded"]
     if result.crashed:
         out.append(f"note: the run failed after the recorded steps: {result.crashed}")
     first = result.first_nonfinite
@@ -133,13 +171,15 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
     hidden = len(result.modules) - len(shown)
     if hidden > 0:
         out.append(f"  ... {hidden} more (all in --json)")
+    out += fp8_table(result.fp8)
     out += ["", _recommendation(result)]
     out += [f"  - {n}" for n in result.recommendation.notes]
     v = result.verification
     if v is not None:
         out += ["", f"verification ({v.verified.steps} steps each, same seed; follows O0: finite, deviation within "
                     f"{TOLERANCE:.0%} and learning at least {MIN_SHARE:.0%} of what O0 learns):"]
-        out += ["  " + ln for ln in _verification(result, level or "")]
+        label = (level or "") + (f"+fp8:{fp8.recipe}" if fp8 else "")
+        out += ["  " + ln for ln in _verification(result, label)]
         if v.o0_progress is None and result.recommendation.settings.master_weights:
             out.append(f"  O0's loss does not fall beyond its noise in {v.verified.steps} steps, so these runs cannot "
                        "show whether a run learns: rerun with more --steps (e.g. 40) to see the fix at work.")

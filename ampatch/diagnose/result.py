@@ -3,7 +3,8 @@
 
 - `ModuleEntry`: one module's figures (headroom, inf/NaN, underflow, local error, unchanged weights);
 - `FirstNonfinite`, `StepFault`, `Stall`: the findings;
-- `Settings` and `Recommendation`: what to change (modules to keep in FP32, settings, why);
+- `Settings` and `Recommendation`: what to change (modules to keep in FP32, layers to leave out
+  of FP8, settings, why); the FP8 layers' entries are `fp8.Fp8Entry`;
 - `Figures` and `Verification`: the reruns that check the recommendation against O0;
 - `Diagnosis`: all of it for one diagnosed run.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from .fp8 import Fp8Entry
 
 __all__ = ["ModuleEntry", "FirstNonfinite", "StepFault", "StalledModule", "Stall", "Settings", "Recommendation",
            "Figures", "Verification", "Diagnosis"]
@@ -104,15 +107,22 @@ class Settings:
 
 @dataclass(frozen=True)
 class Recommendation:
+    """What to change: modules to keep in FP32, settings, and the layers to leave out of FP8
+    (`fp8_exclude`; `fp8_modules`: the layers then left in FP8, none: fp8 off; None: no change)."""
+
     keep_fp32: tuple[str, ...] = ()
     settings: Settings = Settings()
     notes: tuple[str, ...] = ()
+    fp8_exclude: tuple[str, ...] = ()
+    fp8_modules: tuple[str, ...] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.keep_fp32) or bool(self.settings)
+        return bool(self.keep_fp32) or bool(self.settings) or bool(self.fp8_exclude)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"keep_fp32": list(self.keep_fp32), "settings": self.settings.to_dict(), "notes": list(self.notes)}
+        return {"keep_fp32": list(self.keep_fp32), "settings": self.settings.to_dict(), "notes": list(self.notes),
+                "fp8_exclude": list(self.fp8_exclude),
+                "fp8_modules": list(self.fp8_modules) if self.fp8_modules is not None else None}
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,7 @@ class Figures:
     skipped_steps: int
     steps: int
     error: str | None
+    fp8_exclude: tuple[str, ...] = ()   # the layers it left out of FP8
 
     @property
     def fixed(self) -> bool:
@@ -139,7 +150,8 @@ class Figures:
         return self.finite and self.follows_O0 is not False
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "keep_fp32": list(self.keep_fp32), "settings": self.settings.to_dict()}
+        return {**asdict(self), "keep_fp32": list(self.keep_fp32), "settings": self.settings.to_dict(),
+                "fp8_exclude": list(self.fp8_exclude)}
 
 
 @dataclass(frozen=True)
@@ -177,6 +189,7 @@ class Diagnosis:
     kept_already: tuple[str, ...] = ()
     crashed: str | None = None
     verification: Verification | None = None
+    fp8: tuple[Fp8Entry, ...] = ()       # the layers run in FP8, each against bfloat16 (none without fp8)
 
     def with_notes(self, *notes: str) -> Diagnosis:
         rec = self.recommendation
@@ -192,4 +205,5 @@ class Diagnosis:
                 "stall": self.stall.to_dict() if self.stall else None,
                 "loss": list(self.loss), "loss_scale": list(self.loss_scale), "skipped_steps": list(self.skipped_steps),
                 "master_weights": self.master_weights, "kept_already": list(self.kept_already),
-                "crashed": self.crashed, "verification": self.verification.to_dict() if self.verification else None}
+                "crashed": self.crashed, "verification": self.verification.to_dict() if self.verification else None,
+                "fp8": [e.to_dict() for e in self.fp8]}

@@ -10,6 +10,7 @@ process, reads the recording and makes a verified recommendation of it.
 - `stalls`: per parameter tensor and step, the share of elements the optimizer step left unchanged;
 - `records`: the records and the `Recording` document (JSON) they travel in;
 - `fp8_error`: each FP8 layer's error against bfloat16 on the same inputs (`diagnose --fp8`);
+- `fp8_probe`: the hooks that measure the run's own FP8 layers that way, call by call;
 - `child`: the session's side: `attach` starts a recorder and writes its recording when done.
 
 Below the session (it is one of the session's observers) and above the core it measures:

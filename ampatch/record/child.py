@@ -18,6 +18,7 @@ from torch import nn
 
 from ..model.sharded import is_sharded
 from ..base.exit_json import ExitJson
+from .fp8_probe import probe
 from .recorder import Recorder
 from .records import FORMAT, Recording
 
@@ -46,7 +47,7 @@ def _document(tracked: tuple[Recorder, _Setup]) -> dict[str, Any]:
     return Recording(setup.opt_level, setup.half_dtype, setup.loss_scale, setup.master_weights, setup.notes,
                      setup.keep_fp32, complete=len(rec.steps) >= rec.steps_wanted, steps_wanted=rec.steps_wanted,
                      steps=list(rec.steps), modules=[rec.records[name] for name, _ in rec.names],
-                     params=rec.stalls.records).to_dict()
+                     params=rec.stalls.records, fp8=rec.fp8.result() if rec.fp8 is not None else []).to_dict()
 
 
 _output = ExitJson(_document, "diagnosis")  # the newest recording, written when it ends or at exit
@@ -70,7 +71,7 @@ def attach(session: Any, models: Sequence[nn.Module], path: str, eps_lost: Seque
     sharded = is_sharded(models)
     recorder = Recorder(models, props.half_dtype, session.overrides.max_steps or DEFAULT_STEPS,
                         masters=lambda p: masters.get(id(p)), shadows=not sharded,
-                        on_done=lambda r: _output.write(tracked))
+                        on_done=lambda r: _output.write(tracked), fp8=probe(getattr(session, "fp8", None)))
     notes = [f"{line}: float16 rounds that eps to 0; with float16 parameters stepped in float16, any weight "
              "whose gradient is 0 becomes NaN. Use O2 (FP32 masters), bfloat16, or eps=1e-4."
              for line in eps_lost]  # (what the session found with tips.eps_lost_in_float16)

@@ -15,6 +15,7 @@ Numbers only; the layer, its parameters and their `.grad` are never changed.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,32 +58,39 @@ def cast_stats(hp: torch.Tensor, cast: Any, axiswise_dim: int, round_pow2: bool)
     info = torch.finfo(cast.target_dtype)
     low = to_fp8_saturated(scaled, cast.target_dtype).float()
     nonzero = hp != 0
+    # beyond the largest value by more than half its spacing: it would round past it (the amax itself, scaled
+    # to the largest value, can land a float32 rounding above it and loses nothing)
+    top = info.max + info.eps * 2.0 ** math.floor(math.log2(info.max)) / 2
     return {"dtype": str(cast.target_dtype).replace("torch.", ""), "granularity": gran.value, "n": hp.numel(),
-            "saturated": int((scaled.abs() > info.max).sum()),
+            "saturated": int((scaled.abs() >= top).sum()),
             "underflow": int((nonzero & (low == 0)).sum()),
             "subnormal": int((nonzero & (low != 0) & (low.abs() < info.tiny)).sum()),
-            "rel_err": float(((low / scale) - hp.float()).norm() / hp.float().norm().clamp_min(1e-30))}
+            "rel_err": _rel(low / scale, hp)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
+    a, b = a.detach().double(), b.detach().double()  # float32's squares overflow from 1.8e19 (wide gradients)
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def layer_fp8_error(layer: nn.Module, x: torch.Tensor, recipe: Any = "tensorwise",
                     grad_output: torch.Tensor | None = None, *, compute_dtype: torch.dtype = torch.bfloat16,
-                    seed: int = 0) -> dict[str, Any]:
+                    seed: int = 0, weight: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> dict[str, Any]:
     """The FP8 error of `layer` under `recipe` (a name or a torchao Float8LinearConfig)
     against the same layer in `compute_dtype`, on input `x` and upstream gradient
-    `grad_output` (None: a seeded random one). Returns `out_rel_err`, `wgrad_rel_err`, the
+    `grad_output` (None: a seeded random one); `weight`/`bias`: the values to use instead of
+    the layer's own (in its layout: a copy taken when it ran, before the step changed it). Returns `out_rel_err`, `wgrad_rel_err`, the
     shares (over every element of every FP8 cast the recipe makes) `saturated_share`,
     `underflow_share`, `subnormal_share`, and `per_cast` details; `emulated` says whether
     torchao emulated the FP8 GEMMs (on this device it has no FP8 tensor cores)."""
     from torchao.float8.config import ScalingType
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     config = fp8.config_for(recipe, x.device)
-    w_t = (layer.weight if is_conv1d(layer) else layer.weight.t()).detach().to(compute_dtype)  # (in, out)
-    bias = layer.bias.detach().to(compute_dtype) if layer.bias is not None else None
+    weight = layer.weight if weight is None else weight
+    bias = layer.bias if bias is None else bias
+    w_t = (weight if is_conv1d(layer) else weight.t()).detach().to(compute_dtype)  # (in, out)
+    bias = bias.detach().to(compute_dtype) if bias is not None else None
     x = x.detach().to(compute_dtype).reshape(-1, w_t.shape[0])
     outputs, grads = [], []
     for run_fp8 in (False, True):

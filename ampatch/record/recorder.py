@@ -10,7 +10,8 @@ module while it records:
 - per parameter, as produced (scaled, before unscaling): inf/NaN and the share of elements
   that are zero or subnormal in the half dtype;
 - per parameter tensor and optimizer step: the share of its elements the step left unchanged
-  (`stalls.StallCounter`: updates below the half dtype's resolution round away).
+  (`stalls.StallCounter`: updates below the half dtype's resolution round away);
+- with `fp8`, each layer run in FP8 against bfloat16 on its own inputs (`fp8_probe.Fp8Probe`).
 
 It keeps numbers, never tensors. Each step also notes the first module to *finish* its
 forward with a non-finite output from finite inputs (the innermost culprit) and the first
@@ -34,6 +35,7 @@ from ..base.dtypes import short_name
 from ..model.keep import labelled
 from .records import ModuleRecord, StepRecord
 from .shadow import Masters, RandomState, is_quiet, run_shadow, upcast
+from .fp8_probe import Fp8Probe
 from .stalls import StallCounter
 from .stats import floating_tensors, magnitude, relative_error, underflow_fraction
 
@@ -67,7 +69,7 @@ class Recorder:
 
     def __init__(self, models: Sequence[nn.Module], half_dtype: torch.dtype, steps: int,
                  masters: Masters | None = None, on_done: Callable[["Recorder"], None] | None = None,
-                 shadows: bool = True) -> None:
+                 shadows: bool = True, fp8: Fp8Probe | None = None) -> None:
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}.")
         self.half_dtype = half_dtype
@@ -85,6 +87,7 @@ class Recorder:
         self._handles: list[Any] = []
         self._param_owner: dict[int, str] = {}
         self.stalls = StallCounter(self.names, masters)
+        self.fp8 = fp8
         self._new_step()
 
     # ------------------------------------------------------------------ set-up
@@ -96,6 +99,8 @@ class Recorder:
                 if p.requires_grad and id(p) not in self._param_owner:
                     self._param_owner[id(p)] = name
                     self._handles.append(p.register_hook(functools.partial(self._param_grad, name)))
+        if self.fp8 is not None:
+            self.fp8.attach()
         self.active = True
 
     def detach(self) -> None:
@@ -104,6 +109,8 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.fp8 is not None:
+            self.fp8.detach()
 
     def close(self) -> None:
         """The session ends: stop recording, and report what was recorded if not done yet."""
@@ -215,6 +222,8 @@ class Recorder:
             return
         stepped_bad = [] if skipped else self._nonfinite_params()
         self.stalls.after_step(skipped)
+        if self.fp8 is not None:
+            self.fp8.on_step()
         with self._lock:
             culprit = _backward_culprit(self._events)
             self.steps.append(StepRecord(
@@ -245,6 +254,7 @@ class Recorder:
                 "steps": [asdict(s) for s in self.steps],
                 "modules": [asdict(self.records[name]) for name, _ in self.names],
                 "params": [asdict(p) for p in self.stalls.records],
+                "fp8": [asdict(f) for f in self.fp8.result()] if self.fp8 is not None else [],
             }
 
 

@@ -4,6 +4,8 @@
 - `StepRecord`: one optimizer step (loss, scale, skipped, the first non-finite module);
 - `ParamRecord`: one parameter tensor: per step, the share of its elements the optimizer step
   left unchanged (`stalls.StallCounter`);
+- `Fp8LayerRecord`: one layer run in FP8: its error against bfloat16 on its own inputs, and what
+  the recipe's casts saturate and flush to zero (`fp8_probe.Fp8Probe`);
 - `Recording`: the whole document (`FORMAT`): the session's set-up and the records.
 
 The recorder fills the records while the run trains; ``ampatch diagnose`` reads the document
@@ -15,9 +17,9 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["FORMAT", "ModuleRecord", "StepRecord", "ParamRecord", "Recording", "RecordingError"]
+__all__ = ["FORMAT", "ModuleRecord", "StepRecord", "ParamRecord", "Fp8LayerRecord", "Recording", "RecordingError"]
 
-FORMAT = 2   # the version of the JSON written (2: per-parameter stall shares)
+FORMAT = 3   # the version of the JSON written (2: per-parameter stall shares; 3: FP8 layers)
 
 
 class RecordingError(ValueError):
@@ -85,6 +87,40 @@ class ParamRecord:
     unchanged: list[float | None] = field(default_factory=list)
 
 
+@dataclass
+class Fp8LayerRecord:
+    """One layer run in FP8 over the recorded steps, each measured call against the same GEMMs
+    in bfloat16 on the same input, weights and output gradient (`fp8_error.layer_fp8_error`):
+    the relative error of the output and of the weight gradient per call, and per FP8 cast
+    the recipe makes ("input@output", "grad_output@grad_weight", ...: torchao's six; a cast
+    the recipe keeps in high precision is absent) its FP8 dtype and, summed over the calls,
+    the values cast (`n`) and those that saturate, flush to zero (non-zero values that become
+    0) or land among FP8's subnormals."""
+
+    name: str
+    kind: str            # "Linear" or "Conv1D"
+    recipe: str          # torchao's recipe name, "custom" for a config given whole
+    emulated: bool       # torchao emulated FP8 (no FP8 tensor cores): numerics only, not speed
+    calls: int = 0
+    out_rel_err: list[float] = field(default_factory=list)
+    wgrad_rel_err: list[float] = field(default_factory=list)
+    casts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failure: str | None = None
+
+    def add(self, found: dict[str, Any]) -> None:
+        """One call's `layer_fp8_error` result."""
+        self.calls += 1
+        self.out_rel_err.append(float(found["out_rel_err"]))
+        self.wgrad_rel_err.append(float(found["wgrad_rel_err"]))
+        for label, cast in found["per_cast"].items():
+            if "n" not in cast:  # kept in high precision by the recipe
+                continue
+            total = self.casts.setdefault(label, {"dtype": cast["dtype"], "n": 0, "saturated": 0, "underflow": 0,
+                                                  "subnormal": 0})
+            for key in ("n", "saturated", "underflow", "subnormal"):
+                total[key] += int(cast[key])
+
+
 @dataclass(frozen=True)
 class Recording:
     """The document a diagnosed run writes: how its session was set up, and what it recorded."""
@@ -100,6 +136,7 @@ class Recording:
     steps: list[StepRecord]
     modules: list[ModuleRecord]
     params: list[ParamRecord]
+    fp8: list[Fp8LayerRecord] = field(default_factory=list)  # the layers run in FP8 (none without fp8)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "opt_level": self.opt_level, "half_dtype": self.half_dtype,
@@ -107,7 +144,7 @@ class Recording:
                 "keep_fp32": list(self.keep_fp32), "complete": self.complete,
                 "recorded": {"half_dtype": self.half_dtype, "steps_wanted": self.steps_wanted,
                              "steps": [asdict(s) for s in self.steps], "modules": [asdict(m) for m in self.modules],
-                             "params": [asdict(p) for p in self.params]}}
+                             "params": [asdict(p) for p in self.params], "fp8": [asdict(f) for f in self.fp8]}}
 
     @classmethod
     def from_dict(cls, doc: Any) -> Recording:
@@ -126,4 +163,5 @@ class Recording:
                    complete=bool(doc.get("complete")), steps_wanted=int(raw.get("steps_wanted") or 0),
                    steps=[_build(StepRecord, s, "a recorded step") for s in raw.get("steps") or []],
                    modules=[_build(ModuleRecord, m, "a recorded module") for m in raw.get("modules") or []],
-                   params=[_build(ParamRecord, p, "a recorded parameter") for p in raw.get("params") or []])
+                   params=[_build(ParamRecord, p, "a recorded parameter") for p in raw.get("params") or []],
+                   fp8=[_build(Fp8LayerRecord, f, "a recorded FP8 layer") for f in raw.get("fp8") or []])

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ampatch.machine import hardware
-from ampatch.config.levels import uses_half
-from ampatch.workloads.calibrate import step_kinds
+from ampatch.config.levels import uses_half, variant
+from ampatch.workloads.calibrate import dtype_of_kind, step_kinds
 
 DEFAULT_BUDGET_S = 120.0  # built-in workloads: the whole compare, calibration and start-ups included
 TARGET_STEPS = 30         # the steps every level should run: fewer say little (the losses barely move)
@@ -105,7 +105,8 @@ class Budget:
 
 def half_dtypes(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, str]:
     """The half dtype each level will use on ``device`` (O0: none)."""
-    return {lv: kind for lv, kind in step_kinds(levels, device, half_dtype).items() if uses_half(lv)}
+    return {lv: dtype_of_kind(kind) for lv, kind in step_kinds(levels, device, half_dtype).items()
+            if uses_half(variant(lv).level)}
 
 
 def step_weights(device: str, levels: Sequence[str], half_dtype: str | None) -> dict[str, float]:

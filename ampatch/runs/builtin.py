@@ -86,7 +86,8 @@ class Plan:
                 "--threads", str(self.threads), "--size", self.size.size]
 
         def command_for(label: str) -> CommandFor:
-            level, mode = variant(label)  # "O5+kahan": O5 with master_weights="kahan"
+            # "O5+kahan": O5 with master_weights="kahan"; "O5+fp8": the environment says (runner.child_env)
+            level, mode, _ = variant(label)
             masters = [] if mode is None else ["--master-weights", mode]
 
             def make(steps: int | None, deadline: float | None) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import env as envvars
 from ampatch.config import levels
+from ampatch.config.values import DEFAULT_FP8_RECIPE
 from ampatch.runs import UsageError, process
 from ampatch.runs.budget import Budget
 from ampatch.runs.progress import Progress
@@ -87,8 +88,8 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
               base: Mapping[str, str] | None = None, keep_fp32: str | None = None,
               policy: str | None = None) -> dict[str, str]:
     """The environment of a run: ``base`` (default: this process's) with the forced level
-    (None: the script's own; "O5+kahan": O5 with that master_weights, see
-    `levels.variant`), the half type, the report path, the modules to keep in FP32
+    (None: the script's own; "O5+kahan": O5 with that master_weights, "O5+fp8:rowwise": O5
+    with the script's Linear layers in FP8, ``AMPATCH_FP8``; see `levels.variant`), the half type, the report path, the modules to keep in FP32
     (comma-separated names, added to the script's ``keep_fp32``), a policy file
     (``AMPATCH_POLICY``: what it decides is not inherited; `run --policy`, `compare
     --policy` and every `tune` candidate run alike), and ampatch importable."""
@@ -97,12 +98,14 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
         for name in POLICY_DECIDES:
             env.pop(name, None)
         env[envvars.POLICY] = policy
-    mode = None
     if level is not None:
-        level, mode = levels.variant(level)
+        forced = levels.variant(level)
+        level = forced.level
         env[envvars.OPT_LEVEL] = level
-        if mode is not None:
-            env[envvars.MASTER_WEIGHTS] = mode
+        if forced.master_weights is not None:
+            env[envvars.MASTER_WEIGHTS] = forced.master_weights
+        if forced.fp8 is not None:  # True: initialize's fp8=True (tensorwise)
+            env[envvars.FP8] = "1" if forced.fp8 is True else forced.fp8
     if keep_fp32:
         env[envvars.KEEP_FP32] = keep_fp32
     if report:
@@ -297,12 +300,23 @@ def level_run(done: Finished, level: str | None) -> LevelRun:
     error = f"unreadable report: {error}" if error is not None else failure_line(done.returncode, done.stderr)
     if error is None and report is None:
         error = "script never called amp.initialize"
-    elif error is None and level is not None and report.opt_level != levels.variant(level)[0]:
-        error = f"ran at {report.opt_level} although {level} was forced"
-    elif error is None and level is not None and levels.variant(level)[1] not in (None, report.master_weights):
-        error = f"ran with master_weights={report.master_weights!r} although {level} was forced"
+    elif error is None and level is not None:
+        error = _not_as_forced(report, level)
     ran_at = level or (report.opt_level if report is not None else "?")
     return LevelRun(ran_at, error is None, error, done.returncode, round(done.wall_s, 3), report)
+
+
+def _not_as_forced(report: Report, label: str) -> str | None:
+    """Why a run forced to ``label`` ("O5+kahan+fp8:rowwise") did not run as it (None: it did)."""
+    forced = levels.variant(label)
+    if report.opt_level != forced.level:
+        return f"ran at {report.opt_level} although {label} was forced"
+    if forced.master_weights not in (None, report.master_weights):
+        return f"ran with master_weights={report.master_weights!r} although {label} was forced"
+    recipe = DEFAULT_FP8_RECIPE if forced.fp8 is True else forced.fp8
+    if recipe is not None and report.fp8 != recipe:
+        return f"ran with fp8={report.fp8 or None!r} although {label} was forced"
+    return None
 
 
 CommandFor = Callable[[int | None, float | None], list[str]]  # (step cap, deadline) -> a level's command

@@ -21,7 +21,6 @@ from typing import Any, TextIO
 
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import env as envvars
-from ampatch.config.levels import variant
 from ampatch import workloads
 from ampatch.runs.budget import EXIT_S, MARGIN, TARGET_STEPS
 from ampatch.runs.runner import Launch, child_env, failure_line, popen, read_json, run_child
@@ -122,7 +121,7 @@ def calibrate(workload: str, device: str, threads: int, half_dtype: str | None, 
     log.flush()
     with tempfile.TemporaryDirectory(prefix="ampatch-calibrate-") as tmp:
         out = Path(tmp, "calibration.json")
-        timed = dict.fromkeys(variant(lv)[0] for lv in goal.levels)  # "O5+kahan" steps as O5 does
+        timed = dict.fromkeys(goal.levels)  # a kind is timed at the first level of its own (calibrate.step_kinds)
         cmd = [sys.executable, "-m", "ampatch.workloads.calibrate", workload, "--levels", ",".join(timed),
                "--device", device, "--threads", str(threads), "--stop-above", f"{stop_above:.4f}",
                "--time-limit", str(CALIBRATION_LIMIT_S), "--out", str(out)]

@@ -116,7 +116,12 @@ class Session:
                                                    kept)
         build.wrap_model_outputs(models, props, self.patcher, kept)
         if props.fp8 is not None:  # after the cast: the sharded weights the FP8 all-gather wraps are final
-            self.fp8 = fp8.convert(models, props.fp8, self.options.fp8_modules, kept, hardware.model_device(models))
+            try:
+                self.fp8 = fp8.convert(models, props.fp8, props.fp8_modules, kept, hardware.model_device(models))
+            except ValueError as exc:  # a layer choice from outside: the message names where it came from
+                if self.overrides.fp8_modules is None or props.fp8_modules != self.overrides.fp8_modules:
+                    raise
+                raise ValueError(f"{self.overrides.given('fp8_modules')}: {exc}") from None
             self._announce_fp8()
         self.guard = build.ParamGuard(models, self.optimizers)
         for h in self.optimizers:

@@ -12,7 +12,10 @@ One job per module:
   a deviation from O0's curve relative to what O0 learns (`ampatch.runs.deviation`) no more
   than the tolerance beyond the noise of its paired differences from O0;
 - ``repair``: a failed candidate's recorded run, and the candidate its diagnosis suggests
-  (modules kept in FP32, a loss scale, FP32 masters against stalled updates; or why none);
+  (modules kept in FP32, a loss scale, FP32 masters against stalled updates, layers left out of
+  FP8; or why none);
+- ``fp8``: the FP8 candidates (``--levels O5+fp8``: each torchao recipe) and the rule that an
+  emulated one is listed for its fidelity, never chosen for speed;
 - ``timing``: interleaved re-timing against O0 and the spread-based "faster" rule;
 - ``search``: the whole search within a budget (it stops with `NoProgress`, "run more steps",
   when O0's loss does not fall beyond its own noise); ``report``: the table and the JSON.

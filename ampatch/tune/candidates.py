@@ -31,28 +31,37 @@ class Candidate:
     loss_scale: float | str | None = None
     master_weights: bool | str | None = None   # None: the level's own
     repairs: str | None = None
+    fp8: str | None = None                     # a torchao recipe: the Linear layers in FP8 (tune.fp8)
+    fp8_modules: tuple[str, ...] | None = None  # the layers left in FP8 (None: the default choice)
+    fp8_exclude: tuple[str, ...] = ()          # the layers diagnose left out of FP8 (what the label says)
 
     def policy(self, measured: dict[str, Any] | None = None) -> Policy:
         return Policy(self.opt_level, self.half_dtype, self.keep_fp32, self.loss_scale, self.master_weights,
-                      measured=measured)
+                      self.fp8, self.fp8_modules, measured=measured)
 
     @property
     def label(self) -> str:
-        return self.policy().describe()
+        if not self.fp8_exclude:
+            return self.policy().describe()
+        return f"{replace(self, fp8_modules=None).policy().describe()} without {list(self.fp8_exclude)}"
 
-    def simplicity(self) -> tuple[int, int, int, int]:
-        """Smaller is simpler (see `SIMPLICITY`)."""
-        return (len(self.keep_fp32), SIMPLICITY[self.opt_level], int(self.loss_scale is not None),
-                int(self.master_weights is not None))
+    def simplicity(self) -> tuple[int, int, int, int, int]:
+        """Smaller is simpler (see `SIMPLICITY`; FP8 is not simpler than its level without it)."""
+        return (len(self.keep_fp32) + len(self.fp8_exclude), SIMPLICITY[self.opt_level], int(self.fp8 is not None),
+                int(self.loss_scale is not None), int(self.master_weights is not None))
 
     def repaired(self, keep: Sequence[str], loss_scale: float | str | None,
-                 master_weights: bool | str | None = None) -> Candidate:
+                 master_weights: bool | str | None = None, fp8_exclude: Sequence[str] = (),
+                 fp8_modules: Sequence[str] | None = None) -> Candidate:
         """This candidate with `keep` added to its kept modules, `loss_scale` and `master_weights`
-        (None: its own)."""
+        (None: its own), and `fp8_exclude` left out of FP8 (`fp8_modules`: the layers then left)."""
         kept = tuple(dict.fromkeys([*self.keep_fp32, *keep]))
+        fp8 = {} if not fp8_exclude else {
+            "fp8_exclude": tuple(dict.fromkeys([*self.fp8_exclude, *fp8_exclude])),
+            "fp8_modules": tuple(fp8_modules) if fp8_modules is not None else self.fp8_modules}
         return replace(self, keep_fp32=kept, loss_scale=loss_scale if loss_scale is not None else self.loss_scale,
                        master_weights=master_weights if master_weights is not None else self.master_weights,
-                       repairs=self.repairs or self.label)
+                       repairs=self.repairs or self.label, **fp8)
 
 
 REFERENCE = Candidate("O0")

@@ -26,7 +26,7 @@ from ampatch.config import levels as level_table
 from ampatch.config.policy_file import DEFAULT_PATH, Policy, save
 from ampatch.runs import builtin, runner
 from ampatch.runs.deviation import TOLERANCE
-from ampatch.tune import candidates, report, timing
+from ampatch.tune import candidates, fp8, report, timing
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.measure import Job
 from ampatch.tune.search import NoProgress, NoReference, Result, Search
@@ -98,7 +98,7 @@ def _check(command: Sequence[str] | None, workload: str | None, size: str | None
         raise ValueError(f"rounds must be 0 or more (0: no re-timing), got {rounds}")
     if out is not None and not Path(out).resolve().parent.is_dir():
         raise ValueError(f"cannot write the policy to {out}: its directory does not exist")
-    return [level_table.normalize(x) for x in levels]
+    return list(dict.fromkeys(level_table.variant(x, "opt_level").label for x in levels))
 
 
 def tune(command: Sequence[str] | None = None, *, workload: str | None = None, size: str | None = None,
@@ -109,7 +109,8 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
     """The fastest precision policy that trains like FP32 for `command` (a script's command
     line, e.g. ``["python", "train.py"]``; None: the built-in `workload`), written to `out`.
 
-    `levels`: the levels to try (O0 is the reference); `half_dtype`: "bfloat16"/"float16"
+    `levels`: the levels to try (O0 is the reference; "O5+fp8" adds O5 with each FP8 recipe,
+    "O5+fp8:rowwise" that one, see `tune.fp8`); `half_dtype`: "bfloat16"/"float16"
     (None: those worth trying on `device`); `tolerance`: the largest deviation from O0's loss
     curve, relative to what O0 learns over the run, beyond the noise of the candidate's paired
     differences from O0 (`ampatch.runs.deviation`); `steps`: optimizer steps per run; `budget`: seconds for the
@@ -137,8 +138,12 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
                 "--size", size, "--seed", "0"]
         job_cmd = lambda n: base + ["--steps", str(n)]  # noqa: E731
         rerun = f"ampatch run --policy {{policy}} -- python -m ampatch.workloads.{name} --size {size} --threads 1"
-    cands = candidates.initial(chosen_levels, dev, half, objective)
-    log.write(builtin.machine_notice(dev, ["O0", *chosen_levels], half) + "\n")
+    plain, variants = fp8.split(chosen_levels)
+    cands = candidates.initial(plain, dev, half, objective) + fp8.candidates(variants, dev, half)
+    if not any(v.fp8 for v in variants):  # FP8 asked for by name, or by default where it runs on tensor cores
+        cands += fp8.by_default(plain, dev)
+    cands = list(dict.fromkeys(cands))
+    log.write(builtin.machine_notice(dev, ["O0", *plain, *(v.level for v in variants)], half) + "\n")
     budget_text = "no budget" if budget is None else f"a {budget:g}s budget"
     log.write(f"ampatch tune: {what}: O0 (the reference), then {len(cands)} candidate(s), "
               f"{steps} steps each, repairs{' and re-timing' if objective == 'speed' else ''}, within {budget_text}; "

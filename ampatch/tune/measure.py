@@ -1,5 +1,6 @@
 """One candidate's run, as ``ampatch run --policy`` runs it, and its verdict against O0's
-(`verdict.judge`: finite, no late skipped step, learning, within the tolerance plus its noise allowance).
+(`verdict.judge`: finite, no late skipped step, learning, within the tolerance plus its noise allowance);
+a run whose FP8 was emulated says so in its reason: it is never chosen for speed (`tune.fp8`).
 """
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ampatch.config import env
+from ampatch.config.levels import variant_label
 from ampatch.runs.progress import Progress
 from ampatch.runs.stats import RunStats
 from ampatch.runs.runner import Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
 from ampatch.config.policy_file import save
 from ampatch.tune.candidates import Candidate
+from ampatch.tune.fp8 import NOT_CHOSEN, emulated
 from ampatch.tune.verdict import Rule, judge
 
 __all__ = ["Job", "Measured", "run_candidate", "measured"]
@@ -66,7 +69,14 @@ class Measured:
                 "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
                 "peak_memory_mib": self.row.peak_memory_mib, "train_bytes_per_param": self.row.train_bytes_per_param,
                 "final_loss": self.row.final_loss,
-                "repairs": c.repairs, "step_fault": self.step_fault}
+                "repairs": c.repairs, "step_fault": self.step_fault, "fp8": c.fp8,
+                "fp8_modules": list(c.fp8_modules) if c.fp8_modules is not None else None,
+                "fp8_exclude": list(c.fp8_exclude), "fp8_emulated": self.emulated}
+
+    @property
+    def emulated(self) -> bool:
+        """Its FP8 was emulated: listed for its fidelity, never chosen for speed (`tune.fp8`)."""
+        return emulated(self.row.report)
 
 
 def environment(candidate: Candidate, job: Job, policy_path: str) -> dict[str, str]:
@@ -94,12 +104,15 @@ def measured(candidate: Candidate, done: Finished, reference: RunStats | None, r
              upto: int | None = None) -> Measured:
     """The verdict of `candidate`'s finished run against the O0 `reference` row (None: it is
     the reference)."""
-    row = RunStats.of(level_run(done, candidate.opt_level), reference, upto)
+    # forced as its label says: a run at another level, master mode or FP8 recipe fails (runner.level_run)
+    mode = candidate.master_weights if isinstance(candidate.master_weights, str) else None
+    row = RunStats.of(level_run(done, variant_label(candidate.opt_level, mode, candidate.fp8)), reference, upto)
     if reference is None:  # the reference itself
         return Measured(candidate, row, row.ok, "the reference (FP32)" if row.ok else f"run failed: {row.error}",
                         row.ok and all(math.isfinite(x) for x in row.losses), 0.0 if row.ok else None)
     v = judge(row, rule, reference.reference(upto), upto)
-    return Measured(candidate, row, v.qualifies, v.reason, v.finite, v.deviation, learned=v.learned,
+    reason = f"{v.reason}; {NOT_CHOSEN}" if emulated(row.report) else v.reason
+    return Measured(candidate, row, v.qualifies, reason, v.finite, v.deviation, learned=v.learned,
                     learned_margin=v.learned_margin, noise=v.noise, beyond=v.beyond)
 
 

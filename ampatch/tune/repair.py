@@ -1,7 +1,7 @@
 """A failed candidate's repair: one recorded run (the `diagnose` recorder), and the candidate
 its diagnosis suggests: its `keep_fp32` added, its settings (a dynamic loss scale against
 gradient underflow; FP32 master weights against stalled updates, weights the optimizer's steps
-leave unchanged). A diagnosis that names a step fault (the optimizer's own arithmetic, not a
+leave unchanged), and for an FP8 candidate the layers FP8 hurts left out of FP8 (`fp8_modules`). A diagnosis that names a step fault (the optimizer's own arithmetic, not a
 module's precision) gives no repair: the candidate is dropped with that reason. While a
 repair still fails, the set grows as `ampatch diagnose` grows it (the new first non-finite
 module, else the parent of the last module added), within `MAX_REPAIRS` tries.
@@ -62,10 +62,17 @@ def suggest(candidate: Candidate, job: Job, log: TextIO | None) -> Suggestion:
     scale, masters = rec.settings.loss_scale, rec.settings.master_weights
     new_scale = scale is not None and scale != candidate.loss_scale
     new_masters = masters is not None and masters != candidate.master_weights
-    if not keep and not new_scale and not new_masters:
-        return Suggestion(None, "the diagnosis names no module to keep in FP32 and no setting", finding=finding)
+    exclude = [e for e in rec.fp8_exclude if e not in candidate.fp8_exclude] if candidate.fp8 else []
+    if exclude and not rec.fp8_modules:
+        return Suggestion(None, f"FP8 hurts every layer it ran ({', '.join(exclude)}): the level without fp8 is a "
+                                "candidate of its own", finding=finding)
+    if not keep and not new_scale and not new_masters and not exclude:
+        return Suggestion(None, "the diagnosis names no module to keep in FP32, no layer to leave out of FP8 and no "
+                                "setting", finding=finding)
     if stall is not None:
         why = f"{finding}: FP32 master weights"
+    elif exclude and not keep and not new_scale:
+        why = next((n for n in rec.notes if n.startswith(f"fp8: {exclude[0]} (")), f"leave {exclude} out of FP8")
     else:
         why = "; ".join(rec.notes[:2]) or f"keep {keep} in FP32"
-    return Suggestion(candidate.repaired(keep, scale, masters), why, finding=finding)
+    return Suggestion(candidate.repaired(keep, scale, masters, exclude, rec.fp8_modules), why, finding=finding)

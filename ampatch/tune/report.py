@@ -61,9 +61,10 @@ def to_json(result: Result) -> dict[str, Any]:
         c = result.chosen
         base = next((d for d in cands if d["opt_level"] == c.opt_level and d["keep_fp32"] == list(c.keep_fp32)
                      and d["half_dtype"] == c.half_dtype and d["loss_scale"] == c.loss_scale
-                     and d["master_weights"] == c.master_weights), None)
+                     and d["master_weights"] == c.master_weights and d["fp8"] == c.fp8
+                     and d["fp8_exclude"] == list(c.fp8_exclude)), None)
         chosen = base or {"opt_level": "O0", "half_dtype": None, "keep_fp32": [], "loss_scale": None,
-                          "master_weights": None, "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0,
+                          "master_weights": None, "fp8": None, "fp8_modules": None, "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0,
                           "learned": 1.0, "finite": True,
                           "qualifies": True, "reason": "the reference (FP32)"}
         chosen = {**chosen, "why": result.why}

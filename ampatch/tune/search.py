@@ -19,6 +19,8 @@ time budget.
   between repeats) goes to the simpler policy. O0 is chosen when no half policy qualifies, or
   when O0 is faster than that choice beyond the spread; a tie with O0 goes to the half policy
   (it trains like FP32: the measurement cannot tell the two apart on speed).
+- A candidate whose FP8 was emulated (`tune.fp8`) is judged like the rest and listed with its
+  fidelity, but never re-timed or chosen: emulation's step times say nothing of FP8's speed.
 - With the "memory" objective: the qualifying policy (O0 included) that holds the fewest
   bytes per trained parameter for training (weight, master copy or compensation, optimizer
   state: `Report.training_bytes_per_param`, counted, not timed); equal footprints go by speed
@@ -250,7 +252,8 @@ class Search:
         """The fastest qualifying candidates and O0, interleaved; every repeat is judged again
         (a finalist that fails on one no longer qualifies); O0's are timed only."""
         r = self.result
-        qual = sorted((m for m in r.candidates if m.qualifies and m.step_ms), key=lambda m: m.step_ms)[:timing.RETIME]
+        qual = sorted((m for m in r.candidates if m.qualifies and m.step_ms and not m.emulated),
+                      key=lambda m: m.step_ms)[:timing.RETIME]
         if not qual or self.rounds < 1:
             return
         by_label = {REFERENCE.label: REFERENCE, **{m.candidate.label: m.candidate for m in qual}}
@@ -294,9 +297,14 @@ class Search:
         r = self.result
         r.spread = timing.spread(r.repeats if any(len(v) > 1 for v in r.repeats.values()) else r.timings)
         ms = timing.step_ms(r.compared())
+        fp8 = [m.candidate.label for m in r.candidates if m.emulated and m.qualifies]
+        if fp8:
+            r.notes.append(f"{', '.join(fp8)}: trained like FP32, but on FP8 emulated by torchao here (no FP8 tensor "
+                           "cores): listed for their fidelity, never chosen for speed; time them on a GPU with FP8 "
+                           "tensor cores (CUDA capability 8.9+).")
         if self.objective == "memory":
             return self.choose_memory(ms)
-        qual = [m.candidate for m in r.candidates if m.qualifies and m.candidate.label in ms]
+        qual = [m.candidate for m in r.candidates if m.qualifies and not m.emulated and m.candidate.label in ms]
         if self.retimed:  # the finalists: the others were slower at their first timing
             qual = [c for c in qual if c in self.retimed]
         if not qual:
@@ -333,7 +341,8 @@ class Search:
         r = self.result
         held = {m.candidate.label: (m.candidate, m.row.train_bytes_per_param)
                 for m in ([r.reference] if r.reference is not None else []) + r.candidates
-                if (m.qualifies or m.candidate == REFERENCE) and m.row.train_bytes_per_param is not None
+                if (m.qualifies or m.candidate == REFERENCE) and not m.emulated
+                and m.row.train_bytes_per_param is not None
                 and m.candidate.label in ms}
         if not held:
             r.chosen = REFERENCE

@@ -3,7 +3,8 @@ reads to choose the size (``ampatch.runs.sizing``).
 
 ``python -m ampatch.workloads.calibrate lm --levels O0,O1,O4 --out PATH`` times, from the
 smallest size up, one step kind per distinct dtype of the levels (FP32 for O0, then each half
-dtype, at the first level that uses it): the model is built, initialized at that level, run
+dtype, at the first level that uses it; a level with FP8, "O5+fp8:rowwise", is a kind of its own:
+emulated FP8 steps cost a few times bfloat16's): the model is built, initialized at that level, run
 one warm-up step and ``TIMED_STEPS`` timed ones, then deinitialized. Each size costs about
 ``GROWTH`` times the one before, so it stops before a size whose round (a step of every
 level) would take more than ``SLACK`` times ``--stop-above`` (the caller's longest round that
@@ -28,7 +29,7 @@ import torch
 import ampatch as amp
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import levels
-from ampatch.config.values import parse_names
+from ampatch.config.values import DEFAULT_FP8_RECIPE, parse_names
 from ampatch import workloads
 from ampatch.workloads import _common
 
@@ -36,14 +37,22 @@ TIMED_STEPS = 2  # after one warm-up step, per size and kind
 GROWTH = 4.0     # each size is about this many times the compute of the one before (workloads.SIZES)
 SLACK = 1.5      # a size predicted to need up to this many times --stop-above is still measured
 FP32 = "float32"
+FP8_KIND = "+fp8:"  # a step kind with FP8: "bfloat16+fp8:tensorwise"
 
 
 def step_kinds(level_names: Sequence[str], device: str, half_dtype: str | None) -> dict[str, str]:
-    """Level -> its step kind: ``float32`` for O0, else the name of the half dtype it runs in."""
+    """Level (as `--levels` names it) -> its step kind: ``float32`` for O0, else the name of the
+    half dtype it runs in; with FP8, that and the recipe ("bfloat16+fp8:rowwise")."""
     def kind(label: str) -> str:
-        level = levels.variant(label)[0]  # "O5+kahan" steps bfloat16 weights as O5 does
-        return levels.half_name(level, levels.half_dtype_for(level, device, half_dtype)) or FP32
+        level, _, fp8 = levels.variant(label)  # "O5+kahan" steps bfloat16 weights as O5 does
+        dtype = levels.half_name(level, levels.half_dtype_for(level, device, half_dtype)) or FP32
+        return dtype if fp8 is None else f"{dtype}{FP8_KIND}{DEFAULT_FP8_RECIPE if fp8 is True else fp8}"
     return {lv: kind(lv) for lv in level_names}
+
+
+def dtype_of_kind(kind: str) -> str:
+    """The dtype of a step kind ("bfloat16+fp8:rowwise" -> "bfloat16")."""
+    return kind.partition(FP8_KIND)[0]
 
 
 def time_kind(module: Any, size: str, level: str, args: argparse.Namespace) -> dict[str, float]:
@@ -54,8 +63,9 @@ def time_kind(module: Any, size: str, level: str, args: argparse.Namespace) -> d
                                                   "--device", args.device, "--seed", "0"], TIMED_STEPS + 1)
     torch.manual_seed(run_args.seed)
     model, optimizer, batches, loss_fn = module.build(run_args)
+    level, _, fp8 = levels.variant(level)
     half = levels.half_dtype_for(level, args.device, args.half_dtype) if levels.uses_half(level) else None
-    model, optimizer = amp.initialize(model, optimizer, opt_level=level, half_dtype=half, verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=level, half_dtype=half, verbosity=0, fp8=fp8)
     model.train()
     times = []
     try:
@@ -117,7 +127,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="do not start a size whose measuring would end past this many seconds")
     p.add_argument("--out", required=True, metavar="PATH", help="write the measurements here (JSON)")
     args = p.parse_args(argv)
-    args.levels = [levels.normalize(lv, "--levels") for lv in parse_names(args.levels)]
+    args.levels = [levels.variant(lv, "--levels").label for lv in parse_names(args.levels)]
     args.sizes = parse_names(args.sizes)
     bad = [s for s in args.sizes if s not in workloads.SIZES]
     if bad or not args.sizes:

@@ -114,5 +114,6 @@ def test_every_example_is_tested() -> None:
     tested = {name for name, _ in CASES}
     owned_elsewhere = {"cnn", "distributed", "fsdp", "apex_main_amp", "diagnose", "tune",  # their own tests
                        "finetune_stall",  # tests/commands/test_stall_verdicts.py
+                       "fp8_outliers",  # tests/commands/test_diagnose_fp8.py
                        "lightning_mlp", "lightning_fabric", "hf_trainer"}  # tests/integrations/ (need the integrations extra)
     assert {p.stem for p in EXAMPLES.glob("*.py")} - owned_elsewhere <= tested
