@@ -230,9 +230,9 @@ def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[st
 
 def from_outside(overrides: env.Overrides) -> env.Overrides:
     """`overrides` with the policy file ``AMPATCH_POLICY`` names merged in, as if its fields
-    were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE`` and
-    ``AMPATCH_KEEP_FP32``, ``AMPATCH_MASTER_WEIGHTS``, ``AMPATCH_FP8``, ``AMPATCH_FP8_MODULES`` (which, when set too, still win; its ``keep_fp32`` is added to
-    theirs): from outside, a policy beats the script by the same rule as those variables
+    were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE``,
+    ``AMPATCH_MASTER_WEIGHTS``, ``AMPATCH_FP8`` and ``AMPATCH_FP8_MODULES`` (which, when set
+    too, still win; its ``keep_fp32`` is added to ``AMPATCH_KEEP_FP32``'s): from outside, a policy beats the script by the same rule as those variables
     (`options.resolve`). Raises `PolicyError` for a missing or bad file."""
     if overrides.policy is None:
         return overrides
@@ -240,23 +240,14 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
     given = f"{env.POLICY}={overrides.policy}"
     fields: dict[str, Any] = {}
     sources = dict(overrides.sources)
-    if overrides.opt_level is None:
-        fields["opt_level"] = pol.opt_level
-        sources["opt_level"] = f"{given} (opt_level {pol.opt_level})"
-    if overrides.half_dtype is None and pol.half_dtype is not None and levels.uses_half(pol.opt_level):
-        fields["half_dtype"] = parse_dtype(pol.half_dtype, "half_dtype")
-        sources["half_dtype"] = f"{given} (half_dtype {pol.half_dtype})"
-    if overrides.loss_scale is None and pol.loss_scale is not None:
-        fields["loss_scale"] = pol.loss_scale
-        sources["loss_scale"] = f"{given} (loss_scale {pol.loss_scale!r})"
-    if overrides.master_weights is None and pol.master_weights is not None:
-        fields["master_weights"] = pol.master_weights
-        sources["master_weights"] = f"{given} (master_weights {pol.master_weights!r})"
-    if overrides.fp8 is None and pol.fp8 is not None:
-        fields["fp8"] = pol.fp8
-        sources["fp8"] = f"{given} (fp8 {pol.fp8!r})"
-    if overrides.fp8_modules is None and pol.fp8_modules is not None:
-        fields["fp8_modules"] = pol.fp8_modules
-        sources["fp8_modules"] = f"{given} (fp8_modules {list(pol.fp8_modules)})"
+    half = parse_dtype(pol.half_dtype, "half_dtype") if levels.uses_half(pol.opt_level) else None
+    values = {"opt_level": pol.opt_level, "half_dtype": half, "loss_scale": pol.loss_scale,
+              "master_weights": pol.master_weights, "fp8": pol.fp8,
+              "fp8_modules": list(pol.fp8_modules) if pol.fp8_modules is not None else None}
+    for name, value in values.items():  # a field the variables leave unset, where the file sets it
+        if getattr(overrides, name) is None and value is not None:
+            fields[name] = getattr(pol, name) if name == "fp8_modules" else value
+            shown = getattr(pol, name) if name in ("opt_level", "half_dtype") else repr(value)
+            sources[name] = f"{given} ({name} {shown})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
     return dataclasses.replace(overrides, **fields, sources=sources)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
 from typing import Any
 
@@ -32,7 +32,7 @@ from .stepper import Layout, Rounding, Target, step_in_chunks
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["ShardedLowMem", "COMP_KEY", "SEED_KEY", "ROUNDS_KEY", "local"]
+__all__ = ["ShardedLowMem", "COMP_KEY", "SEED_KEY", "ROUNDS_KEY", "local", "local_footprint"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 COMP_KEY = "ampatch_compensation"  # kahan: a param's state entry, its compensation (a DTensor like the param)
@@ -48,6 +48,16 @@ def local(t: Any) -> Any:
     """A DTensor's local shard (a view: writing it writes the DTensor); anything else as it is."""
     cls = _dtensor()
     return t.to_local() if cls is not None and isinstance(t, cls) else t
+
+
+def local_footprint(params: Iterable[Any]) -> tuple[int, int]:
+    """(elements, bytes) of this rank's local shards of `params`."""
+    count = size = 0
+    for p in params:
+        mine = local(p)
+        count += mine.numel()
+        size += mine.numel() * mine.element_size()
+    return count, size
 
 
 def shard_offset(p: torch.Tensor) -> int:
@@ -345,11 +355,7 @@ class ShardedLowMem(Masters):
 
     def footprint(self) -> tuple[int, int]:
         """(params, bytes) of this rank: its local shards of the weights, plus the compensations."""
-        count = size = 0
-        for p in self.params():
-            mine = local(p)
-            count += mine.numel()
-            size += mine.numel() * mine.element_size()
+        count, size = local_footprint(self.params())
         return count, size + sum(c.numel() * c.element_size() for c in self.comp.values())
 
 

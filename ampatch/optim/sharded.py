@@ -18,7 +18,7 @@ import torch
 from ..config.values import MasterMode
 from .context import HandleContext
 from .handle import OptimizerHandle
-from .lowmem_sharded import ShardedLowMem, local
+from .lowmem_sharded import ShardedLowMem, local_footprint
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters
 
 logger = logging.getLogger("ampatch")
@@ -31,12 +31,7 @@ class ShardedMasters(Masters):
     footprint is this rank's: its local shards."""
 
     def footprint(self) -> tuple[int, int]:
-        count = size = 0
-        for p in self.params():
-            mine = local(p)
-            count += mine.numel()
-            size += mine.numel() * mine.element_size()
-        return count, size
+        return local_footprint(self.params())
 
 
 class ShardedOptimizerHandle(OptimizerHandle):
