@@ -71,8 +71,11 @@ def _apex_attributes(handle: Any) -> dict[str, Any]:
 def _session(what: str) -> Session:
     s = _current()
     if s is None:
-        raise RuntimeError(f"amp.{what}() was called before amp.initialize(); call "
-                           "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first.")
+        raise RuntimeError(f"amp.{what}() was called with no ampatch session: before amp.initialize() or after "
+                           "amp.deinitialize(); call `model, optimizer = amp.initialize(model, optimizer, "
+                           "opt_level=...)` first. (Lightning's teardown and the Transformers Trainer's train() end "
+                           "the session; the plugin's `last_report` and the Trainer's `ampatch_report` keep its "
+                           "report().)")
     return s
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DEFAULT_LEVEL", "RESERVED", "LevelChoice"]
+__all__ = ["DEFAULT_LEVEL", "RESERVED", "LevelChoice", "end_session"]
 
 DEFAULT_LEVEL = "O2"
 RESERVED = ("models", "optimizers")  # the framework hands the plugin its model and optimizers
@@ -42,3 +42,13 @@ class LevelChoice:
         if self.policy is not None:
             out["policy"] = self.policy
         return out
+
+
+def end_session() -> Any:
+    """Take the session's `report()`, then `amp.deinitialize()`, and return the report: a
+    framework ends the session when training ends (teardown, train() returning), after which
+    `amp.report()` has no session to ask, so the plugin keeps the last one for its user."""
+    import ampatch as amp
+    report = amp.report()
+    amp.deinitialize()
+    return report

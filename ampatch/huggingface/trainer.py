@@ -12,7 +12,8 @@ The hooks are the Trainer's own methods, as in Transformers 5.23:
 - `_save/_load_optimizer_and_scheduler`: the loss scaler beside the optimizer (`ampatch.pt`);
 - `_load_best_model` (`load_best_model_at_end=True`): the best checkpoint's weights are its
   exact FP32 masters; its optimizer state (the masters too) is loaded with them;
-- `train`: afterwards the session is undone (the model FP32, the masters' values).
+- `train`: afterwards the session is undone (the model FP32, the masters' values); its
+  `report()` stays in `trainer.ampatch_report`.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 
 import ampatch as amp
 
-from ..frameworks.level import LevelChoice
+from ..frameworks.level import LevelChoice, end_session
 from ..config.values import MasterMode
 from ..frameworks import scheduler_guard
 from ..base.patcher import Patcher
@@ -75,6 +76,7 @@ class AmpatchTrainerMixin:
             raise TypeError(f"{type(self).__name__}: AmpatchTrainerMixin mixes into a transformers.Trainer class: "
                             "class MyTrainer(AmpatchTrainerMixin, Seq2SeqTrainer).")
         self.choice = LevelChoice(type(self).__name__, opt_level, policy, dict(initialize_kwargs or {}))
+        self.ampatch_report: Any = None  # the session's report(), kept when train() ends the session
         self.opt_level = opt_level
         check_environment()
         check_args(kwargs.get("args", args[1] if len(args) > 1 else None))
@@ -125,7 +127,7 @@ class AmpatchTrainerMixin:
         """Undo the session and the Trainer's patches (train() does this when it returns)."""
         self._patches.restore_all()
         if self._amp_optimizer is not None:
-            amp.deinitialize()
+            self.ampatch_report = end_session()
             self._amp_optimizer = None
 
     # ------------------------------------------------------------------ clipping on the masters

@@ -179,11 +179,12 @@ class ScalerCheckpoint:
 def start_plugin(plugin: Any, who: str, opt_level: str | None, policy: Any, initialize_kwargs: dict[str, Any]) -> None:
     """What both plugins' `__init__` sets (not their Lightning base's `__init__`: the dtype
     is known once the session resolved it): the level choice, the session's facts, the state,
-    the optimizers, the scaler's checkpoint entry; the compute dtype FP32 until then."""
+    the optimizers, the scaler's checkpoint entry, the last report; the compute dtype FP32 until then."""
     plugin.choice = LevelChoice(who, opt_level, policy, initialize_kwargs)
     plugin.opt_level = opt_level
     plugin.facts = Facts()
     plugin.state = PluginState.IDLE
     plugin.optimizers = []
     plugin.checkpoint = ScalerCheckpoint(who)
+    plugin.last_report = None  # the session's report(), kept when teardown ends the session
     set_compute_dtype(plugin, torch.float32)

@@ -20,7 +20,8 @@
 - `state_dict`/`load_state_dict`: the loss scaler; Fabric saves a precision plugin's state
   only when it is in the state given to `fabric.save` (`{"ampatch": plugin, ...}`); the masters
   are in the optimizer's state dict;
-- `teardown`: `amp.deinitialize()`, the models FP32 again.
+- `teardown`: `amp.deinitialize()`, the models FP32 again; the session's `report()` stays in
+  `plugin.last_report`.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from torch import nn
 import ampatch as amp
 
 from . import framework
+from ..frameworks.level import end_session
 from .common import Facts, PluginState, start_plugin
 
 
@@ -160,7 +162,7 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
         """Undo the session: the models FP32 again (the masters' values), optimizers and torch
         as they were."""
         if self.state is PluginState.CONNECTED:
-            amp.deinitialize()
+            self.last_report = end_session()
         self.models, self.optimizers = [], []
         self.state = PluginState.TORN_DOWN
         super().teardown()

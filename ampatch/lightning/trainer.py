@@ -23,7 +23,8 @@ The plugin drives `amp.initialize` + `amp.scale_loss` from Lightning's hooks:
   masters', `common.HookGrads`), Lightning's clipping on the masters (`main_params`), then
   the step, skipped after an overflow; the schedulers of a skipped step hold still;
 - `state_dict`/`load_state_dict`: the loss scaler in Lightning's checkpoints;
-- `teardown`: `amp.deinitialize()`, the model FP32 again on the device it is on now.
+- `teardown`: `amp.deinitialize()`, the model FP32 again on the device it is on now; the
+  session's `report()` stays in `plugin.last_report`.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import ampatch as amp
 from ..model.default_dtype import fp32_default
 from ..model.forwards import InputCast, install_forward, is_wrapped
 from ..frameworks import scheduler_guard
+from ..frameworks.level import end_session
 from ..base.patcher import Patcher
 from . import framework
 from .common import Facts, HookGrads, PluginState, pairs_of, start_plugin, sync_requires_grad
@@ -272,7 +274,7 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         on now, optimizers and torch as they were, schedulers and toggling unpatched."""
         self._patches.restore_all()
         if self.state is PluginState.CONNECTED:
-            amp.deinitialize()
+            self.last_report = end_session()
         self.optimizers = []
         self._listens = False
         self.state = PluginState.TORN_DOWN

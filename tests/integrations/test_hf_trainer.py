@@ -195,6 +195,7 @@ def test_resume_from_checkpoint_continues_loss_for_loss(level: str, tmp_path: Pa
 
 def test_save_model_writes_the_fp32_model(tmp_path: Path) -> None:
     trainer = trained("gpt2", "O2", tmp_path, steps=2)
+    assert trainer.ampatch_report.opt_level == "O2" and trainer.ampatch_report.steps == 2  # kept past train()
     trainer.save_model(str(tmp_path / "final"))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "final")
     assert loaded.dtype == torch.float32

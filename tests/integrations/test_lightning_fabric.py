@@ -61,6 +61,7 @@ def test_fabric_loop_matches_the_hand_loop(level: str) -> None:
     assert next(model.parameters()).dtype == (F32 if level in UNCAST else BF16)
     f.strategy.precision.teardown()
     assert all(p.dtype == F32 for p in model.parameters())
+    assert f.strategy.precision.last_report.steps == len(got)  # the session's report, kept past teardown
 
     hand = transformer()
     opt = torch.optim.AdamW(hand.parameters(), lr=1e-2)

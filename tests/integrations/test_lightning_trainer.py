@@ -248,6 +248,8 @@ def test_teardown_undoes_everything() -> None:
     assert all(p is q for p, q in zip(opt.param_groups[0]["params"], lit.parameters()))
     with pytest.raises(RuntimeError, match="before amp.initialize"):
         amp.loss_scale()
+    kept = fit.strategy.precision_plugin.last_report  # the session's report, kept past teardown
+    assert kept.opt_level == "O2" and kept.steps == fit.global_step > 0
 
 
 def test_bad_arguments_are_refused() -> None:
