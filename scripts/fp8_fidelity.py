@@ -91,7 +91,7 @@ def llama_curve(level: str, recipe: str | None, steps: int, seed: int = 0, modul
 
 
 def judged(c: Comparison) -> str:
-    """tune's verdict on a comparison (`ampatch.tune.verdict.judge`, at the default tolerance)."""
+    """tune's verdict on a comparison (`ampatch.runs.verdict.judge`, at the default tolerance)."""
     margin = c.learned_margin() or 0.0
     if c.learned is None or c.deviation is None:
         return "not judged"

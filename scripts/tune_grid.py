@@ -14,7 +14,7 @@ model can learn. Its axes:
 
 Each cell runs O0, O3, O4 and O5 (bfloat16) in this process, on the same batches, and judges
 each run exactly as ``tune`` does (`ampatch.tune.search.reference_of`, then
-`ampatch.tune.verdict.judge`). What each run really did is measured beside the verdict, from
+`ampatch.runs.verdict.judge`). What each run really did is measured beside the verdict, from
 outside the loss curve:
 
 - ``stall``: the share of the weights (as the run holds them) that never changed over the run;
@@ -57,7 +57,7 @@ from ampatch.config import env
 from ampatch.runs.deviation import TOLERANCE
 from ampatch.runs.runner import LevelRun
 from ampatch.tune.search import NoProgress, NoReference, reference_of
-from ampatch.tune.verdict import Rule, judge
+from ampatch.runs.verdict import Rule, judge
 
 LEVELS = ("O3", "O4", "O5")
 NOISES = (1.0, 10.0, 100.0)

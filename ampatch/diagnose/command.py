@@ -15,9 +15,10 @@ stopped after the same number of optimizer steps (``AMPATCH_MAX_STEPS``), with t
    FP8 once those FP8 hurts are left out), recording too: while it is still not finite,
    the set grows by its first non-finite module (or the parent of the last module added) and
    is verified again, at most `MAX_ROUNDS` times; then the diagnosis says plainly that it gave
-   up. Each run is judged against O0 as ``tune`` judges a candidate: its deviation from O0's
-   curve within `TOLERANCE` of what O0 learns, and learning at least `MIN_SHARE` of it
-   (`Figures.follows_O0`): a fix for stalled updates is verified by the loss following O0 again.
+   up. Each run is judged against O0 by the rule ``tune`` holds a candidate to
+   (`ampatch.runs.verdict.judge` at `TOLERANCE`: learning like O0 at 99% confidence, its
+   deviation from O0's curve within the tolerance beyond its own noise; `Figures.follows_O0`):
+   a fix for stalled updates is verified by the loss following O0 again.
 
 With `Request.fp8` the diagnosed run and its reruns run the Linear layers in FP8
 (``AMPATCH_FP8``); O0 never does.
@@ -34,7 +35,8 @@ from ..runs.stats import RunStats
 from ..config import env
 from ..record.child import DEFAULT_STEPS
 from ..record.records import Recording, RecordingError
-from ..runs.deviation import MIN_SHARE, TOLERANCE, Basis
+from ..runs.deviation import TOLERANCE, Basis
+from ..runs.verdict import Rule, judge
 from ..runs.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
 from .analysis import diagnosis, grow
 from .result import Diagnosis, Figures, Settings, Verification
@@ -117,10 +119,12 @@ def _figures(run: _Run, baseline: RunStats | None, keep: Sequence[str], settings
     finite = (row.ok and bool(losses) and all(math.isfinite(x) for x in losses)
               and not (steps and (steps - 1) in skipped))
     dev, share = _number(row.max_loss_dev_vs_O0), row.learned_vs_O0
-    follows = None if baseline is None else (finite and dev is not None and dev <= TOLERANCE
-                                             and (share is None or share >= MIN_SHARE))
+    follows, why = None, ""
+    if baseline is not None:
+        verdict = judge(row, Rule(TOLERANCE), baseline.reference())
+        follows, why = (verdict.qualifies if verdict.judged else None), verdict.reason
     return Figures(tuple(keep), settings, row.level, finite, _number(row.final_loss), dev, share, follows,
-                   len(skipped), steps, row.error, tuple(fp8_exclude))
+                   len(skipped), steps, row.error, tuple(fp8_exclude), why)
 
 
 def _grow(keep: list[str], run: _Run) -> str | None:

@@ -89,7 +89,7 @@ def fp8_table(layers: Sequence[Fp8Entry]) -> list[str]:
 
 def _verdict(f: Figures) -> str:
     if f.follows_O0 is None:
-        return "reference"
+        return "can't tell" if f.verdict else "reference"
     return "yes" if f.follows_O0 else "no"
 
 
@@ -176,18 +176,19 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
     out += [f"  - {n}" for n in result.recommendation.notes]
     v = result.verification
     if v is not None:
-        out += ["", f"verification ({v.verified.steps} steps each, same seed; follows O0: finite, deviation within "
-                    f"{TOLERANCE:.0%} and learning at least {MIN_SHARE:.0%} of what O0 learns):"]
+        out += ["", f"verification ({v.verified.steps} steps each, same seed; follows O0 as tune judges a "
+                    f"candidate: finite, learning {MIN_SHARE:.0%} to {1 / MIN_SHARE:.0%} of what O0 learns, deviation "
+                    f"within {TOLERANCE:.0%} beyond its own noise):"]
         label = (level or "") + (f"+fp8:{fp8.recipe}" if fp8 else "")
         out += ["  " + ln for ln in _verification(result, label)]
-        if v.o0_progress is None and result.recommendation.settings.master_weights:
-            out.append(f"  O0's loss does not fall beyond its noise in {v.verified.steps} steps, so these runs cannot "
-                       "show whether a run learns: rerun with more --steps (e.g. 40) to see the fix at work.")
         if v.gave_up:
             out.append("  the fix did not make the run finite: gave up (see the last note).")
         else:
             if v.verified.follows_O0 is False:
-                out.append("  the fix made the run finite, but its loss does not follow O0's within the tolerance.")
+                out.append(f"  the fixed run does not follow O0: {v.verified.verdict}.")
+            elif v.verified.follows_O0 is None:
+                out.append(f"  these runs cannot tell whether the fixed run follows O0: {v.verified.verdict}. "
+                           f"Rerun with more --steps (e.g. {5 * v.verified.steps}) to judge it.")
             out += ["", *_apply(result.recommendation, rerun)]
     return "\n".join(out)
 

@@ -128,8 +128,9 @@ class Recommendation:
 @dataclass(frozen=True)
 class Figures:
     """One verification run against O0: finite, final loss, deviation from O0's curve and the
-    share of O0's progress it makes (`ampatch.runs.deviation`); `follows_O0`: within the
-    tolerance and learning (None when not judged: O0 itself)."""
+    share of O0's progress it makes (`ampatch.runs.deviation`); `follows_O0`: it trains like
+    FP32 by tune's rule (`ampatch.runs.verdict`), `verdict` saying why; None when not judged:
+    O0 itself (`verdict` empty), or runs that cannot tell (O0 did not learn, too noisy)."""
 
     keep_fp32: tuple[str, ...]
     settings: Settings
@@ -143,6 +144,7 @@ class Figures:
     steps: int
     error: str | None
     fp8_exclude: tuple[str, ...] = ()   # the layers it left out of FP8
+    verdict: str = ""                   # the rule's reason (runs.verdict.Verdict.reason); "" for O0
 
     @property
     def fixed(self) -> bool:

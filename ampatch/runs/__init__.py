@@ -15,6 +15,10 @@ One job per module:
 - ``builtin``: runs of a built-in workload (device, launcher, each level's command);
 - ``stats``: a run's statistics against O0's (`RunStats`), shared by compare, tune and diagnose;
 - ``deviation``: the one measure of how far a loss curve strays from O0's, and how much it learns;
+- ``verdict``: whether a run trains like FP32 (tune holds every candidate to it, diagnose a
+  verified fix): finite, no late skipped step (a loss scaler's growth probe aside), learning
+  between half and twice what O0 learns at 99% confidence, and a deviation from O0's curve
+  no more than the tolerance beyond the noise of its paired differences from O0;
 - ``apex_site/sitecustomize.py``: what ``--apex-alias`` puts on a run's path.
 
 Nothing here prints: the command line (``ampatch.cli``) gives the stream to write progress to.

@@ -6,11 +6,8 @@ One job per module:
 - ``command``: the entry point: the job (a script, or a built-in workload), the search, the policy file;
 - ``candidates``: a policy to try (`Candidate`), the ones worth trying on this hardware, and
   the simplicity order that breaks ties (O0 the simplest);
-- ``measure``: one candidate's run (as ``ampatch run --policy`` runs it);
-- ``verdict``: whether it trains like FP32: finite, no late skipped step (a loss scaler's
-  growth probe aside), learning between half and twice what O0 learns at 99% confidence, and
-  a deviation from O0's curve relative to what O0 learns (`ampatch.runs.deviation`) no more
-  than the tolerance beyond the noise of its paired differences from O0;
+- ``measure``: one candidate's run (as ``ampatch run --policy`` runs it), judged by
+  `ampatch.runs.verdict` (whether it trains like FP32, the rule diagnose verifies a fix by);
 - ``repair``: a failed candidate's recorded run, and the candidate its diagnosis suggests
   (modules kept in FP32, a loss scale, FP32 masters against stalled updates, layers left out of
   FP8; or why none);

@@ -19,7 +19,7 @@ from ampatch.runs.runner import Finished, Launch, child_env, level_run, popen, r
 from ampatch.config.policy_file import save
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.fp8 import NOT_CHOSEN, emulated
-from ampatch.tune.verdict import Rule, judge
+from ampatch.runs.verdict import Rule, judge
 
 __all__ = ["Job", "Measured", "run_candidate", "measured"]
 

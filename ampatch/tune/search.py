@@ -41,7 +41,7 @@ from ampatch.tune import timing
 from ampatch.tune.candidates import OBJECTIVES, REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
 from ampatch.tune.repair import MAX_REPAIRS, suggest
-from ampatch.tune.verdict import Rule
+from ampatch.runs.verdict import Rule
 
 __all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "RECORD_FACTOR"]
 

@@ -32,7 +32,7 @@ def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:
     return path
 
 
-def test_the_example_goes_nan_in_float16_and_the_verified_fix_trains_like_o0(tmp_path):
+def test_the_example_goes_nan_in_float16_and_the_fix_is_verified_finite(tmp_path):
     out = tmp_path / "d.json"
     done = _ampatch("diagnose", "--half-dtype", "float16", "--json", str(out), "--",
                     "python", "examples/diagnose.py")
@@ -44,6 +44,11 @@ def test_the_example_goes_nan_in_float16_and_the_verified_fix_trains_like_o0(tmp
     v = result["verification"]
     assert v["finite"] and not v["gave_up"] and not v["without"]["finite"]
     assert v["max_dev_vs_O0"] < 0.05
+    # in 8 steps O0's loss does not fall beyond its noise: whether the fix learns like O0 is
+    # judged by tune's rule, which cannot tell here, and says so with the steps that would
+    assert v["follows_O0"] is None and v["O0"]["follows_O0"] is None and v["o0_progress"] is None
+    assert v["verdict"].startswith("O0 made no detectable progress")
+    assert "can't tell" in done.stdout and "Rerun with more --steps (e.g. 40) to judge it." in done.stdout
     # the verification shows the deviation as compare and tune do: relative, in percent
     assert f"{v['max_dev_vs_O0']:.2%}" in done.stdout
     assert "encoder.attn.scores" in done.stdout and "ampatch run --half-dtype float16 --keep-fp32 encoder.attn.scores -- python examples/diagnose.py" in done.stdout

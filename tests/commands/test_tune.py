@@ -15,7 +15,7 @@ from ampatch.runs.runner import LevelRun
 from ampatch.tune import timing
 from ampatch.tune.candidates import REFERENCE, Candidate, initial
 from ampatch.tune.measure import Job, Measured
-from ampatch.tune.verdict import Rule, growth_probes, judge
+from ampatch.runs.verdict import Rule, growth_probes, judge
 from ampatch.tune.report import render, to_json
 from ampatch.tune.search import Search
 

@@ -25,7 +25,7 @@ from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured
 from ampatch.tune.report import render, to_json
 from ampatch.tune.search import Search
-from ampatch.tune.verdict import Rule, judge
+from ampatch.runs.verdict import Rule, judge
 
 ROOT = Path(__file__).resolve().parents[2]
 O0_LOSSES = [3.0 - 0.1 * i for i in range(10)]

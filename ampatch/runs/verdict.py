@@ -1,4 +1,5 @@
-"""Whether a candidate's run trains like FP32: the rule every run of ``tune`` is held to.
+"""Whether a run trains like FP32: the rule every candidate of ``tune`` is held to, and the
+one ``diagnose`` verifies a fix by.
 
 A candidate *qualifies* when its run finished, every loss is finite, no step was skipped
 after the loss scaler's initial back-offs (except *growth probes*: a dynamic scale that grows
@@ -45,6 +46,7 @@ class Verdict:
     learned_margin: float | None = None   # the share is at least learned - learned_margin at the rule's confidence
     noise: float | None = None            # the deviation's noise allowance (relative to O0's progress)
     beyond: float | None = None           # how far the deviation goes beyond that allowance
+    judged: bool = True                   # False: the runs cannot tell (O0 did not learn, too noisy, too short)
 
 
 def growth_probes(skipped: Sequence[int], history: Sequence[Sequence[float]]) -> set[int]:
@@ -99,12 +101,12 @@ def judge(row: RunStats, rule: Rule, reference: Reference, upto: int | None = No
                        True, **figures)
     if reference.basis is not Basis.PROGRESS:
         return Verdict(False, f"O0 made no detectable progress to judge against ({reference.why_not()})", True,
-                       **figures)
+                       **figures, judged=False)
     if dev is None:
         return Verdict(False, "no loss to compare with O0's", True, **figures)
     if share is None:
         return Verdict(False, f"too few losses on the steps O0 has to tell whether it learns; deviation {dev:.2%}",
-                       True, **figures)
+                       True, **figures, judged=False)
     m = margin or 0.0
     if share - m < MIN_SHARE or share + m > 1 / MIN_SHARE:
         return Verdict(False, f"learns {share:.0%}{_pm(margin)} of what O0 learns (between {MIN_SHARE:.0%} and "
@@ -115,7 +117,7 @@ def judge(row: RunStats, rule: Rule, reference: Reference, upto: int | None = No
         return Verdict(False, f"too noisy to judge at this tolerance: its per-step differences from O0 stray "
                               f"{noise:.2%} of O0's progress by noise alone ({rule.confidence:.0%} confidence), more "
                               f"than the {rule.tolerance:.2%} tolerance (run more steps); deviation {dev:.2%}",
-                       True, **figures)
+                       True, **figures, judged=False)
     shown = f"{noise:.2%}" != "0.00%"   # a noise that rounds to 0 is not worth a word
     said = f"deviation {dev:.2%}" + (f" ({beyond:.2%} beyond its noise of {noise:.2%})" if shown else "")
     if beyond > rule.tolerance:
