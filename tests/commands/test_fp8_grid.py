@@ -1,0 +1,36 @@
+"""`diagnose --fp8` on a sample of the generated family of planted FP8 problems
+(scripts/fp8_grid.py, the table in docs/fp8.md): one block of a residual MLP sees inputs
+whose per-sample scale spans more decades than e4m3 holds under one tensorwise scale, or
+fewer. The right answer is set by the format: beyond e4m3's range the planted block, and only
+it, is named and its exclusion verified; within it no layer is named. About 30 s."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import fp8_grid  # noqa: E402  (the grid's one definition of the case)
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_expected_verdict_comes_from_e4m3s_range():
+    assert 5.3 < fp8_grid.E4M3_DECADES < 5.4
+    assert fp8_grid.Case(3, 1, 6.0).expected == ["blocks.1"] and fp8_grid.Case(3, 1, 3.0).expected == []
+
+
+@pytest.mark.parametrize("case", [fp8_grid.Case(depth=3, position=1, decades=12.0, seed=0),
+                                  fp8_grid.Case(depth=5, position=4, decades=6.0, seed=1),
+                                  fp8_grid.Case(depth=5, position=0, decades=3.0, seed=0)],
+                         ids=lambda c: f"depth{c.depth}-blocks.{c.position}-{c.decades:g}decades")
+def test_diagnose_names_the_planted_block_and_only_where_fp8_cannot_hold_it(case):
+    pytest.importorskip("torchao")
+    cell = fp8_grid.cell(case)
+    assert not cell.error, cell.error
+    assert cell.named == case.expected
+    if case.expected:
+        assert cell.verified is True                      # the rerun without it follows O0
+        assert cell.fp8_alone_dev is not None and cell.fp8_alone_dev > 0.02   # and FP8 everywhere did not
+    assert cell.right
