@@ -11,6 +11,7 @@ takes (`zero_grad`).
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,13 +20,30 @@ import torch
 __all__ = ["signature", "declare_as", "argument", "first_argument", "set_to_none", "closure", "takes", "zero_grad"]
 
 _MISSING = object()  # "no such argument in the call"
+# a function (a bound method's __func__: the same for every instance) -> its signature
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def signature(fn: Callable) -> inspect.Signature | None:
     """The signature a call of `fn` must fit (None: unknown, a builtin). It follows
     `__wrapped__`; a wrapper set on the instance over a method of its class (torch's LR
     schedulers wrap `optimizer.step` so) reports that method's unbound signature, `self`
-    included, which the call does not pass: it is left out."""
+    included, which the call does not pass: it is left out. Read once per function (every
+    step and zero_grad asks): kept while the function lives."""
+    key = fn.__func__ if inspect.ismethod(fn) else fn
+    try:
+        return _SIGNATURES[key]
+    except (KeyError, TypeError):  # not read yet, or not weakly referable
+        pass
+    sig = _read_signature(fn)
+    try:
+        _SIGNATURES[key] = sig
+    except TypeError:
+        pass
+    return sig
+
+
+def _read_signature(fn: Callable) -> inspect.Signature | None:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -60,6 +78,9 @@ def argument(fn: Callable, args: tuple, kwargs: dict, name: str, default: Any = 
     sig = signature(fn)
     if sig is None or name not in sig.parameters:
         return kwargs.get(name, default)
+    if not args and not kwargs:  # the usual call, `step()`, `zero_grad()`: the declared default
+        declared = sig.parameters[name].default
+        return default if declared is inspect.Parameter.empty else declared
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError:
