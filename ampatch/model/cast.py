@@ -44,7 +44,7 @@ def params_to_cast(model: nn.Module, keep_batchnorm_fp32: bool | None,
     return list(out.values())
 
 
-class _Cast:
+class Cast:
     """One parameter or buffer the cast converted: its dtype before, and its exact values
     before (`shadow`; None where an FP32 master holds them, or for the second name of a tied
     parameter), so `deinitialize` gives back the very values, not half-rounded ones."""
@@ -81,7 +81,7 @@ class ModelHandle:
                  seen: dict[int, torch.dtype] | None = None, kept: Collection[int] = frozenset()) -> None:
         self.model = model
         self.dtype = dtype
-        self.casts: list[tuple[nn.Module, dict[str, _Cast]]] = []  # a list: modules may be unhashable
+        self.casts: list[tuple[nn.Module, dict[str, Cast]]] = []  # a list: modules may be unhashable
         self._hooks: list[Any] = []
         self._on_load: list[Callable[[dict[int, torch.Tensor], list[torch.Tensor]], None]] = []
         self._values: list[Callable[[torch.Tensor], torch.Tensor | None]] = []
@@ -90,26 +90,26 @@ class ModelHandle:
         self.original_dtype = next((seen.get(id(p), p.dtype) for p in model.parameters() if p.is_floating_point()),
                                    None)
         for m in modules_to_cast(model, keep_batchnorm_fp32, kept):
-            own: dict[str, _Cast] = {}
+            own: dict[str, Cast] = {}
             for name, p in m._parameters.items():
                 if p is None or not p.is_floating_point():
                     continue
                 if id(p) in seen:  # tied, or shared with a model cast before: restored there
-                    own[name] = _Cast(True, seen[id(p)], None)
+                    own[name] = Cast(True, seen[id(p)], None)
                 elif p.dtype != dtype:
                     seen[id(p)] = p.dtype
                     keep = mastered is not None and id(p) not in mastered
-                    own[name] = _Cast(True, p.dtype, _keep(p) if keep else None)
+                    own[name] = Cast(True, p.dtype, _keep(p) if keep else None)
             for name, b in m._buffers.items():
                 if b is not None and b.is_floating_point() and b.dtype != dtype:
-                    own[name] = _Cast(False, b.dtype, _keep(b))
+                    own[name] = Cast(False, b.dtype, _keep(b))
             m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
             if own:
                 self.casts.append((m, own))
         if id(model) not in kept:
             self._wrap_forward(patcher, output_dtype)
         for m, own in self.casts:
-            load_hook = _LoadHook(self._on_load, own)
+            load_hook = LoadHook(self._on_load, own)
             self._hooks.append(m._register_state_dict_hook(_FullPrecisionStateDict(own, self._values)))
             self._hooks.append(m._register_load_state_dict_pre_hook(load_hook.pre, with_module=True))
             self._hooks.append(m.register_load_state_dict_post_hook(load_hook))
@@ -171,7 +171,7 @@ def _rounds_to(exact: torch.Tensor, half: torch.Tensor) -> bool:
     return exact.shape == half.shape and torch.equal(exact.to(half.device, half.dtype), half)
 
 
-class _LoadHook:
+class LoadHook:
     """`load_state_dict` hooks of one cast module: the pre-hook notes the incoming tensor of
     each of its params and buffers (the FP32 values of a checkpoint, before they are rounded
     into the half model); the post-hook keeps the exact values of what torch loaded, and
@@ -185,7 +185,7 @@ class _LoadHook:
     session: it gets an inert hook.
     """
 
-    def __init__(self, callbacks: list, casts: dict[str, _Cast]) -> None:
+    def __init__(self, callbacks: list, casts: dict[str, Cast]) -> None:
         self.callbacks = callbacks
         self.casts = casts
         self.incoming: dict[str, torch.Tensor] = {}
@@ -226,7 +226,7 @@ class _LoadHook:
             cb(by_param, params)
 
     def __reduce__(self) -> tuple:
-        return (_LoadHook, ([], {}))
+        return (LoadHook, ([], {}))
 
 
 class _FullPrecisionStateDict:
@@ -236,7 +236,7 @@ class _FullPrecisionStateDict:
     buffers themselves: those are left as they are. A copy of the model (deepcopy, pickle)
     has no masters: its hook only widens."""
 
-    def __init__(self, casts: dict[str, _Cast], values: list | None = None) -> None:
+    def __init__(self, casts: dict[str, Cast], values: list | None = None) -> None:
         self.dtypes = {name: c.dtype for name, c in casts.items()}
         self.params = {name for name, c in casts.items() if c.is_param}
         self.values = [] if values is None else values

@@ -21,7 +21,7 @@ from torch import nn
 from ..base.dtypes import LOW
 from ..config.options import Properties
 from ..config.values import MasterMode
-from .cast import is_batchnorm, modules_to_cast, params_to_cast
+from .cast import Cast, LoadHook, is_batchnorm, modules_to_cast, params_to_cast
 from .forwards import wrap_outputs
 
 logger = logging.getLogger("ampatch")
@@ -274,11 +274,12 @@ class ShardedModel:
         by param id the tensor torch loaded into it (a kahan compensation takes what the
         loaded values have beyond bfloat16)."""
         if not self._on_load:
-            cast = {id(p) for p, _ in self._cast}
+            cast = {id(p): dtype for p, dtype in self._cast}
             for m in self.units.model.modules():
-                names = [n for n, p in m._parameters.items() if p is not None and id(p) in cast]
-                if names:
-                    hook = _LoadHook(self._on_load, names)
+                own = {n: Cast(True, cast[id(p)], None) for n, p in m._parameters.items()
+                       if p is not None and id(p) in cast}
+                if own:
+                    hook = LoadHook(self._on_load, own)
                     self._load_hooks += [m._register_load_state_dict_pre_hook(hook.pre, with_module=True),
                                          m.register_load_state_dict_post_hook(hook)]
         self._on_load.append(callback)
@@ -303,27 +304,6 @@ class ShardedModel:
             b = m._buffers.get(name)
             if b is not None:
                 m._buffers[name] = b.to(dtype)
-
-
-class _LoadHook:
-    """`load_state_dict` hooks of one module with cast params: the pre-hook notes the tensor
-    each of `names` is loaded from, the post-hook hands them to `callbacks`."""
-
-    def __init__(self, callbacks: list, names: list[str]) -> None:
-        self.callbacks, self.names = callbacks, names
-        self.incoming: dict[str, torch.Tensor] = {}
-
-    def pre(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        self.incoming = {n: state_dict[prefix + n] for n in self.names
-                         if isinstance(state_dict.get(prefix + n), torch.Tensor)}
-
-    def __call__(self, module: nn.Module, incompatible: Any) -> None:
-        incoming, self.incoming = self.incoming, {}
-        params = [module._parameters[n] for n in self.names if module._parameters.get(n) is not None]
-        by_param = {id(module._parameters[n]): t for n, t in incoming.items()
-                    if module._parameters.get(n) is not None and t.shape == module._parameters[n].shape}
-        for cb in self.callbacks:
-            cb(by_param, params)
 
 
 def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:

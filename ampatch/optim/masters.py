@@ -223,7 +223,7 @@ class Masters:
         longer matches the model takes the model's values.
 
         `params` limits this to those model params (a submodule's load); `incoming` holds only
-        what torch loaded (see model._LoadHook)."""
+        what torch loaded (see model.cast.LoadHook)."""
         incoming = incoming or {}
         if params is None:
             pairs = list(self.pairs())
