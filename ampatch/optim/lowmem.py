@@ -32,6 +32,11 @@ F32, BF16 = torch.float32, torch.bfloat16
 SEED_SALT = 0x5EED_A3C7  # the rounding stream differs from the script's own draws of the same seed
 
 
+def rounding_seed(seed: int | None) -> int:
+    """The stochastic rounding's seed: `seed`, or one from `torch.initial_seed()` (the script's)."""
+    return (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
+
+
 def refuse_lbfgs(optimizer: torch.optim.Optimizer, mode: MasterMode) -> None:
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(f"master_weights={mode.value!r} steps the parameters a chunk at a time, and LBFGS needs "
@@ -106,7 +111,7 @@ class LowMemMasters(Masters):
         self.chunk_numel: int | None = None  # elements per chunk; None: by device (chunks.chunk_numel)
         self.comp: dict[int, torch.Tensor] = {}     # id(master) -> bfloat16 compensation (kahan)
         self.baseline: dict[int, float] = {}        # id(master) -> sum of the weight it was made for (kahan)
-        self.seed = (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
+        self.seed = rounding_seed(seed)
         self.rounds = 0  # optimizer steps taken: the stochastic rounding's shift (`rounding.rotation`)
         self.ordinal: dict[int, int] = {}  # id(master) -> its place in the order masters were made
         self.workspace = Workspace()  # the FP32 buffers of every chunk of every step

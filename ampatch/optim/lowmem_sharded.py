@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..config.values import MasterMode
 from .chunks import Workspace, chunk_numel, is_elementwise
-from .lowmem import SEED_SALT, SUM_BLOCK, WeightPlusCompensation, compensation_of, refuse_lbfgs
+from .lowmem import SUM_BLOCK, WeightPlusCompensation, compensation_of, refuse_lbfgs, rounding_seed
 from .masters import Masters, cast_state
 from .rounding import rotation
 from .scaler import distributed, overflowed
@@ -127,7 +127,7 @@ class ShardedLowMem(Masters):
         self.comp: dict[int, torch.Tensor] = {}   # id(param) -> its local shard's compensation (kahan)
         self.ordinal: dict[int, int] = {}
         self.offset: dict[int, int] = {}
-        self.seed = (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
+        self.seed = rounding_seed(seed)
         self.rounds = 0
         self.loaded: set[int] = set()  # params whose compensation an optimizer checkpoint set (until a step)
         self.workspace = Workspace()
