@@ -9,6 +9,7 @@ import sys
 
 from ampatch.cli.common import CliError, budget, check_fp8_levels, check_output_path, level_variants, positive
 from ampatch.config.policy_file import DEFAULT_PATH
+from ampatch.runs.builtin import workload_device
 from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, TOLERANCE, WINDOW
 from ampatch.tune.command import DEFAULT_BUDGET_S, DEFAULT_LEVELS, DEFAULT_STEPS
 from ampatch.tune.candidates import OBJECTIVES
@@ -67,8 +68,7 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
                         "no limit)")
     t.add_argument("--levels", type=level_variants, default=list(DEFAULT_LEVELS),
                    help=f"levels to try (default {','.join(DEFAULT_LEVELS)}); O5+fp8 adds O5 with each of torchao's "
-                        "FP8 "
-                        "recipes (the fp8 extra), O5+fp8:rowwise that one, judged like every level; where FP8 is only "
+                        "FP8 recipes (the fp8 extra), O5+fp8:rowwise that one, judged like every level; where FP8 is only "
                         "emulated (every CPU; CUDA below capability 8.9) they are listed with their fidelity but never "
                         "chosen for speed; where it runs on tensor cores, O5's are tried by default")
     t.add_argument("--half-dtype", **half)
@@ -102,7 +102,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_output_path(args.json, "--json")
     if args.command is not None and (args.workload or args.size):
         raise CliError("--workload/--size apply to the built-in workloads; give your script its own options after --")
-    from ampatch.runs.builtin import workload_device
     check_fp8_levels(args.levels, args.half_dtype, workload_device(args.device))
     try:
         result = tune(args.command, workload=args.workload, size=args.size, device=args.device, levels=args.levels,
