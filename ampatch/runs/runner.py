@@ -89,7 +89,8 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
               policy: str | None = None) -> dict[str, str]:
     """The environment of a run: ``base`` (default: this process's) with the forced level
     (None: the script's own; "O5+kahan": O5 with that master_weights, "O5+fp8:rowwise": O5
-    with the script's Linear layers in FP8, ``AMPATCH_FP8``; see `levels.variant`), the half type, the report path, the modules to keep in FP32
+    with the script's Linear layers in FP8, ``AMPATCH_FP8``; see `levels.variant`), the half
+    type, the report path, the modules to keep in FP32
     (comma-separated names, added to the script's ``keep_fp32``), a policy file
     (``AMPATCH_POLICY``: what it decides is not inherited; `run --policy`, `compare
     --policy` and every `tune` candidate run alike), and ampatch importable."""

@@ -1,7 +1,8 @@
 """A failed candidate's repair: one recorded run (the `diagnose` recorder), and the candidate
 its diagnosis suggests: its `keep_fp32` added, its settings (a dynamic loss scale against
 gradient underflow; FP32 master weights against stalled updates, weights the optimizer's steps
-leave unchanged), and for an FP8 candidate the layers FP8 hurts left out of FP8 (`fp8_modules`). A diagnosis that names a step fault (the optimizer's own arithmetic, not a
+leave unchanged), and for an FP8 candidate the layers FP8 hurts left out of FP8
+(`fp8_modules`). A diagnosis that names a step fault (the optimizer's own arithmetic, not a
 module's precision) gives no repair: the candidate is dropped with that reason. While a
 repair still fails, the set grows as `ampatch diagnose` grows it (the new first non-finite
 module, else the parent of the last module added), within `MAX_REPAIRS` tries.
