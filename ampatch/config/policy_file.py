@@ -100,7 +100,8 @@ class Policy:
         return {"format": FORMAT, "opt_level": self.opt_level, "half_dtype": self.half_dtype,
                 "keep_fp32": list(self.keep_fp32), "loss_scale": self.loss_scale,
                 "master_weights": self.master_weights, "fp8": self.fp8,
-                "fp8_modules": list(self.fp8_modules) if self.fp8_modules is not None else None, "measured": dict(self.measured) if self.measured is not None else None}
+                "fp8_modules": list(self.fp8_modules) if self.fp8_modules is not None else None,
+                "measured": dict(self.measured) if self.measured is not None else None}
 
     def describe(self) -> str:
         """One short line: "O1 bfloat16, keep_fp32=['head'], loss_scale='dynamic'"."""
@@ -232,8 +233,9 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
     """`overrides` with the policy file ``AMPATCH_POLICY`` names merged in, as if its fields
     were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE``,
     ``AMPATCH_MASTER_WEIGHTS``, ``AMPATCH_FP8`` and ``AMPATCH_FP8_MODULES`` (which, when set
-    too, still win; its ``keep_fp32`` is added to ``AMPATCH_KEEP_FP32``'s): from outside, a policy beats the script by the same rule as those variables
-    (`options.resolve`). Raises `PolicyError` for a missing or bad file."""
+    too, still win; its ``keep_fp32`` is added to ``AMPATCH_KEEP_FP32``'s): from outside, a
+    policy beats the script by the same rule as those variables (`options.resolve`). Raises
+    `PolicyError` for a missing or bad file."""
     if overrides.policy is None:
         return overrides
     pol = load(overrides.policy)
@@ -242,12 +244,12 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
     sources = dict(overrides.sources)
     half = parse_dtype(pol.half_dtype, "half_dtype") if levels.uses_half(pol.opt_level) else None
     values = {"opt_level": pol.opt_level, "half_dtype": half, "loss_scale": pol.loss_scale,
-              "master_weights": pol.master_weights, "fp8": pol.fp8,
-              "fp8_modules": list(pol.fp8_modules) if pol.fp8_modules is not None else None}
+              "master_weights": pol.master_weights, "fp8": pol.fp8, "fp8_modules": pol.fp8_modules}
     for name, value in values.items():  # a field the variables leave unset, where the file sets it
         if getattr(overrides, name) is None and value is not None:
-            fields[name] = getattr(pol, name) if name == "fp8_modules" else value
-            shown = getattr(pol, name) if name in ("opt_level", "half_dtype") else repr(value)
+            fields[name] = value
+            shown = (getattr(pol, name) if name in ("opt_level", "half_dtype")
+                     else repr(list(value) if name == "fp8_modules" else value))
             sources[name] = f"{given} ({name} {shown})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
     return dataclasses.replace(overrides, **fields, sources=sources)

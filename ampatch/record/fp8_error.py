@@ -80,8 +80,9 @@ def layer_fp8_error(layer: nn.Module, x: torch.Tensor, recipe: Any = "tensorwise
     """The FP8 error of `layer` under `recipe` (a name or a torchao Float8LinearConfig)
     against the same layer in `compute_dtype`, on input `x` and upstream gradient
     `grad_output` (None: a seeded random one); `weight`/`bias`: the values to use instead of
-    the layer's own (in its layout: a copy taken when it ran, before the step changed it). Returns `out_rel_err`, `wgrad_rel_err`, the
-    shares (over every element of every FP8 cast the recipe makes) `saturated_share`,
+    the layer's own (in its layout: a copy taken when it ran, before the step changed it).
+    Returns `out_rel_err`, `wgrad_rel_err`, the shares (over every element of every FP8 cast
+    the recipe makes) `saturated_share`,
     `underflow_share`, `subnormal_share`, and `per_cast` details; `emulated` says whether
     torchao emulated the FP8 GEMMs (on this device it has no FP8 tensor cores)."""
     from torchao.float8.config import ScalingType
