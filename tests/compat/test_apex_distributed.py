@@ -25,9 +25,30 @@ WORLD = 2
 TIMEOUT_S = 240
 
 
+# torch's gloo teardown sometimes aborts a rank at interpreter exit, after the script ended
+# (destroy_process_group included) and wrote its result: a C++ thread still joinable. That is
+# torch's, not the script's or ampatch's: such a launch is run once more, never accepted.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("apex_dist")
+    for attempt in range(2):
+        procs, outputs, tmp = _launch(tmp_path_factory.mktemp("apex_dist"))
+        torn = any(p.returncode != 0 and out.rstrip().endswith(TEARDOWN_ABORT) for p, out in zip(procs, outputs))
+        if not torn or attempt == 1:
+            break
+    results = []
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        path = tmp / f"rank{rank}.json"
+        if p.returncode != 0 or not path.exists():
+            pytest.fail(f"rank {rank} exited with {p.returncode}:\n{out[-4000:]}")
+        results.append(dict(json.loads(path.read_text()), output=out))
+    return results
+
+
+def _launch(tmp: Path) -> tuple[list[subprocess.Popen], list[str], Path]:
+    """Both ranks of the script, to the end; their processes and outputs."""
     env = clean_env(AMPATCH_HALF_DTYPE="float16")
     procs = [subprocess.Popen(
         [sys.executable, "-m", "ampatch", "run", "--apex-alias", "--", "python", str(SCRIPT), "--steps", "8",
@@ -43,13 +64,7 @@ def ranks(tmp_path_factory) -> list[dict]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    results = []
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        path = tmp / f"rank{rank}.json"
-        if p.returncode != 0 or not path.exists():
-            pytest.fail(f"rank {rank} exited with {p.returncode}:\n{out[-4000:]}")
-        results.append(dict(json.loads(path.read_text()), output=out))
-    return results
+    return procs, outputs, tmp
 
 
 def test_the_apex_script_trains_on_both_ranks(ranks) -> None:
