@@ -51,8 +51,7 @@ from . import rnn
 from ..base import tree
 from ..base import patcher
 from ..base.patcher import Patcher, disable_casts
-from . import plans, proxies, wrappers
-from .proxies import CastFunctionWrapper
+from . import generate, plans, proxies, signatures, wrappers
 from .twins import is_traced
 
 logger = logging.getLogger("ampatch")
@@ -84,12 +83,12 @@ class _Tracing(threading.local):
 _tracing = _Tracing()
 
 
-def _patched_method(name: str) -> CastFunctionWrapper | None:
+def _patched_method(name: str) -> Callable | None:
     """torch.Tensor.<name> when ampatch patched it, and Dynamo is not inside that patch."""
     if _tracing.names and _tracing.names[-1] == name:
         return None
     wrapper = vars(torch.Tensor).get(name)  # a patch is set on torch.Tensor itself
-    return wrapper if isinstance(wrapper, CastFunctionWrapper) else None
+    return wrapper if proxies.is_patch(wrapper) else None
 
 
 def _trace_method(tx: Any, name: str, args: list, kwargs: dict) -> Any:
@@ -116,7 +115,8 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 
 def _eager_codes() -> Iterator[types.CodeType]:
     """The code of ampatch's eager O1 path: the wrappers and what they call (plans, the
-    structure walk, the cast cache), the RNN forward.
+    structure walk, the cast cache), the RNN forward. (The generated O1 functions are
+    marked as they are compiled, `generate.on_new_code`.)
 
     Dynamo must never compile these frames on its own (it would happen in the eager parts
     of a compiled function, after a graph break): they read per-thread state that Dynamo
@@ -124,7 +124,7 @@ def _eager_codes() -> Iterator[types.CodeType]:
     twins (`o1.twins`, and whatever is marked `traced`) are what Dynamo traces; it
     still inlines the helpers they call from here, as skipping a frame does not stop that.
     """
-    for module in (patcher, plans, wrappers, proxies, tree, cache, rnn):
+    for module in (patcher, plans, wrappers, proxies, tree, cache, rnn, signatures, generate):
         for obj in vars(module).values():
             if getattr(obj, "__module__", None) != module.__name__ or is_traced(obj):
                 continue
@@ -132,6 +132,13 @@ def _eager_codes() -> Iterator[types.CodeType]:
                 f for f in vars(obj).values() if inspect.isfunction(f)] if inspect.isclass(obj) else []
             for fn in functions:
                 yield from _codes(fn.__code__)
+
+
+def _skip_generated(code: types.CodeType) -> None:
+    """Mark a generated O1 function's factory, and the function in it, as never compiled."""
+    from torch._dynamo.eval_frame import skip_code
+    for c in _codes(code):
+        skip_code(c)
 
 
 def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = ()) -> None:
@@ -190,13 +197,54 @@ def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]]) -> None:
         return call_function(self, tx, args, kwargs)
 
     _compile_without_casts(patcher)
+    _torch_tables(patcher)
     for cls, name in eager:
         patcher.patch(cls, name, _eagerly(vars(cls)[name]))
     from torch._dynamo.eval_frame import skip_code
     for code in _eager_codes():  # a set in torch: adding twice is harmless
         skip_code(code)
+    generate.on_new_code(_skip_generated)
     patcher.patch(TensorVariable, "call_method", tensor_call_method)
     patcher.patch(BuiltinVariable, "call_function", builtin_call_function)
+
+
+_METHOD_TYPES = (types.MethodDescriptorType, types.WrapperDescriptorType, types.BuiltinFunctionType)
+
+
+def _torch_tables(patcher: Patcher) -> None:
+    """Dynamo's two tables of torch's own functions (`trace_rules.get_torch_obj_rule_map`,
+    `trace_rules.get_tensor_method`) are built once per process by looking names up on torch:
+    built while a session's O1 functions stand in torch's place (Dynamo first imported, or
+    first tracing, under O1), they hold those and miss torch's originals, which Dynamo then
+    refuses to trace (a graph break where a twin calls its op). While the session patches
+    torch, both answer with the originals added; `deinitialize` drops their caches, so they
+    are rebuilt from torch as it is then."""
+    from torch._dynamo import trace_rules
+
+    rule_map, tensor_methods = trace_rules.get_torch_obj_rule_map, trace_rules.get_tensor_method
+
+    @functools.cache
+    def completed_rule_map() -> dict[Any, Any]:
+        table = rule_map()
+        for _owner, _name, original, replacement in patcher.patched():
+            rule = table.get(replacement) if isinstance(replacement, types.FunctionType) else None
+            if rule is not None:
+                table.setdefault(original, rule)
+        return table
+
+    @functools.cache
+    def completed_tensor_methods() -> frozenset[Any]:
+        originals = [original for owner, name, original, _ in patcher.patched()
+                     if owner is torch.Tensor and isinstance(original, _METHOD_TYPES) and name != "__new__"]
+        return tensor_methods() | frozenset(originals)
+
+    def drop_caches() -> None:
+        rule_map.cache_clear()
+        tensor_methods.cache_clear()
+
+    patcher.patch(trace_rules, "get_torch_obj_rule_map", completed_rule_map)
+    patcher.patch(trace_rules, "get_tensor_method", completed_tensor_methods)
+    patcher.on_restore(drop_caches)
 
 
 _EAGER_REASON = ("ampatch: at O1/O4 a module in keep_fp32 runs eagerly, with casts off (a graph break); compile "

@@ -4,13 +4,13 @@ wrapt's patching takes), then the parts that are not one wrapper per op: RNN mod
 `Tensor.data`, TorchScript and torch.compile.
 
 `find` reads the cast lists (`o1.lists`: the built-in ones and the user's registrations)
-against this torch; `build` makes one proxy (`proxies.wrap`); `O1Patches` applies them through
+against this torch; `build` makes one O1 function (`proxies.wrap`); `O1Patches` applies them through
 the session's `Patcher`, which restores everything on `deinitialize`.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -20,7 +20,7 @@ from ..machine import tips
 from .cache import CastCache, watch_data
 from ..base.patcher import Patcher, resolve_owner
 from .plans import BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE
-from .proxies import CastFunctionWrapper, wrap
+from .proxies import wrap
 from .wrappers import WrapContext
 from .rnn import patch_rnn_modules
 
@@ -68,8 +68,8 @@ def find(registered: Iterable[tuple[Any, str, str]],
     return found
 
 
-def build(target: Target, ctx: WrapContext) -> CastFunctionWrapper:
-    """The proxy that replaces `target` (its current value wrapped)."""
+def build(target: Target, ctx: WrapContext) -> Callable:
+    """The O1 function that replaces `target` (its current value wrapped)."""
     hint = tips.qualified_name(target.owner, target.name) if target.user else None
     return wrap(target.kind, target.name, getattr(target.owner, target.name), ctx, target.message, target.owner,
                 hint)
@@ -81,7 +81,7 @@ class O1Patches:
 
     def __init__(self, patcher: Patcher, cache: CastCache, ctx: WrapContext) -> None:
         self.patcher, self.cache, self.ctx = patcher, cache, ctx
-        self._decorated: dict[tuple[str, Any], CastFunctionWrapper] = {}
+        self._decorated: dict[tuple[str, Any], Callable] = {}
 
     def install(self, registered: Iterable[tuple[Any, str, str]], namespaces: Iterable[tuple[str, ModuleType]],
                 eager: Sequence[tuple[type, str]] = ()) -> None:
@@ -107,9 +107,9 @@ class O1Patches:
         for target in find([(owner, name, kind)], ()):
             self.patcher.patch(owner, name, build(target, self.ctx))
 
-    def decorated(self, kind: str, fn: Any) -> CastFunctionWrapper:
+    def decorated(self, kind: str, fn: Any) -> Callable:
         """The cast wrapper for a function decorated with `amp.half_function` & co., made once:
-        a wrapt proxy of `fn`, called like `fn` (torch.compile traces its twin)."""
+        an O1 function of `fn`, called like `fn` (torch.compile traces its twin)."""
         key = (kind, fn)
         wrapper = self._decorated.get(key)
         if wrapper is None:
