@@ -39,13 +39,13 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..base.counters import count_value
 
-__all__ = ["CastCache", "converter", "watch_data"]
+__all__ = ["CastCache", "Inline", "converter", "watch_data"]
 
 Cast = Callable[[torch.Tensor], torch.Tensor]
 
@@ -65,14 +65,32 @@ def converter(dtype: torch.dtype) -> Cast:
     return fast if fast is not None else (lambda t: t.to(dtype))
 
 
+class Inline(NamedTuple):
+    """A cache's casts to one dtype, for an O1 function that serves parameters inline.
+
+    For a parameter `p` that requires grad, `entry = get(id(p))` is its cast made with
+    gradients, `(version, cast)`: a hit while `entry[0] == p._version` (count it: `next(hits)`).
+    On a miss with gradients enabled, store `entries[id(p)] = (p._version, cast)`, after
+    `next(stale)` if `entry` was not None. Without gradients, `no_grad_get(p, id(p))` is a
+    cached no-grad cast or None, and `no_grad_put(p, id(p), cast)` caches a new one."""
+
+    entries: dict[int, tuple]
+    get: Callable[[int], tuple | None]
+    hits: Any
+    stale: Any
+    no_grad_get: Callable[[torch.Tensor, int], torch.Tensor | None]
+    no_grad_put: Callable[[torch.Tensor, int, torch.Tensor], None]
+
+
 class CastCache:
     """Casts of parameters per target dtype (see the module doc)."""
 
-    __slots__ = ("_maps", "_casters", "_hits", "_stale", "_gone", "_settled", "_lock", "__weakref__")
+    __slots__ = ("_maps", "_casters", "_inline", "_hits", "_stale", "_gone", "_settled", "_lock", "__weakref__")
 
     def __init__(self) -> None:
         self._maps: dict[torch.dtype, dict[int, tuple]] = {}
         self._casters: dict[torch.dtype, Cast] = {}
+        self._inline: dict[torch.dtype, Inline] = {}
         self._hits = itertools.count()
         self._stale = itertools.count()  # entries replaced because their parameter changed
         self._gone = itertools.count()   # entries dropped one by one (forget, a freed parameter)
@@ -86,6 +104,11 @@ class CastCache:
         if fn is None:
             fn = self._casters[dtype] = self._make_caster(dtype)
         return fn
+
+    def inline(self, dtype: torch.dtype) -> Inline:
+        """What an O1 function needs to serve parameters' casts to `dtype` inline (see `Inline`)."""
+        self.caster(dtype)
+        return self._inline[dtype]
 
     def _make_caster(self, dtype: torch.dtype) -> Cast:
         entries = self._maps.setdefault(dtype, {})
@@ -101,27 +124,42 @@ class CastCache:
             if entries.pop(ref.key, None) is not None:
                 next(gone)
 
+        def no_grad_get(t: torch.Tensor, key: int) -> torch.Tensor | None:
+            entry = get(~key)
+            if entry is not None and entry[0] == t._version:
+                next(hits)
+                return entry[1]
+            return None
+
+        def no_grad_put(t: torch.Tensor, key: int, out: torch.Tensor) -> None:
+            if ~key in entries:
+                next(stale)
+            entries[~key] = (t._version, out, keyed_ref(t, dead, ~key))
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return fast(t) if type(t) in plain else t.to(dtype)
+
         def cast(t: torch.Tensor) -> torch.Tensor:
             if not (t.requires_grad and (type(t) is parameter or (isinstance(t, parameter) and t.is_leaf))):
-                return fast(t) if type(t) in plain else t.to(dtype)
+                return convert(t)
             key = id(t)
             entry = get(key)
             if entry is not None and entry[0] == t._version:
                 next(hits)
                 return entry[1]
             grad = grad_enabled()
-            if not grad:  # a cast made without gradients: its own key
-                key = ~key
-                entry = get(key)
-                if entry is not None and entry[0] == t._version:
-                    next(hits)
-                    return entry[1]
-            if entry is not None:
-                next(stale)
-            out = fast(t) if type(t) in plain else t.to(dtype)  # one line for both modes (jit.trace compares)
-            entries[key] = (t._version, out) if grad else (t._version, out, keyed_ref(t, dead, key))
+            out = None if grad else no_grad_get(t, key)
+            if out is None:
+                out = convert(t)  # one line for both grad modes: torch.jit.trace's check compares lines
+                if not grad:
+                    no_grad_put(t, key, out)
+                else:
+                    if entry is not None:
+                        next(stale)
+                    entries[key] = (t._version, out)
             return out
 
+        self._inline[dtype] = Inline(entries, get, hits, stale, no_grad_get, no_grad_put)
         return cast
 
     def forget(self, t: torch.Tensor) -> None:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .signatures import Layout
 
 __all__ = ["Shape", "Values", "RESERVED", "source", "build", "codes", "on_new_code"]
@@ -31,9 +33,9 @@ CAST, PROMOTE, REFUSE = "cast", "promote", "refuse"
 
 # The closure names of every generated function, and its locals: a Python signature that
 # uses one of them gets the generic layout (`signatures.layout_of`).
-_CLOSURE = ("_op", "_switch", "_M", "_atoms", "_Tensor", "_Parameter", "_needs", "_convert", "_cached", "_walk",
-            "_general", "_tick", "_clock", "_timer", "_off_cpu", "_type", "_next")
-RESERVED = frozenset(_CLOSURE + ("_n", "_t", "_b", "_d", "_e", "_t0", "rest", "kw"))
+_CLOSURE = ("_op", "_switch", "_M", "_atoms", "_Tensor", "_Parameter", "_needs", "_convert", "_entries", "_get",
+            "_hits", "_stale", "_no_grad_get", "_no_grad_put", "_grad", "_walk", "_general", "_tick", "_clock", "_timer", "_off_cpu", "_type", "_next", "_id")
+RESERVED = frozenset(_CLOSURE + ("_n", "_t", "_b", "_d", "_e", "_g", "_k", "_t0", "rest", "kw"))
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Values:
     Parameter: type
     needs: frozenset                # CAST/REFUSE: the dtypes converted / refused
     convert: Callable               # CAST: a plain tensor -> the target dtype
-    cached: Callable                # CAST: a parameter -> the target dtype, through the cast cache
+    cache: Any                      # CAST: the cast cache's casts to the target dtype (`cache.Inline`)
     walk: Callable                  # CAST: anything else -> the same object, or one with tensors converted
     general: Callable               # (args, kwargs) -> the op's result, the general path
     tick: Any                       # CAST: the op's counter (itertools.count)
@@ -115,15 +117,36 @@ def _params(shape: Shape) -> tuple[str, list[str], list[str], str, str]:
 
 
 def _cast_check(a: str) -> list[str]:
-    """Convert `a` if it needs it; `_n = 1` when it did."""
+    """Convert `a` if it needs it, a parameter through the cast cache (`cache.Inline`);
+    `_n = 1` when it did."""
     return [f"_t = _type({a})",
             "if _t is _Tensor:",
             f"    if {a}.dtype in _needs:",
             f"        {a} = _convert({a})",
             "        _n = 1",
             "elif _t is _Parameter:",
-            f"    if {a}.dtype in _needs:",
-            f"        {a} = _cached({a})",
+            f"    if {a}.requires_grad:",
+            f"        _k = _id({a})",
+            "        _e = _get(_k)",
+            f"        if _e is not None and _e[0] == {a}._version:",
+            f"            {a} = _e[1]",
+            "            _next(_hits)",
+            "            _n = 1",
+            f"        elif {a}.dtype in _needs:",
+            "            _g = _grad()",
+            f"            _b = None if _g else _no_grad_get({a}, _k)",
+            "            if _b is None:",
+            f"                _b = _convert({a})",
+            "                if not _g:",
+            f"                    _no_grad_put({a}, _k, _b)",
+            "                else:",
+            "                    if _e is not None:",
+            "                        _next(_stale)",
+            f"                    _entries[_k] = ({a}._version, _b)",
+            f"            {a} = _b",
+            "            _n = 1",
+            f"    elif {a}.dtype in _needs:",
+            f"        {a} = _convert({a})",
             "        _n = 1",
             "elif _t not in _atoms:",
             f"    _b = _walk({a})",
@@ -258,6 +281,13 @@ def _factory(text: str) -> Callable:
     return made
 
 
+def _cache_values(inline: Any) -> tuple:
+    """The closure values `_entries` ... `_no_grad_put` from a `cache.Inline` (or None)."""
+    if inline is None:
+        return (None,) * 6
+    return inline.entries, inline.get, inline.hits, inline.stale, inline.no_grad_get, inline.no_grad_put
+
+
 def build(shape: Shape, values: Values, original: Any) -> types.FunctionType:
     """The O1 function of `original` for `shape`, closing over `values`: named like the
     original, with its globals (TorchScript resolves names through them), `__wrapped__` set."""
@@ -265,8 +295,8 @@ def build(shape: Shape, values: Values, original: Any) -> types.FunctionType:
     defaults = [p.default for p in sig.parameters.values()] if sig is not None else []
     made = _factory(source(shape))(
         values.op, values.switch, values.M, values.atoms, values.Tensor, values.Parameter, values.needs,
-        values.convert, values.cached, values.walk, values.general, values.tick, values.clock, values.timer,
-        values.off_cpu, type, next, defaults)
+        values.convert, *_cache_values(values.cache), torch.is_grad_enabled, values.walk, values.general, values.tick,
+        values.clock, values.timer, values.off_cpu, type, next, id, defaults)
     fn = types.FunctionType(made.__code__, getattr(original, "__globals__", {"__builtins__": builtins}),
                             getattr(original, "__name__", made.__name__), made.__defaults__, made.__closure__)
     fn.__kwdefaults__ = made.__kwdefaults__

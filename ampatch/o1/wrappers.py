@@ -12,6 +12,7 @@ arguments already had the target dtype counts nothing.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from ..base.patcher import cast_switch
 from ..base.tree import ATOMS, map_tensors
 from ..machine.tips import hint_dtype_error
 from . import generate
-from .cache import converter
+from .cache import CastCache, Inline, converter
 from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
 from .signatures import layout_of
 
@@ -42,6 +43,11 @@ class _NotGiven:
 
 
 NOT_GIVEN = _NotGiven()
+class _Discard(dict):
+    """The entries of a context without a cast cache: nothing stored, so never a hit."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
 _ATOMS = ATOMS | {_NotGiven}
 
 
@@ -55,6 +61,16 @@ class WrapContext:
     allow_banned: bool
     timer: Callable[[float], None] | None = None  # given the seconds spent converting, when timing is on
 
+    def inline(self, dtype: torch.dtype) -> Inline:
+        """`CastCache.inline(dtype)` of the cache behind `cast_for` (the O1 functions serve
+        parameters inline); for any other `cast_for`, a cache that never hits nor keeps."""
+        cache = getattr(self.cast_for, "__self__", None)
+        if isinstance(cache, CastCache):
+            return cache.inline(dtype)
+        entries = _Discard()
+        return Inline(entries, entries.get, itertools.count(), itertools.count(), lambda t, key: None,
+                      lambda t, key, cast: None)
+
 
 def make_function(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
     """The O1 function of plan `p` around `original` (for a Tensor method: called unbound,
@@ -65,9 +81,10 @@ def make_function(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
     tick = ctx.counters.counter(p.op, p.label) if p.action is Action.CAST else None
     cast = ctx.cast_for(p.target) if p.action is Action.CAST else None
     leaf = p.leaf(cast) if cast is not None else None
+    inline = ctx.inline(p.target) if cast is not None else None
     values = generate.Values(
         op=original, switch=cast_switch, M=NOT_GIVEN, atoms=_ATOMS, Tensor=torch.Tensor, Parameter=torch.nn.Parameter,
-        needs=p.needs, convert=converter(p.target) if cast is not None else None, cached=cast,
+        needs=p.needs, convert=converter(p.target) if cast is not None else None, cache=inline,
         walk=(lambda x: map_tensors(x, leaf)) if leaf is not None else None,
         general=general_path(p, original, ctx, tick, cast), tick=tick,
         clock=time.perf_counter if ctx.timer is not None else None, timer=ctx.timer, off_cpu=off_cpu)
