@@ -141,15 +141,17 @@ def _skip_generated(code: types.CodeType) -> None:
         skip_code(c)
 
 
-def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = ()) -> None:
+def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = (),
+            after_compile: Callable[[], None] = lambda: None) -> None:
     """Wrap Dynamo's method and operator entry points for the session (see the module doc);
-    the methods in `eager` ((class, name): the forward of a kept module) run outside the graph.
+    the methods in `eager` ((class, name): the forward of a kept module) run outside the graph;
+    `after_compile` runs once installed and after each backend compile step (`captured`).
 
     Importing Dynamo takes a second or two (and rebinds a few torch functions), so a
     session that starts before anything imported it installs on the first `torch.compile`
     call instead (`torch.compiler.compile` and `Module.compile` go through it too)."""
     if "torch._dynamo" in sys.modules:
-        _install_now(patcher, eager)
+        _install_now(patcher, eager, after_compile)
         return
     lock, done = threading.Lock(), []
 
@@ -157,13 +159,13 @@ def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = ()) -> None:
         with lock:
             if not done:
                 done.append(True)
-                _install_now(patcher, eager)
+                _install_now(patcher, eager, after_compile)
         return wrapped(*args, **kwargs)
 
     patcher.patch(torch, "compile", wrapt.FunctionWrapper(torch.compile, compile_first))
 
 
-def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]]) -> None:
+def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]], after_compile: Callable[[], None]) -> None:
     try:
         from torch._dynamo.variables.builtin import BuiltinVariable
         from torch._dynamo.variables.tensor import TensorVariable
@@ -196,7 +198,7 @@ def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]]) -> None:
                 return _trace_method(tx, names[1], [right, left], {})
         return call_function(self, tx, args, kwargs)
 
-    _compile_without_casts(patcher)
+    _compile_without_casts(patcher, after_compile)
     _torch_tables(patcher)
     for cls, name in eager:
         patcher.patch(cls, name, _eagerly(vars(cls)[name]))
@@ -206,6 +208,7 @@ def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]]) -> None:
     generate.on_new_code(_skip_generated)
     patcher.patch(TensorVariable, "call_method", tensor_call_method)
     patcher.patch(BuiltinVariable, "call_function", builtin_call_function)
+    after_compile()  # Dynamo may have been imported just now
 
 
 _METHOD_TYPES = (types.MethodDescriptorType, types.WrapperDescriptorType, types.BuiltinFunctionType)
@@ -259,8 +262,9 @@ def _eagerly(fn: Callable) -> Callable:
         return torch.compiler.disable(fn)
 
 
-def _compile_without_casts(patcher: Patcher) -> None:
-    """Run each `_BACKEND_COMPILE` step with casts off (see the module doc)."""
+def _compile_without_casts(patcher: Patcher, after: Callable[[], None]) -> None:
+    """Run each `_BACKEND_COMPILE` step with casts off (see the module doc), then `after`
+    (the backend may have imported Inductor: `captured.keep_torch_ops`)."""
     for module, cls_name, name in _BACKEND_COMPILE:
         try:
             cls = getattr(importlib.import_module(module), cls_name)
@@ -270,12 +274,15 @@ def _compile_without_casts(patcher: Patcher) -> None:
                            "the graph again (aot_eager, inductor) may see torch's own code cast.", module,
                            cls_name, name, exc)
             continue
-        patcher.patch(cls, name, _without_casts(original))
+        patcher.patch(cls, name, _without_casts(original, after))
 
 
-def _without_casts(original: Callable) -> Callable:
+def _without_casts(original: Callable, after: Callable[[], None]) -> Callable:
     @functools.wraps(original)
     def method(*args: Any, **kwargs: Any) -> Any:
-        with disable_casts():
-            return original(*args, **kwargs)
+        try:
+            with disable_casts():
+                return original(*args, **kwargs)
+        finally:
+            after()
     return method

@@ -16,6 +16,7 @@ code, which `torch.compile` must never compile on its own (`o1.dynamo`).
 from __future__ import annotations
 
 import builtins
+import functools
 import inspect
 import threading
 import types
@@ -198,6 +199,18 @@ def _calls(shape: Shape, names: list[str], call: list[str]) -> list[str]:
 
 def source(shape: Shape) -> str:
     """The source of the factory of `shape`'s functions (see the module doc)."""
+    try:
+        return _cached_source(shape)
+    except TypeError:  # a signature with an unhashable default
+        return _source(shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_source(shape: Shape) -> str:
+    return _source(shape)
+
+
+def _source(shape: Shape) -> str:
     params, checked, call, handoff, first = _params(shape)
     general = f"_general({handoff})"
     condition = "_switch.enabled"

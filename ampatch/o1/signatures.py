@@ -5,16 +5,21 @@
   annotation can hold a tensor (no annotation, `Tensor`, `Optional[Tensor]`, a sequence of
   them, anything unknown); `int`, `float`, `bool`, `str`, `list[int]`, dtypes are not.
 - A builtin (`torch.mm`, `F.linear`, `Tensor.softmax`): its positional arguments, as many as
-  its longest overload in torch's operator schemas takes, checked where some overload takes a
-  `Tensor`, `Tensor?` or `Tensor[]`. Keyword arguments and extra positional ones (Python's
-  deprecated signatures) take the general path, which walks everything.
+  its longest overload takes, checked where some overload takes a `Tensor`, `Tensor?` or
+  `Tensor[]`. The overloads are torch's operator schemas and the Python signatures torch's
+  type stubs list (`torch/_C/*.pyi`): those add the deprecated ones, such as
+  `torch.addmm(beta, input, mat1, mat2)`. Keyword arguments and extra positional ones take
+  the general path, which walks everything.
 - Anything else (a builtin without a schema, a Python function whose signature cannot be read
   or whose parameter names would shadow the generated code's own): a generic layout, every
   positional argument up to `FALLBACK_POSITIONS` checked.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +39,10 @@ _SCALAR_WORDS = frozenset({
     "typing.Literal"})
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _TENSOR_TYPE = re.compile(r"\bTensor\b")
+_STUBS = ("_C/_VariableFunctions.pyi", "_C/_nn.pyi", "_C/__init__.pyi")  # torch's builtins, with their Python signatures
+_STUB_DEF = re.compile(r"^[ \t]*def (\w+)\((.*?)\)\s*->", re.S | re.M)
+
+logger = logging.getLogger("ampatch")
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,20 @@ class Layout:
 
 def layout_of(original: Any, reserved: frozenset[str]) -> Layout:
     """The layout of `original`'s O1 function; `reserved` are the names the generated code
-    uses itself (a Python signature that uses one of them gets the generic layout)."""
+    uses itself (a Python signature that uses one of them gets the generic layout). Read
+    once per op and process."""
+    try:
+        return _cached_layout(original, reserved)
+    except TypeError:  # an unhashable callable
+        return _layout(original, reserved)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_layout(original: Any, reserved: frozenset[str]) -> Layout:
+    return _layout(original, reserved)
+
+
+def _layout(original: Any, reserved: frozenset[str]) -> Layout:
     if inspect.isfunction(original):
         try:
             sig = inspect.signature(original, follow_wrapped=False)
@@ -80,7 +102,7 @@ def _may_hold_tensor(prm: inspect.Parameter) -> bool:
 
 
 def _builtin_layout(original: Any) -> Layout:
-    """A builtin's positions from torch's operator schemas, found by its `__name__`."""
+    """A builtin's positions from torch's operator schemas and type stubs, found by its `__name__`."""
     name = getattr(original, "__name__", "")
     schemas = []
     for candidate in dict.fromkeys((name, name.strip("_"))):
@@ -91,11 +113,53 @@ def _builtin_layout(original: Any) -> Layout:
                 schemas = []
             if schemas:
                 break
-    if not schemas:
+    stubs = _stub_signatures().get(name)
+    if not schemas or stubs is None and name in _stub_signatures():
         return Layout()
     positions, checked = 0, set()
     for schema in schemas:
         positional = [a for a in schema.arguments if not a.kwarg_only]
         positions = max(positions, len(positional))
         checked.update(i for i, a in enumerate(positional) if _TENSOR_TYPE.search(str(a.type)))
+    for count, tensors in stubs or ():
+        positions = max(positions, count)
+        checked.update(tensors)
     return Layout(positions=positions, checked=frozenset(checked))
+
+
+@functools.cache
+def _stub_signatures() -> dict[str, list[tuple[int, frozenset[int]]] | None]:
+    """name -> [(positional parameters, which of them can hold a tensor)] of every builtin
+    torch's type stubs list, each overload once; {} when the stubs are not installed."""
+    table: dict[str, set[tuple[int, frozenset[int]]]] = {}
+    root = os.path.dirname(torch.__file__)
+    for stub in _STUBS:
+        try:
+            with open(os.path.join(root, stub), encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            logger.debug("ampatch: no %s in this torch; O1 checks every positional argument of its builtins", stub)
+            return {}
+        for match in _STUB_DEF.finditer(text):
+            table.setdefault(match.group(1), set()).add(_stub_positions(match.group(2)))
+    return {name: sorted(overloads, key=lambda o: (o[0], sorted(o[1]))) for name, overloads in table.items()}
+
+
+def _stub_positions(params: str) -> tuple[int, frozenset[int]]:
+    """(positional parameters, which can hold a tensor) of a stub's parameter list."""
+    parts: list[str] = []
+    for piece in params.split(","):  # commas inside brackets join their pieces again
+        if parts and parts[-1].count("[") + parts[-1].count("(") > parts[-1].count("]") + parts[-1].count(")"):
+            parts[-1] += "," + piece
+        else:
+            parts.append(piece)
+    count, tensors = 0, set()
+    for part in (p.strip() for p in parts):
+        if not part or part == "/":
+            continue
+        if part.startswith("*"):
+            break
+        if "Tensor" in part.partition(":")[2].partition("=")[0]:
+            tensors.add(count)
+        count += 1
+    return count, frozenset(tensors)
