@@ -10,8 +10,8 @@
   type stubs list (`torch/_C/*.pyi`): those add the deprecated ones, such as
   `torch.addmm(beta, input, mat1, mat2)`. Keyword arguments and extra positional ones take
   the general path, which walks everything.
-- Anything else (a builtin without a schema, a Python function whose signature cannot be read
-  or whose parameter names would shadow the generated code's own): a generic layout, every
+- Anything else (a builtin neither lists, a Python function whose signature cannot be read or
+  whose parameter names would shadow the generated code's own): a generic layout, every
   positional argument up to `FALLBACK_POSITIONS` checked.
 """
 from __future__ import annotations
@@ -57,11 +57,6 @@ class Layout:
     positions: int = FALLBACK_POSITIONS
     checked: frozenset[Any] = frozenset(range(FALLBACK_POSITIONS))
 
-    @property
-    def generic(self) -> bool:
-        """The fallback layout of a builtin (no schema known)."""
-        return self.signature is None and self.checked == frozenset(range(self.positions)) \
-            and self.positions == FALLBACK_POSITIONS
 
 
 def layout_of(original: Any, reserved: frozenset[str]) -> Layout:
@@ -114,7 +109,7 @@ def _builtin_layout(original: Any) -> Layout:
             if schemas:
                 break
     stubs = _stub_signatures().get(name)
-    if not schemas or stubs is None and name in _stub_signatures():
+    if not schemas and not stubs:
         return Layout()
     positions, checked = 0, set()
     for schema in schemas:
@@ -128,7 +123,7 @@ def _builtin_layout(original: Any) -> Layout:
 
 
 @functools.cache
-def _stub_signatures() -> dict[str, list[tuple[int, frozenset[int]]] | None]:
+def _stub_signatures() -> dict[str, list[tuple[int, frozenset[int]]]]:
     """name -> [(positional parameters, which of them can hold a tensor)] of every builtin
     torch's type stubs list, each overload once; {} when the stubs are not installed."""
     table: dict[str, set[tuple[int, frozenset[int]]]] = {}
@@ -159,7 +154,8 @@ def _stub_positions(params: str) -> tuple[int, frozenset[int]]:
             continue
         if part.startswith("*"):
             break
-        if "Tensor" in part.partition(":")[2].partition("=")[0]:
+        name, colon, annotation = part.partition("=")[0].partition(":")
+        if not colon or "Tensor" in annotation:  # a method's `self`, or a tensor type
             tensors.add(count)
         count += 1
     return count, frozenset(tensors)
