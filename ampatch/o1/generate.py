@@ -2,22 +2,25 @@
 
 Each patched op gets one plain function, set on torch in the op's place. It reads the
 per-thread switch, looks at the arguments that can hold a tensor one by one (inline, in one
-pass), converts those that need it, counts the call once if it converted anything, and calls
-the op with the arguments as they came: no tuple, list or dict is built, no second call is
-made. A call this shape cannot serve (keywords or extra positional arguments to a builtin,
-a promotion that changes something, a refused dtype) goes to the op's general path, which
-walks everything (`wrappers.general_path`). docs/internals.md shows a generated function.
+pass), converts those that need it (a parameter through the cast cache, inline:
+`cache.Inline`), counts the call once if it converted anything, and calls the op with the
+arguments as they came: no tuple, list or dict is built, no second call is made. A call this
+shape cannot serve (keywords or extra positional arguments to a builtin, a promotion that
+changes something, a refused dtype, a container) goes to the op's general path, which walks
+everything (`wrappers.general_path`). docs/internals.md shows a generated function.
 
 The source depends only on the layout, the action and a few flags, never on the op: each
-distinct source is compiled once, as a factory that takes the op's values (the op itself,
-its counter, its casts: `Values`) and returns the function. `codes()` lists the compiled
-code, which `torch.compile` must never compile on its own (`o1.dynamo`).
+distinct source is compiled once, as a factory that takes one op's `Values` and returns its
+function. `codes()` lists the compiled code, which `torch.compile` must never compile on its
+own (`o1.dynamo`).
 """
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import functools
 import inspect
+import textwrap
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -26,24 +29,19 @@ from typing import Any
 
 import torch
 
+from .cache import Inline
 from .signatures import Layout
 
-__all__ = ["Shape", "Values", "RESERVED", "source", "build", "codes", "on_new_code"]
+__all__ = ["CAST", "PROMOTE", "REFUSE", "Shape", "Values", "RESERVED", "source", "build", "codes", "on_new_code"]
 
 CAST, PROMOTE, REFUSE = "cast", "promote", "refuse"
-
-# The closure names of every generated function, and its locals: a Python signature that
-# uses one of them gets the generic layout (`signatures.layout_of`).
-_CLOSURE = ("_op", "_switch", "_M", "_atoms", "_Tensor", "_Parameter", "_needs", "_convert", "_entries", "_get",
-            "_hits", "_stale", "_no_grad_get", "_no_grad_put", "_grad", "_walk", "_general", "_tick", "_clock", "_timer", "_off_cpu", "_type", "_next", "_id")
-RESERVED = frozenset(_CLOSURE + ("_n", "_t", "_b", "_d", "_e", "_g", "_k", "_t0", "rest", "kw"))
 
 
 @dataclass(frozen=True)
 class Shape:
     """What a generated source depends on."""
 
-    action: str          # CAST, PROMOTE or REFUSE
+    action: str              # CAST, PROMOTE or REFUSE
     layout: Layout
     in_place: bool = False   # PROMOTE: the first argument's dtype decides
     cpu_only: bool = False   # CAST: only when the first argument is on the CPU
@@ -52,149 +50,176 @@ class Shape:
 
 @dataclass(frozen=True)
 class Values:
-    """What one op's function closes over (names as in the source, without the underscore)."""
+    """What one op's function closes over; in the source, each field is `_<name>`."""
 
-    op: Callable                    # the original
-    switch: Any                     # base.patcher.cast_switch
-    M: Any                          # the "not given" sentinel of a builtin's positional arguments
-    atoms: frozenset                # argument types that never hold a tensor (the sentinel's among them)
+    op: Callable                     # the original
+    switch: Any                      # base.patcher.cast_switch
+    M: Any                           # the "not given" default of a builtin's positional arguments
+    atoms: frozenset                 # argument types that never hold a tensor ("not given"'s too)
     Tensor: type
     Parameter: type
-    needs: frozenset                # CAST/REFUSE: the dtypes converted / refused
-    convert: Callable               # CAST: a plain tensor -> the target dtype
-    cache: Any                      # CAST: the cast cache's casts to the target dtype (`cache.Inline`)
-    walk: Callable                  # CAST: anything else -> the same object, or one with tensors converted
-    general: Callable               # (args, kwargs) -> the op's result, the general path
-    tick: Any                       # CAST: the op's counter (itertools.count)
-    clock: Callable | None = None   # timed: time.perf_counter
-    timer: Callable | None = None   # timed: given the seconds spent converting
+    needs: frozenset                 # CAST/REFUSE: the dtypes converted / refused
+    general: Callable                # (args, kwargs) -> the op's result: the general path
+    convert: Callable | None = None  # CAST: a plain tensor or parameter -> the target dtype
+    walk: Callable | None = None     # CAST: anything else -> itself, or a copy with its tensors converted
+    tick: Any = None                 # CAST: the op's counter (itertools.count)
+    cache: Inline | None = None      # CAST: the cast cache's casts to the target dtype
+    clock: Callable | None = None    # timed: time.perf_counter
+    timer: Callable | None = None    # timed: given the seconds spent converting
     off_cpu: Callable | None = None  # cpu_only: whether the first argument is a tensor off the CPU
 
+    def closure(self) -> dict[str, Any]:
+        """The factory's arguments (`_CLOSURE`): the fields, the cache's parts, the builtins."""
+        out = {f"_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cache"}
+        out.update(zip(_CACHE_NAMES, self.cache if self.cache is not None else (None,) * len(_CACHE_NAMES)))
+        out.update(_grad=torch.is_grad_enabled, _type=type, _next=next, _id=id)
+        return out
+
+
+_CACHE_NAMES = tuple(f"_{name}" for name in Inline._fields)  # _entries, _get, _hits, _stale, ...
+_CLOSURE = tuple(f"_{f.name}" for f in dataclasses.fields(Values) if f.name != "cache") + _CACHE_NAMES + (
+    "_grad", "_type", "_next", "_id")
+# The names the generated code uses (its closure, its locals): a Python signature using one
+# of them gets the generic layout (`signatures.layout_of`).
+RESERVED = frozenset(_CLOSURE + ("_n", "_t", "_b", "_d", "_e", "_g", "_k", "_t0", "rest", "kw"))
 
 # ------------------------------------------------------------------------------ the source
-def _params(shape: Shape) -> tuple[str, list[str], list[str], str, str]:
-    """(the def's parameter list, the names checked in order, the call's arguments, the
-    argument tuple and keyword dict handed to the general path, the first argument's name)."""
-    layout = shape.layout
-    if layout.signature is None:
+# One argument `{a}` of a CAST function; `_n = 1` once something was converted.
+_CAST_ARGUMENT = """\
+_t = _type({a})
+if _t is _Tensor:
+    if {a}.dtype in _needs:
+        {a} = _convert({a})
+        _n = 1
+elif _t is _Parameter:
+    if {a}.requires_grad:
+        _k = _id({a})
+        _e = _get(_k)
+        if _e is not None and _e[0] == {a}._version:  # cached with gradients, still current
+            {a} = _e[1]
+            _next(_hits)
+            _n = 1
+        elif {a}.dtype in _needs:  # a miss (without gradients: the no-grad casts first)
+            _g = _grad()
+            _b = None if _g else _no_grad_get({a}, _k)
+            if _b is None:
+                _b = _convert({a})
+                if not _g:
+                    _no_grad_put({a}, _k, _b)
+                else:
+                    if _e is not None:
+                        _next(_stale)
+                    _entries[_k] = ({a}._version, _b)
+            {a} = _b
+            _n = 1
+    elif {a}.dtype in _needs:
+        {a} = _convert({a})
+        _n = 1
+elif _t not in _atoms:
+    _b = _walk({a})
+    if _b is not {a}:
+        {a} = _b
+        _n = 1
+"""
+
+# One argument of a PROMOTE function: every floating tensor so far has the dtype `_d`, or
+# the general path promotes (in place: `_d` is the first argument's dtype, floating or not).
+_PROMOTE_FIRST = """\
+_t = _type({a})
+if _t is _Tensor or _t is _Parameter:
+    _d = {a}.dtype
+elif _t not in _atoms:
+    return {general}
+"""
+_PROMOTE_ARGUMENT = """\
+_t = _type({a})
+if _t is _Tensor or _t is _Parameter:
+    _e = {a}.dtype
+    if _e.is_floating_point:
+        if _d is None:
+            _d = _e
+        elif _e is not _d:
+            return {general}
+elif _t not in _atoms:
+    return {general}
+"""
+
+# One argument of a REFUSE function: the general path raises on a refused dtype.
+_REFUSE_ARGUMENT = """\
+_t = _type({a})
+if _t is _Tensor or _t is _Parameter:
+    if {a}.dtype in _needs:
+        return {general}
+elif _t not in _atoms:
+    return {general}
+"""
+
+
+class _Default:
+    """A default, printed as the closure variable that holds it (`_d3`)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"_d{self.index}"
+
+
+def _params(layout: Layout) -> tuple[str, list[str], str, str, list[str]]:
+    """(the def's parameters, the names checked in order, the general path's arguments, the
+    first argument's name, the lines that call the op with the arguments as given)."""
+    if layout.signature is None:  # a builtin: its positions, "not given" by default
         names = [f"a{i}" for i in range(layout.positions)]
         params = ", ".join([f"{n}=_M" for n in names] + (["/"] if names else []) + ["*rest", "**kw"])
+        calls = []
+        for k in range(len(names), 0, -1):
+            calls += [f"if {names[k - 1]} is not _M:", f"    return _op({', '.join(names[:k])})"]
+        handoff = _tuple(names + ["*rest"]) + ", kw"
         checked = [n for i, n in enumerate(names) if i in layout.checked]
-        args = "(" + "".join(f"{n}, " for n in names) + "*rest)"
-        return params, checked, names, f"{args}, kw", names[0] if names else "None"
-    parts, call, positional, keywords, checked = [], [], [], [], []
-    star = False
-    for i, (name, prm) in enumerate(layout.signature.parameters.items()):
-        default = "" if prm.default is prm.empty else f"=_d{i}"
-        if prm.kind is prm.VAR_POSITIONAL:
-            parts.append(f"*{name}")
-            call.append(f"*{name}")
-            positional.append(f"*{name}")
-            star = True
-        elif prm.kind is prm.VAR_KEYWORD:
-            parts.append(f"**{name}")
-            call.append(f"**{name}")
-            keywords.append(f"**{name}")
-        elif prm.kind is prm.KEYWORD_ONLY:
-            if not star:
-                parts.append("*")
-                star = True
-            parts.append(f"{name}{default}")
-            call.append(f"{name}={name}")
-            keywords.append(f"{name!r}: {name}")
+        return params, checked, handoff, names[0] if names else "None", calls + ["return _op()"]
+    prms = list(layout.signature.parameters.values())
+    bare = layout.signature.replace(parameters=[
+        p.replace(annotation=p.empty, default=p.empty if p.default is p.empty else _Default(i))
+        for i, p in enumerate(prms)], return_annotation=inspect.Signature.empty)
+    call, positional, keywords = [], [], []
+    for p in prms:
+        if p.kind is p.VAR_POSITIONAL:
+            call.append(f"*{p.name}")
+            positional.append(f"*{p.name}")
+        elif p.kind is p.VAR_KEYWORD:
+            call.append(f"**{p.name}")
+            keywords.append(f"**{p.name}")
+        elif p.kind is p.KEYWORD_ONLY:
+            call.append(f"{p.name}={p.name}")
+            keywords.append(f"{p.name!r}: {p.name}")
         else:
-            parts.append(f"{name}{default}")
-            call.append(name)
-            positional.append(name)
-            if prm.kind is prm.POSITIONAL_ONLY and (i + 1 == len(layout.signature.parameters) or list(
-                    layout.signature.parameters.values())[i + 1].kind is not prm.POSITIONAL_ONLY):
-                parts.append("/")
-        if name in layout.checked:
-            checked.append(name)
-    first = next((n for n, p in layout.signature.parameters.items()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), "None")
-    handoff = "(" + "".join(f"{a}, " for a in positional) + "), {" + ", ".join(keywords) + "}"
-    return ", ".join(parts), checked, call, handoff, first
+            call.append(p.name)
+            positional.append(p.name)
+    first = next((p.name for p in prms if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), "None")
+    handoff = _tuple(positional) + ", {" + ", ".join(keywords) + "}"
+    checked = [p.name for p in prms if p.name in layout.checked]
+    return str(bare)[1:-1], checked, handoff, first, [f"return _op({', '.join(call)})"]
 
 
-def _cast_check(a: str) -> list[str]:
-    """Convert `a` if it needs it, a parameter through the cast cache (`cache.Inline`);
-    `_n = 1` when it did."""
-    return [f"_t = _type({a})",
-            "if _t is _Tensor:",
-            f"    if {a}.dtype in _needs:",
-            f"        {a} = _convert({a})",
-            "        _n = 1",
-            "elif _t is _Parameter:",
-            f"    if {a}.requires_grad:",
-            f"        _k = _id({a})",
-            "        _e = _get(_k)",
-            f"        if _e is not None and _e[0] == {a}._version:",
-            f"            {a} = _e[1]",
-            "            _next(_hits)",
-            "            _n = 1",
-            f"        elif {a}.dtype in _needs:",
-            "            _g = _grad()",
-            f"            _b = None if _g else _no_grad_get({a}, _k)",
-            "            if _b is None:",
-            f"                _b = _convert({a})",
-            "                if not _g:",
-            f"                    _no_grad_put({a}, _k, _b)",
-            "                else:",
-            "                    if _e is not None:",
-            "                        _next(_stale)",
-            f"                    _entries[_k] = ({a}._version, _b)",
-            f"            {a} = _b",
-            "            _n = 1",
-            f"    elif {a}.dtype in _needs:",
-            f"        {a} = _convert({a})",
-            "        _n = 1",
-            "elif _t not in _atoms:",
-            f"    _b = _walk({a})",
-            f"    if _b is not {a}:",
-            f"        {a} = _b",
-            "        _n = 1"]
+def _tuple(items: list[str]) -> str:
+    """The source of a tuple of `items` (expressions, starred ones too)."""
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
 
 
-def _promote_check(a: str, general: str, first: bool) -> list[str]:
-    """Hand the call to the general path unless every floating tensor so far has one dtype
-    (in place: the first argument's dtype, floating or not)."""
-    if first:
-        return [f"_t = _type({a})",
-                "if _t is _Tensor or _t is _Parameter:",
-                f"    _d = {a}.dtype",
-                "elif _t not in _atoms:",
-                f"    return {general}"]
-    return [f"_t = _type({a})",
-            "if _t is _Tensor or _t is _Parameter:",
-            f"    _e = {a}.dtype",
-            "    if _e.is_floating_point:",
-            "        if _d is None:",
-            "            _d = _e",
-            "        elif _e is not _d:",
-            f"            return {general}",
-            "elif _t not in _atoms:",
-            f"    return {general}"]
-
-
-def _refuse_check(a: str, general: str) -> list[str]:
-    """Hand the call to the general path (which raises) if `a` may hold a refused dtype."""
-    return [f"_t = _type({a})",
-            "if _t is _Tensor or _t is _Parameter:",
-            f"    if {a}.dtype in _needs:",
-            f"        return {general}",
-            "elif _t not in _atoms:",
-            f"    return {general}"]
-
-
-def _calls(shape: Shape, names: list[str], call: list[str]) -> list[str]:
-    """The call of the op with the arguments as given (a builtin: as many as were given)."""
-    if shape.layout.signature is not None:
-        return [f"return _op({', '.join(call)})"]
-    lines = []
-    for k in range(len(names), 0, -1):
-        lines += [f"if {names[k - 1]} is not _M:", f"    return _op({', '.join(names[:k])})"]
-    return lines + ["return _op()"]
+def _condition(shape: Shape, first: str) -> str:
+    """When the function converts: casts on in this thread, no `out=` (plans.OUT), and for a
+    CPU-only plan, the first argument not a tensor off the CPU."""
+    condition = "_switch.enabled"
+    sig = shape.layout.signature
+    if sig is not None:
+        if "out" in sig.parameters and sig.parameters["out"].kind is not inspect.Parameter.VAR_KEYWORD:
+            condition += " and out is None"
+        var_kw = next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        if var_kw is not None:
+            condition += f" and 'out' not in {var_kw}"
+    if shape.cpu_only:
+        condition += f" and not _off_cpu({first})"
+    return condition
 
 
 def source(shape: Shape) -> str:
@@ -211,47 +236,30 @@ def _cached_source(shape: Shape) -> str:
 
 
 def _source(shape: Shape) -> str:
-    params, checked, call, handoff, first = _params(shape)
+    params, checked, handoff, first, calls = _params(shape.layout)
     general = f"_general({handoff})"
-    condition = "_switch.enabled"
-    sig = shape.layout.signature
-    if sig is not None and "out" in sig.parameters and sig.parameters["out"].kind is not inspect.Parameter.VAR_KEYWORD:
-        condition += " and out is None"  # a call with out= runs as written (plans.OUT)
-    var_kw = next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), None) if sig else None
-    if var_kw is not None:
-        condition += f" and 'out' not in {var_kw}"
-    if shape.cpu_only:
-        condition += f" and not _off_cpu({first})"
-    body: list[str] = []
-    if sig is None:
-        body += ["if rest or kw:", f"    return {general}"]
-    inner: list[str] = ["_t0 = _clock()"] if shape.timed else []
+    inner = "_t0 = _clock()\n" if shape.timed else ""
     if shape.action == CAST:
-        inner.append("_n = 0")
-        for a in checked:
-            inner += _cast_check(a)
-        if shape.timed:
-            inner.append("_timer(_clock() - _t0)")
-        inner += ["if _n:", "    _next(_tick)"]
-    elif shape.action == PROMOTE:
-        inner.append("_d = None")
-        for i, a in enumerate(checked):
-            inner += _promote_check(a, general, shape.in_place and i == 0 and a == first)
+        inner += "_n = 0\n" + "".join(_CAST_ARGUMENT.format(a=a) for a in checked)
+        inner += "_timer(_clock() - _t0)\n" if shape.timed else ""
+        inner += "if _n:\n    _next(_tick)\n"
     else:
-        for a in checked:
-            inner += _refuse_check(a, general)
-    if shape.action != CAST and shape.timed:
-        inner.append("_timer(_clock() - _t0)")
-    body += [f"if {condition}:"] + ["    " + line for line in inner or ["pass"]]
-    body += _calls(shape, [n for n in call if sig is None], call)
+        if shape.action == PROMOTE:
+            inner += "_d = None\n" + "".join(
+                (_PROMOTE_FIRST if shape.in_place and i == 0 and a == first else _PROMOTE_ARGUMENT).format(
+                    a=a, general=general) for i, a in enumerate(checked))
+        else:
+            inner += "".join(_REFUSE_ARGUMENT.format(a=a, general=general) for a in checked)
+        inner += "_timer(_clock() - _t0)\n" if shape.timed else ""
+    body = f"if rest or kw:\n    return {general}\n" if shape.layout.signature is None else ""
+    body += f"if {_condition(shape, first)}:\n" + textwrap.indent(inner or "pass\n", "    ") + "\n".join(calls) + "\n"
+    sig = shape.layout.signature
+    defaults = "".join(f"    _d{i} = _defaults[{i}]\n" for i, p in enumerate(sig.parameters.values() if sig else ())
+                       if p.default is not p.empty)
     name = f"ampatch_{shape.action}"
-    lines = [f"def _factory({', '.join(_CLOSURE)}, _defaults):",
-             *(f"    _d{i} = _defaults[{i}]" for i, prm in enumerate(sig.parameters.values() if sig else ())
-               if prm.default is not prm.empty),
-             f"    def {name}({params}):",
-             *("        " + line for line in body),
-             f"    return {name}"]
-    return "\n".join(lines) + "\n"
+    closure = textwrap.fill(", ".join(_CLOSURE + ("_defaults",)), 96, initial_indent="    ", subsequent_indent="    ")
+    return (f"def _factory(\n{closure},\n):\n{defaults}"
+            f"    def {name}({params}):\n{textwrap.indent(body, '        ')}    return {name}\n")
 
 
 # ------------------------------------------------------------------------------ compiling
@@ -261,8 +269,8 @@ _lock = threading.Lock()
 
 
 def on_new_code(hook: Callable[[types.CodeType], None]) -> None:
-    """Call `hook` with the code of every factory compiled from now on (and those compiled
-    so far): `o1.dynamo` marks them as code Dynamo must not compile."""
+    """Call `hook` with the code of every factory compiled from now on, and of those
+    compiled so far (once per hook): `o1.dynamo` marks them as code Dynamo must not compile."""
     with _lock:
         if hook in _hooks:
             return
@@ -294,22 +302,12 @@ def _factory(text: str) -> Callable:
     return made
 
 
-def _cache_values(inline: Any) -> tuple:
-    """The closure values `_entries` ... `_no_grad_put` from a `cache.Inline` (or None)."""
-    if inline is None:
-        return (None,) * 6
-    return inline.entries, inline.get, inline.hits, inline.stale, inline.no_grad_get, inline.no_grad_put
-
-
 def build(shape: Shape, values: Values, original: Any) -> types.FunctionType:
     """The O1 function of `original` for `shape`, closing over `values`: named like the
     original, with its globals (TorchScript resolves names through them), `__wrapped__` set."""
     sig = shape.layout.signature
     defaults = [p.default for p in sig.parameters.values()] if sig is not None else []
-    made = _factory(source(shape))(
-        values.op, values.switch, values.M, values.atoms, values.Tensor, values.Parameter, values.needs,
-        values.convert, *_cache_values(values.cache), torch.is_grad_enabled, values.walk, values.general, values.tick,
-        values.clock, values.timer, values.off_cpu, type, next, id, defaults)
+    made = _factory(source(shape))(**values.closure(), _defaults=defaults)
     fn = types.FunctionType(made.__code__, getattr(original, "__globals__", {"__builtins__": builtins}),
                             getattr(original, "__name__", made.__name__), made.__defaults__, made.__closure__)
     fn.__kwdefaults__ = made.__kwdefaults__

@@ -39,7 +39,8 @@ _SCALAR_WORDS = frozenset({
     "typing.Literal"})
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _TENSOR_TYPE = re.compile(r"\bTensor\b")
-_STUBS = ("_C/_VariableFunctions.pyi", "_C/_nn.pyi", "_C/__init__.pyi")  # torch's builtins, with their Python signatures
+# torch's type stubs of its builtins: their Python signatures, the deprecated ones too
+_STUBS = ("_C/_VariableFunctions.pyi", "_C/_nn.pyi", "_C/__init__.pyi")
 _STUB_DEF = re.compile(r"^[ \t]*def (\w+)\((.*?)\)\s*->", re.S | re.M)
 
 logger = logging.getLogger("ampatch")

@@ -200,7 +200,8 @@ def test_an_o1_function_is_a_plain_function_carrying_its_twin_behind_a_proxy() -
     assert type(fn) is types.FunctionType and is_patch(fn) and fn.__wrapped__ is module_function
     assert (fn.__name__, fn.__qualname__, fn.__module__) == ("module_function", "module_function", __name__)
     twin = fn._torchdynamo_inline
-    assert type(twin) is ModuleFunctionWrapper and twin._self_binding == "builtin" and twin.__wrapped__ is module_function
+    assert type(twin) is ModuleFunctionWrapper and twin._self_binding == "builtin"
+    assert twin.__wrapped__ is module_function
     assert isinstance(twin, CastFunctionWrapper) and isinstance(twin, types.FunctionType)  # what Dynamo asks
     assert fn(TB).dtype == F32 and twin(TB).dtype == F32
 
