@@ -1,7 +1,7 @@
 """torch.compile under O1/O4: Tensor methods and operators, as Dynamo sees them.
 
 Patched functions (`torch.*`, `F.*`, `torch.linalg.*`, `torch.Tensor.softmax(x)`) carry
-their own plain-Python twin, which Dynamo inlines (`proxies.CastFunctionWrapper`). Method
+their own plain-Python twin, which Dynamo inlines (`proxies`: `_torchdynamo_inline`). Method
 calls and operators on tensors (`x.softmax(-1)`, `x @ w`, `x ** 2`) never look at
 `torch.Tensor`'s attributes inside Dynamo: it records the method name or the operator
 directly. So, while a session patches torch, two Dynamo entry points are wrapped (and put
@@ -26,7 +26,7 @@ lazy compile of the backward graph, run with casts off in their thread, as torch
 with autocast off (`_BACKEND_COMPILE`).
 
 A module kept in FP32 (`keep_fp32`) runs with casts off, but Dynamo chooses the casts of
-what it traces when it traces (`CastFunctionWrapper._torchdynamo_inline`), not where a
+what it traces when it traces (`proxies.CastFunctionWrapper._torchdynamo_inline`), not where a
 module runs: so its forward wrapper (`model.forwards.UncastForward`, handed in as `eager`) runs eagerly,
 outside the graph, with casts off as in eager mode (`torch.compiler.disable`: a graph break).
 """
