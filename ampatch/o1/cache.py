@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..base import data_watch
 from ..base.counters import count_value
 
 __all__ = ["CastCache", "Inline", "converter", "watch_data"]
@@ -197,23 +198,14 @@ def watch_data(cache: CastCache, patcher: Any) -> None:
     `p.data` is the one common way to change a parameter that autograd does not see:
     `p.data.copy_(ema)` or `p.data = ...` (as `vector_to_parameters` and `Module._apply`
     do) leave `p._version` as it was, so the cache could not tell. Reading `.data` is
-    where each of them starts; the property forwards to torch's own descriptor. (A `.data`
-    alias kept from before the cast, or writes through numpy, stay invisible.)
+    where each of them starts (`base.data_watch`). (A `.data` alias kept from before the
+    cast, or writes through numpy, stay invisible.)
     """
-    descriptor = vars(torch._C.TensorBase)["data"]
-    get, put = descriptor.__get__, descriptor.__set__
-    forget = weakref.WeakMethod(cache.forget)  # the property must not keep a closed session alive
+    forget = weakref.WeakMethod(cache.forget)  # the watch must not keep a closed session alive
 
-    def data(self: torch.Tensor) -> torch.Tensor:
+    def touched(t: torch.Tensor) -> None:
         f = forget()
         if f is not None:
-            f(self)
-        return get(self)
+            f(t)
 
-    def set_data(self: torch.Tensor, value: torch.Tensor) -> None:
-        f = forget()
-        if f is not None:
-            f(self)
-        put(self, value)
-
-    patcher.patch(torch.Tensor, "data", property(data, set_data, doc=descriptor.__doc__))
+    data_watch.watch_data(patcher, touched)
