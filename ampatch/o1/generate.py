@@ -30,18 +30,17 @@ from typing import Any
 import torch
 
 from .cache import Inline
+from .plans import Action
 from .signatures import Layout
 
-__all__ = ["CAST", "PROMOTE", "REFUSE", "Shape", "Values", "RESERVED", "source", "build", "codes", "on_new_code"]
-
-CAST, PROMOTE, REFUSE = "cast", "promote", "refuse"
+__all__ = ["Shape", "Values", "RESERVED", "source", "build", "codes", "on_new_code"]
 
 
 @dataclass(frozen=True)
 class Shape:
     """What a generated source depends on."""
 
-    action: str              # CAST, PROMOTE or REFUSE
+    action: Action           # what the plan does with the tensors it finds
     layout: Layout
     in_place: bool = False   # PROMOTE: the first argument's dtype decides
     cpu_only: bool = False   # CAST: only when the first argument is on the CPU
@@ -239,12 +238,12 @@ def _source(shape: Shape) -> str:
     params, checked, handoff, first, calls = _params(shape.layout)
     general = f"_general({handoff})"
     inner = "_t0 = _clock()\n" if shape.timed else ""
-    if shape.action == CAST:
+    if shape.action is Action.CAST:
         inner += "_n = 0\n" + "".join(_CAST_ARGUMENT.format(a=a) for a in checked)
         inner += "_timer(_clock() - _t0)\n" if shape.timed else ""
         inner += "if _n:\n    _next(_tick)\n"
     else:
-        if shape.action == PROMOTE:
+        if shape.action is Action.PROMOTE:
             inner += "_d = None\n" + "".join(
                 (_PROMOTE_FIRST if shape.in_place and i == 0 and a == first else _PROMOTE_ARGUMENT).format(
                     a=a, general=general) for i, a in enumerate(checked))
@@ -256,7 +255,7 @@ def _source(shape: Shape) -> str:
     sig = shape.layout.signature
     defaults = "".join(f"    _d{i} = _defaults[{i}]\n" for i, p in enumerate(sig.parameters.values() if sig else ())
                        if p.default is not p.empty)
-    name = f"ampatch_{shape.action}"
+    name = f"ampatch_{shape.action.value}"
     closure = textwrap.fill(", ".join(_CLOSURE + ("_defaults",)), 96, initial_indent="    ", subsequent_indent="    ")
     return (f"def _factory(\n{closure},\n):\n{defaults}"
             f"    def {name}({params}):\n{textwrap.indent(body, '        ')}    return {name}\n")

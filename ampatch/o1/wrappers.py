@@ -2,10 +2,11 @@
 path, both from one `CastPlan`.
 
 `make_function` gathers what the generated function closes over: the per-thread switch, the
-converters (a plain tensor: the dtype's own method; a parameter: the cast cache's caster,
-`WrapContext.cast_for`), the op's counter, and the general path. The general path serves the
-calls the fast path hands over (keywords to a builtin, containers, promotions that change
-something, refused dtypes, `out=`): one walk over every argument with `map_tensors`.
+converter (the dtype's own method), the session's cast cache (`WrapContext.inline`), the
+op's counter, and the general path. The general path serves the calls the fast path hands
+over (keywords to a builtin, containers, promotions that change something, refused dtypes,
+`out=`): one walk over every argument with `map_tensors`, casting through the cache's caster
+(`WrapContext.cast_for`).
 
 A call counts in `report()`'s casts when it converted at least one argument; a call whose
 arguments already had the target dtype counts nothing.
@@ -43,19 +44,21 @@ class _NotGiven:
 
 
 NOT_GIVEN = _NotGiven()
+_ATOMS = ATOMS | {_NotGiven}
+
+
 class _Discard(dict):
     """The entries of a context without a cast cache: nothing stored, so never a hit."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
         pass
-_ATOMS = ATOMS | {_NotGiven}
 
 
 @dataclass
 class WrapContext:
     """What a wrapper needs from its session, captured once at patch time."""
 
-    cast_for: Callable[[torch.dtype], Caster]  # dtype -> its cast through the cache (`CastCache.caster`)
+    cast_for: Callable[[torch.dtype], Caster]  # dtype -> its cast through the cache: `CastCache.caster`
     half_dtype: torch.dtype
     counters: Counters
     allow_banned: bool
@@ -75,8 +78,7 @@ class WrapContext:
 def make_function(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
     """The O1 function of plan `p` around `original` (for a Tensor method: called unbound,
     `original(self, *args)`, so that the tensor itself is cast too)."""
-    action = {Action.CAST: generate.CAST, Action.PROMOTE: generate.PROMOTE, Action.REFUSE: generate.REFUSE}[p.action]
-    shape = generate.Shape(action, layout_of(original, generate.RESERVED), in_place=p.in_place,
+    shape = generate.Shape(p.action, layout_of(original, generate.RESERVED), in_place=p.in_place,
                            cpu_only=p.cpu_only, timed=ctx.timer is not None)
     tick = ctx.counters.counter(p.op, p.label) if p.action is Action.CAST else None
     cast = ctx.cast_for(p.target) if p.action is Action.CAST else None
