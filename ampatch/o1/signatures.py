@@ -8,8 +8,8 @@
   its longest overload takes, checked where some overload takes a `Tensor`, `Tensor?` or
   `Tensor[]`. The overloads are torch's operator schemas and the Python signatures torch's
   type stubs list (`torch/_C/*.pyi`): those add the deprecated ones, such as
-  `torch.addmm(beta, input, mat1, mat2)`. Keyword arguments and extra positional ones take
-  the general path, which walks everything.
+  `torch.addmm(beta, input, mat1, mat2)` (without the stubs, every position is checked).
+  Keyword arguments and extra positional ones take the general path, which walks everything.
 - Anything else (a builtin neither lists, a Python function whose signature cannot be read or
   whose parameter names would shadow the generated code's own): a generic layout, every
   positional argument up to `FALLBACK_POSITIONS` checked.
@@ -109,7 +109,8 @@ def _builtin_layout(original: Any) -> Layout:
                 schemas = []
             if schemas:
                 break
-    stubs = _stub_signatures().get(name)
+    table = _stub_signatures()
+    stubs = table.get(name)
     if not schemas and not stubs:
         return Layout()
     positions, checked = 0, set()
@@ -120,6 +121,8 @@ def _builtin_layout(original: Any) -> Layout:
     for count, tensors in stubs or ():
         positions = max(positions, count)
         checked.update(tensors)
+    if not table:  # no stubs installed: a deprecated signature may hold a tensor anywhere
+        checked = set(range(positions))
     return Layout(positions=positions, checked=frozenset(checked))
 
 

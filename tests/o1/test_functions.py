@@ -182,3 +182,20 @@ def test_outputs_and_gradients_equal_casting_by_hand_bitwise():
                 assert p.grad is None
             else:
                 assert p.grad.dtype == F32 and torch.equal(p.grad, q.grad)
+
+
+def test_without_torchs_type_stubs_a_builtin_checks_every_position(monkeypatch):
+    """The stubs are what name the deprecated signatures' tensor positions: without them, every
+    position is checked (`torch.addmm(beta, input, mat1, mat2)` still casts mat2)."""
+    from ampatch.o1 import signatures
+
+    monkeypatch.setattr(signatures, "_STUBS", ("_C/no_such_stub.pyi",))
+    signatures._stub_signatures.cache_clear()
+    signatures._cached_layout.cache_clear()
+    try:
+        assert layout_of(torch.addmm, generate.RESERVED).checked == {0, 1, 2, 3}
+    finally:
+        monkeypatch.undo()
+        signatures._stub_signatures.cache_clear()
+        signatures._cached_layout.cache_clear()
+    assert layout_of(torch.addmm, generate.RESERVED).checked == {0, 1, 2, 3, 4}
