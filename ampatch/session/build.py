@@ -39,6 +39,7 @@ from ..optim.context import HandleContext
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import check_one_master_each, master_ids
 from ..optim.sharded import ShardedOptimizerHandle
+from ..optim.states import check_keepable
 
 logger = logging.getLogger("ampatch")
 
@@ -128,6 +129,12 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
     props, notes = resolve(options, hardware.model_device(model_list), overrides)
     if props.fp8 is not None:
         check_fp8(props, opt_list)
+    for o in opt_list:
+        check_keepable(o, props.optimizer_states)
+    if props.optimizer_states.stored and sharded.is_sharded(model_list):
+        raise ValueError(f"optimizer_states={props.optimizer_states.value!r} is not supported on FSDP2-sharded models "
+                         "yet (the kept state would have to be sharded like each parameter); use "
+                         "optimizer_states='float32' with fully_shard, or master_weights='stochastic' for memory.")
     return Prepared(options, props, overrides, model_list, opt_list, single_model, single_opt, optimizers is None,
                     notes)
 
@@ -223,7 +230,7 @@ def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
     model_handles: list[ModelHandle] = []
     try:
         for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
-            handles.append(OptimizerHandle(opt, first_index + i, ids[i], context, mode))
+            handles.append(OptimizerHandle(opt, first_index + i, ids[i], context, mode, props.optimizer_states))
         if props.casts_model:
             def trained(p: torch.Tensor) -> Any:
                 return next((k for h in handles if (k := h.masters.keeps(p)) is not None), None)
