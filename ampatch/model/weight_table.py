@@ -77,7 +77,7 @@ class Weights:
                 self.unwatched = False
                 self.watch.watch(self)
             for r in list(self.records):
-                if r.settle() is Sync.RETIRED:
+                if r.touched() and r.settle() is Sync.RETIRED:
                     self._retired(r)
 
     def _retired(self, r: Weight) -> None:

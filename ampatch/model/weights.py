@@ -97,6 +97,15 @@ class Weight:
             store = self._store = self.module._parameters if self.is_param else self.module._buffers
         return store.get(self.name)
 
+    def touched(self) -> bool:
+        """Whether a copy may have been written since `note` (a few attribute reads: the step's
+        fast path; `observe` says which)."""
+        t = self.half()
+        if t is None or id(t) != self._half_id or t._version != self._seen_half or t.dtype != self.half_dtype:
+            return True
+        exact = self.exact
+        return self._marked_half or self._marked_exact or (exact is not None and exact._version != self._seen_exact)
+
     def observe(self) -> Sync:
         """Which copy was written since `note` (nothing changes)."""
         t = self.half()
@@ -276,10 +285,11 @@ def rounds_to(exact: torch.Tensor, half: torch.Tensor) -> bool:
 
 
 def settle_all(records: Iterable[Weight]) -> None:
-    """`Weight.settle` over `records` (the optimizer's step: a user's write to a half weight
-    reaches its master before the optimizer reads it)."""
+    """`Weight.settle` over `records` where something may have been written (the optimizer's
+    step: a user's write to a half weight reaches its master before the optimizer reads it)."""
     for r in records:
-        r.settle()
+        if r.touched():
+            r.settle()
 
 
 def note_all(records: Iterable[Weight]) -> None:

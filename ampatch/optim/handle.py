@@ -252,7 +252,7 @@ class OptimizerHandle:
             return self._chunked_step(inner, args, kwargs)
         pairs = list(self.pairs()) if self.use_masters else None  # one walk for the whole step
         if pairs:
-            self.masters.settle(pairs)  # a write to a half weight since the last step reaches its master
+            self.masters.settle()  # a write to a half weight since the last step reaches its master
             self.masters.move_grads(pairs)
         try:
             with disable_casts():

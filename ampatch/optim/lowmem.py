@@ -227,7 +227,7 @@ class LowMemMasters(Masters):
         """Nothing to copy: the masters are the model's weights (they alias them); the weights
         are as ampatch wrote them (`Weight.note`)."""
         self.follow_model()
-        note_all(self.records(self.pairs() if pairs is None else pairs))
+        note_all(self.record_of.values())
 
     # ------------------------------------------------------------------ grads
     def move_grads(self, pairs: list[Pair], inv_scale: float = 1.0, found_inf: torch.Tensor | None = None,
@@ -283,7 +283,7 @@ class LowMemMasters(Masters):
         finally:
             for t in targets:
                 t.key.grad = None if not t.direct else t.key.grad
-            note_all(self.records(self.pairs()))
+            note_all(self.record_of.values())
         self.rounds += 1
         return out
 
@@ -367,7 +367,7 @@ class LowMemMasters(Masters):
                 p.copy_(value)
                 if id(p) in self.comp:
                     self.comp[id(p)].copy_(value.to(p.device, F32) - p.float())
-        note_all(self.records(self.pairs()))
+        note_all(self.record_of.values())
 
     def take_comps(self, comps: dict[int, torch.Tensor], params: list[torch.Tensor]) -> None:
         """Checked compensations of a checkpoint (`take_state_entries`), by param index, into

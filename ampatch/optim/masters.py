@@ -26,7 +26,7 @@ logger = logging.getLogger("ampatch")
 
 MASTERS_KEY = "ampatch_masters"  # the masters' entry in an optimizer's state_dict()
 LOWMEM_KEY = "ampatch_lowmem"  # master_weights "stochastic"/"kahan": their entry (see lowmem)
-COPY_CHUNK = 16  # model grads converted into FP32 master grads per foreach call
+COPY_NUMEL = 1 << 22  # grad elements converted into FP32 master grads per foreach call (the rest waits, half)
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (half model param, its FP32 master)
 
@@ -140,6 +140,34 @@ def check_one_master_each(optimizers: Sequence[torch.optim.Optimizer], ids: set[
                         "one optimizer (give it to one of them, or use O1).")
 
 
+def _widened_in_chunks(masters: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`grads` (half) as new tensors of their masters' dtype, a `COPY_NUMEL` chunk at a time, each
+    chunk's half grads released as soon as it is copied: all the half grads and all their FP32
+    copies never exist at once (O2's peak). Sparse grads (nn.Embedding(sparse=True)) go FP32
+    and coalesced: the duplicates are summed without overflow. `grads` is emptied."""
+    new: list = [None] * len(masters)
+    i, n = 0, len(masters)
+    while i < n:
+        out, src, where, total = [], [], [], 0
+        while i < n and (total < COPY_NUMEL or not out):
+            g = grads[i]
+            grads[i] = None
+            if g.is_sparse:
+                new[i] = g.to(masters[i].dtype).coalesce()
+            else:
+                out.append(torch.empty_like(masters[i]))
+                src.append(g)
+                where.append(i)
+                total += g.numel()
+            i += 1
+        if out:
+            torch._foreach_copy_(out, src)
+            for k, o in zip(where, out):
+                new[k] = o
+        del src
+    return new
+
+
 class Masters:
     """The FP32 masters of one optimizer, in its param_groups in place of their half params.
 
@@ -204,10 +232,10 @@ class Masters:
         record_of = self.record_of
         return [r for _, m in pairs if (r := record_of.get(id(m))) is not None]
 
-    def settle(self, pairs: Iterable[Pair] | None = None) -> None:
+    def settle(self) -> None:
         """A write to a half weight since the last sync reaches its master (`Weight.settle`),
         before the optimizer or a checkpoint reads it."""
-        settle_all(self.records(self.pairs() if pairs is None else pairs))
+        settle_all(self.record_of.values())
 
     def params(self) -> Iterator[torch.Tensor]:
         """What the optimizer steps: masters where they exist."""
@@ -254,7 +282,7 @@ class Masters:
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([mp for mp, _ in pairs], [m for _, m in pairs])
-            note_all(self.records(pairs))
+            note_all(self.record_of.values())
 
     def agree(self, process_group: Any) -> None:
         """Under torch.distributed: if on any rank a master no longer rounds to its model param
@@ -280,31 +308,22 @@ class Masters:
                    check: bool = False) -> torch.Tensor | None:
         """Model grads -> FP32 master grads, times `inv_scale` and added to what is there;
         model grads -> None. With `check`, inf/NaN are ORed into `found_inf` (returned)."""
-        model_grads, masters = [], []
+        masters, grads, size = [], [], 0
         for mp, m in pairs:
-            if mp.grad is not None:
-                model_grads.append(mp.grad)
-                masters.append(m)
+            g = mp.grad
+            if g is not None:
                 mp.grad = None
+                masters.append(m)
+                grads.append(g)
+                size += g.numel()
         if not masters:
             return found_inf
-        new: list = [None] * len(masters)
-        dense = []
-        for i, (m, g) in enumerate(zip(masters, model_grads)):
-            if g.is_sparse:  # FP32 and coalesced: the duplicates are summed without overflow
-                new[i] = g.to(m.dtype).coalesce()
-            else:
-                dense.append(i)
-        del g
-        # Dense grads convert in chunks, each chunk's half grads released as soon as it is
-        # copied: all the half grads and all their FP32 copies never exist at once (O2's peak).
-        for start in range(0, len(dense), COPY_CHUNK):
-            chunk = dense[start:start + COPY_CHUNK]
-            out = [torch.empty_like(masters[i]) for i in chunk]
-            torch._foreach_copy_(out, [model_grads[i] for i in chunk])
-            for i, o in zip(chunk, out):
-                new[i] = o
-                model_grads[i] = None
+        if size <= COPY_NUMEL and not any(g.is_sparse for g in grads):  # the common case: one foreach call
+            new = [torch.empty_like(m) for m in masters]
+            torch._foreach_copy_(new, grads)
+            del grads
+            return scale_into(masters, new, inv_scale, found_inf, check)
+        return scale_into(masters, _widened_in_chunks(masters, grads), inv_scale, found_inf, check)
         return scale_into(masters, new, inv_scale, found_inf, check)
 
     def checkpoint(self) -> dict[str, Any]:
