@@ -7,7 +7,9 @@ to it, on a logarithmic grid (a small float: 3 mantissa bits, so about 6% apart 
 as the dynamic quantization of bitsandbytes and torchao spends its codes, without their
 lookup table). Signed tensors (a first moment) spend a bit on the sign: 4 exponent bits, down
 to about 2e-6 of the block's largest; unsigned ones (a second moment) 5, down to about
-1e-10. Anything smaller rounds to zero: what a block cannot hold.
+1e-10. A smaller signed value rounds to zero (what a block cannot hold: its update stops);
+a smaller unsigned one that is not zero is held at the smallest code, never at zero (an
+optimizer divides by a second moment: m / (sqrt(0) + eps) would throw the weight far).
 
 The grid is FP32's own bit pattern cut down: a value scaled so that the block's largest is
 the largest code, shifted right by 20 bits (after adding half of the dropped part: round to
@@ -55,8 +57,8 @@ def aligned(n: int) -> int:
 def quantize_(x: torch.Tensor, absmax: torch.Tensor, signed: bool, sign: torch.Tensor) -> torch.Tensor:
     """Codes of `x` (FP32, 1-D, whole blocks; overwritten) into its own storage, as int32 (a
     view of it is returned: copy it into the kept int8/uint8 codes), and each block's largest
-    magnitude into `absmax` (FP32, one per block). `sign`: int32 scratch, as long as `x`
-    (signed only). An unsigned tensor's negative values (none, for a second moment) become 0."""
+    magnitude into `absmax` (FP32, one per block). `sign`: int32 scratch, as long as `x`. An
+    unsigned tensor's negative values (none, for a second moment) become 0."""
     bits = x.view(torch.int32)
     rows = x.view(-1, BLOCK)
     if signed:
@@ -72,9 +74,13 @@ def quantize_(x: torch.Tensor, absmax: torch.Tensor, signed: bool, sign: torch.T
     if signed:
         torch.bitwise_right_shift(bits, 31, out=sign).bitwise_left_shift_(7)  # 0, or -128 for a negative value
         bits.bitwise_and_(_MAGNITUDE)
+    else:
+        torch.clamp(bits, 0, 1, out=sign)  # 1 where a value is above zero: its code is at least 1
     bits.add_(_HALF).bitwise_right_shift_(_SHIFT).clamp_(0, _TOP[signed])
     if signed:
         bits.add_(sign)  # -128 + magnitude: the byte 0x80 | magnitude
+    else:
+        torch.maximum(bits, sign, out=bits)
     return bits
 
 

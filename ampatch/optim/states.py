@@ -166,6 +166,25 @@ class StateStore:
     def nbytes(self) -> int:
         return sum(p.nbytes() for kept in self.kept.values() for p in kept.values())
 
+    def underflow(self) -> tuple[int, int]:
+        """(elements at the bottom of their block's range, elements) of the int8 state's blocks
+        that hold something: zero (signed), zero or the smallest code (unsigned): values a block
+        could not hold beside its largest, or zero to begin with. `report()`'s
+        `optimizer_state_underflow`, what tune names when int8 state fails."""
+        zero = total = 0
+        for kept in self.kept.values():
+            for p in kept.values():
+                if p.absmax is None or not p.values.numel():
+                    continue
+                held = (p.values == 0) | (p.values == -128) if p.signed else p.values <= 1  # -128: a negative zero
+                n = p.values.numel()
+                pad = torch.zeros(aligned(n) - n, dtype=torch.bool, device=held.device)
+                per_block = torch.cat([held, pad]).view(-1, BLOCK).sum(1)
+                live = p.absmax > 0
+                zero += int(per_block[live].sum())
+                total += int(live.sum()) * BLOCK - (aligned(n) - n if bool(live[-1]) else 0)
+        return zero, total
+
     # ------------------------------------------------------------------ the chunked step
     def reserve(self, workspace: Workspace, chunks: Iterable[dict[torch.device, list[Piece]]]) -> None:
         """Size the workspace's buffers once for a step whose chunks hold `chunks`' pieces."""
