@@ -6,10 +6,11 @@ A linear model of 256 inputs learns a teacher's outputs (noisy targets), AdamW, 
 perturbed start. With `--planted`, input 0 is always zero (a padding feature) and the loss
 carries a penalty on the model's weights for it, whose gradient is a million times the
 others': harmless to what the model predicts (the feature is zero), and in FP32 or bfloat16
-state each element's second moment is its own. In int8 state the weights of a row share a
-block of 256 with that weight, whose second moment is about 1e14 times theirs, far more
-than a block holds (about 1e-10 of its largest): theirs sit at the block's smallest code,
-their steps shrink to a hundredth, and the fine-tune stalls where FP32 state's goes on.
+state each element's moments are its own. In int8 state the weights of a row share a block
+of 256 with that weight, whose moments are about 1e8 (first) and 1e16 (second) times
+theirs, far more than a block holds (about 2e-6 and 1e-10 of its largest): theirs sit at
+the bottom of the block's range (the first moment at zero), the row's weights stop, and
+the fine-tune stalls (only the biases learn) where FP32 state's goes on.
 
     ampatch tune --objective memory --levels O5 --steps 60 -- python scripts/optimizer_states_case.py
     ampatch tune --objective memory --levels O5 --steps 60 -- python scripts/optimizer_states_case.py --planted

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import ampatch as amp
+from tune_grid import D_IN, Net, pretrained  # this directory's: the tune grid's network and its start
 
 # label -> (level, initialize keywords); "torchao" is torchao's AdamW8bit at O0
 CONFIGS = {"O0": ("O0", {}), "O0 bfloat16": ("O0", {"optimizer_states": "bfloat16"}),
@@ -41,31 +42,7 @@ CONFIGS = {"O0": ("O0", {}), "O0 bfloat16": ("O0", {"optimizer_states": "bfloat1
            "O5": ("O5", {}), "O5 bfloat16": ("O5", {"optimizer_states": "bfloat16"}),
            "O5 int8": ("O5", {"optimizer_states": "int8"}),
            "O5 stochastic+int8": ("O5", {"master_weights": "stochastic", "optimizer_states": "int8"})}
-D_IN, WIDTH, D_OUT, BATCH, EVAL, NOISE = 32, 256, 256, 512, 4096, 9.0
-
-
-class Net(nn.Module):
-    """The tune grid's network (scripts/tune_grid.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.norm1 = nn.Linear(D_IN, WIDTH), nn.LayerNorm(WIDTH)
-        self.fc2, self.norm2 = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, D_OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.gelu(self.norm1(self.fc1(x)))
-        return self.head(nn.functional.gelu(self.norm2(self.fc2(h))))
-
-
-def pretrained(seed: int = 0) -> Net:
-    gen = torch.Generator().manual_seed(seed)
-    net = Net()
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            p.copy_((1.0 if name.startswith("norm") and name.endswith("weight") else 0.0)
-                    + 0.1 * torch.randn(p.shape, generator=gen))
-    return net
+D_OUT, BATCH, EVAL, NOISE = 256, 512, 4096, 9.0
 
 
 class Grid:
@@ -75,16 +52,16 @@ class Grid:
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
-        self.teacher = pretrained()
+        self.teacher = pretrained(0)
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             self.teacher.head.weight.add_(0.1 * torch.randn(self.teacher.head.weight.shape, generator=gen))
             self.x_eval = torch.randn(EVAL, D_IN, generator=gen)
             self.y_eval = self.teacher(self.x_eval)
-            self.sigma = math.sqrt(NOISE * float(((pretrained()(self.x_eval) - self.y_eval) ** 2).mean()))
+            self.sigma = math.sqrt(NOISE * float(((pretrained(0)(self.x_eval) - self.y_eval) ** 2).mean()))
 
     def model(self) -> nn.Module:
-        return pretrained()
+        return pretrained(0)
 
     def batches(self):
         gen = torch.Generator().manual_seed(2)

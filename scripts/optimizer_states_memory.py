@@ -35,6 +35,7 @@ from torch import nn
 
 import ampatch as amp
 from ampatch.session.telemetry import peak_memory_bytes
+from lowmem_memory import fresh_env, machine  # this directory's: the same fresh process, the same machine line
 
 # configuration -> initialize keywords (all at O5)
 CONFIGS = {"O5": {},
@@ -73,32 +74,18 @@ def measure(config: str, a: argparse.Namespace) -> dict:
             "state_bytes_per_param": report.state_bytes_per_param}
 
 
-def fresh_env() -> dict[str, str]:
-    """This environment without allocator tuning (MALLOC_*) or ampatch overrides (AMPATCH_*)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "AMPATCH_"))}
-
-
 def run_fresh(config: str, a: argparse.Namespace) -> dict:
-    args = [f"--width={a.width}", f"--layers={a.layers}", f"--batch={a.batch}", f"--steps={a.steps}",
-            f"--warmup={a.warmup}"]
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--one", config],
-                          capture_output=True, text=True, check=True, env=fresh_env())
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def machine() -> str:
-    """The machine line of ampatch's own tables (CPU model, cores, flags, torch, bfloat16 native or not)."""
-    from ampatch.machine import hardware
-    from ampatch.machine.device_text import machine_line
-    return "machine: " + machine_line(hardware.describe("cpu"), ["bfloat16"])
+    """One run of `config` in a fresh process (`lowmem_memory.fresh_env`: no allocator tuning)."""
+    options = [f"--{name}={getattr(a, name)}" for name in ("width", "layers", "batch", "steps", "warmup")]
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *options, "--one", config], capture_output=True,
+                         text=True, check=True, env=fresh_env()).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=12)
+    for name, default in (("width", 2048), ("layers", 6), ("batch", 8), ("steps", 12)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the step time")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
