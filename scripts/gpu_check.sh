@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared command for a lent GPU machine (issue 13): the CUDA tests, the GPU-sized bench, FP8
 # (issue 36: O5+fp8 against O5 under torch.compile on a GPT-2-medium-shaped model, and the real FP8
-# loss curve against the emulated one: scripts/fp8_gpu.py) and the whole suite, within 9 minutes,
+# loss curve against the emulated one: scripts/fp8_gpu.py), O1's ratios against autocast on tiny
+# layers (issue 44: scripts/bench --only o1) and the whole suite, within 9 minutes,
 # every figure in one file, so a lent GPU is used in one call.
 #
 #   bash scripts/gpu_check.sh --prepare   # here, once, with network: the wheels the device image
@@ -11,8 +12,9 @@
 # The FP8 section was written without a GPU to run it on (no device was lent to issue 36): untested there.
 #
 # Writes $OUT/gpu_check.txt ($OUT when set, else out/gpu_check/ here), with gpu_bench.json and the logs
-# (cuda_tests.log, bench.log, fp8.log, fp8_gpu.json, suite.log) beside it. Without a CUDA device it says so in one line,
-# skips the GPU parts and still runs the suite. GPU_CHECK_BUDGET_S (default 540) is the total time.
+# (cuda_tests.log, bench.log, o1_ratios.log, o1_bench.json, fp8.log, fp8_gpu.json, suite.log) beside it.
+# Without a CUDA device it says so in one line, skips the GPU parts and still runs the suite.
+# GPU_CHECK_BUDGET_S (default 540) is the total time.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -76,6 +78,11 @@ if [ "$HAS_CUDA" = 1 ]; then
   tail -n 15 "$DEST/cuda_tests.log" | grep -E "passed|failed|error|FAILED|ERROR" | tee -a "$REPORT"
   step bench 150 "$PY" scripts/bench --device cuda --json "$DEST/gpu_bench.json"
   sed -n '/^ampatch bench/,$p' "$DEST/bench.log" | tee -a "$REPORT"
+  # Issue 44: O1 against autocast on tiny layers, where a kernel launch costs microseconds and
+  # O1's per-call work decides (F.linear 4x16 and 8x64, the 16-layer MLP step eager and compiled).
+  # Written without a GPU to run it on: untested on CUDA until a lent machine runs it.
+  step o1_ratios 120 "$PY" scripts/bench --device cuda --only o1 --json "$DEST/o1_bench.json"
+  sed -n '/^O1 against torch.autocast/,/^$/p' "$DEST/o1_ratios.log" | tee -a "$REPORT"
   step fp8 220 "$PY" scripts/fp8_gpu.py --json "$DEST/fp8_gpu.json"
   grep -E "^(fp8_gpu|model|  |curves)" "$DEST/fp8.log" | tee -a "$REPORT"
   # FSDP2 on one GPU (a single rank still runs fully_shard): O5 against master_weights

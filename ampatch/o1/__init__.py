@@ -4,12 +4,16 @@ Policy beside mechanism, as Apex's `amp/` kept `lists/` beside `wrap.py`:
 
 - `lists/`: which op casts to what, per namespace (data only), and the user's registrations;
 - `plans`: a kind and an op become a `CastPlan`, the one place each cast rule is decided;
-- `wrappers`: the eager wrapper of a plan (the hot path, casting through the cast cache);
+- `signatures`: how an op takes its arguments (which of them can hold a tensor);
+- `generate`: writes an op's O1 function from its plan and layout (the hot path: one pass,
+  parameters' casts served from the cast cache inline);
+- `wrappers`: gathers what that function needs, and its general path for other call forms;
 - `twins`: the plain-Python twin of a plan that `torch.compile` traces;
-- `proxies`: the wrapt objects holding both, and `wrap`, which builds them;
+- `proxies`: `wrap`, which makes the function and attaches its twin (behind a wrapt proxy);
 - `cache`: the per-iteration cast cache of parameters;
-- `install`: finds what the lists name on this torch, builds each wrapper, applies it;
-- `rnn`, `jit`, `dynamo`: what is not one wrapper per op (RNN modules, TorchScript, compile).
+- `install`: finds what the lists name on this torch, builds each function, applies it;
+- `rnn`, `jit`, `dynamo`, `captured`: what is not one function per op (RNN modules,
+  TorchScript, torch.compile, what the compiler binds from torch at import).
 
 Every patch goes through `base.patcher.Patcher`, so `deinitialize` restores it exactly.
 """

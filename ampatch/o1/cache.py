@@ -1,111 +1,183 @@
-"""The per-iteration cast cache: each parameter is cast to a given dtype once, then reused.
+"""The per-iteration cast cache: each trained parameter is cast to a given dtype once, then reused.
 
 Only parameters (`nn.Parameter`s that require grad) are cached, as in Apex: activations
 change every call, and a leaf activation that requires grad (the detached input of a
 reentrant `torch.utils.checkpoint` segment, an input given `requires_grad=True`) fed to
 several ops would share one cast, so their gradients would be summed in half precision
-before reaching it, instead of in FP32 as without checkpointing. An entry is valid while the parameter is at the same version (an in-place update
-such as `optimizer.step()` bumps `_version`), its `.data` has not been touched since (see
-`watch_data`: `p.data.copy_(...)`, `p.data = ...` and `vector_to_parameters` change a
-parameter without a version bump), and, when gradients are needed now, only if the cast
-itself was made with gradients enabled. The session clears it on `scale_loss` exit and
-after every optimizer step.
+before reaching it, instead of in FP32 as without checkpointing. The O1 functions
+(`o1.generate`) send only parameters here: plain tensors never pay for a lookup.
 
-Entries hold their parameter weakly: when a parameter is freed (a dropped model), its
-entries go with it, and a cast made without gradients (inference, evaluation) with them.
-A cast made with gradients refers to its parameter through its autograd graph, so it lives
-until the next `scale_loss` exit, optimizer step, or `deinitialize`. A parameter's id is
-thus never reused while its entry exists, which is what makes an id lookup enough.
+One dict per target dtype, keyed by the parameter's id:
+
+- `id(p)` -> `(version, cast)`: a cast made with gradients enabled. Its autograd graph holds
+  the parameter, so the id cannot be reused while the entry exists; valid in any grad mode.
+- `~id(p)` -> `(version, cast, ref)`: a cast made without gradients (evaluation, inference),
+  never served when gradients are needed (train -> eval -> train works). `ref` is a weak
+  reference whose callback drops the entry when the parameter is freed: a dropped model
+  takes its casts with it.
+
+An entry is valid while the parameter is at the version it was cast at (an in-place update
+such as `optimizer.step()` bumps `_version`) and its `.data` has not been touched since (see
+`watch_data`: `p.data.copy_(...)`, `p.data = ...` and `vector_to_parameters` change a
+parameter without a version bump). So a hit is a dict lookup and a version compare. The
+session clears the cache on `scale_loss` exit and after every optimizer step.
+
+Counting stays off the miss path: a hit is one atomic `next()`; each miss stores one entry,
+so misses are the entries stored, settled in bulk when entries go (`clear`, `forget`, a freed
+parameter, a stale entry replaced).
 
 Safe under threads: entries are added, replaced and removed by single dict operations; a
 race makes two threads both cast and one entry win, never a wrong answer.
 
-Hot path: the wrappers call a per-dtype closure from `caster(dtype)` (everything it needs
-bound as locals), and plain tensors and parameters are converted with the dtype's own
-method (`t.bfloat16()`), which parses its arguments faster than `t.to(dtype)` (1.5 us
-against 2.4 us) and does the same thing; other tensor subclasses keep going through
-`t.to(dtype)`, whatever they override.
+Plain tensors and parameters are converted with the dtype's own method (`t.bfloat16()`),
+which parses its arguments faster than `t.to(dtype)` and does the same thing; other tensor
+subclasses keep going through `t.to(dtype)`, whatever they override.
 """
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ..base import data_watch
 from ..base.counters import count_value
 
-_grad_enabled = torch.is_grad_enabled
-_TensorBase = torch._C.TensorBase
+__all__ = ["CastCache", "Inline", "converter", "watch_data"]
 
-_CONVERTERS: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {
+Cast = Callable[[torch.Tensor], torch.Tensor]
+
+_TensorBase = torch._C.TensorBase
+_CONVERTERS: dict[torch.dtype, Cast] = {
     torch.float16: _TensorBase.half,
     torch.bfloat16: _TensorBase.bfloat16,
     torch.float32: _TensorBase.float,
     torch.float64: _TensorBase.double,
 }
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: their `.to` is TensorBase's
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: their conversion methods are TensorBase's
+
+
+def converter(dtype: torch.dtype) -> Cast:
+    """The fastest exact cast to `dtype` of a plain tensor or parameter (exact types only)."""
+    fast = _CONVERTERS.get(dtype)
+    return fast if fast is not None else (lambda t: t.to(dtype))
+
+
+class Inline(NamedTuple):
+    """A cache's casts to one dtype, for an O1 function that serves parameters inline.
+
+    For a parameter `p` that requires grad, `entry = get(id(p))` is its cast made with
+    gradients, `(version, cast)`: a hit while `entry[0] == p._version` (count it: `next(hits)`).
+    On a miss with gradients enabled, store `entries[id(p)] = (p._version, cast)`, after
+    `next(stale)` if `entry` was not None. Without gradients, `no_grad_get(p, id(p))` is a
+    cached no-grad cast or None, and `no_grad_put(p, id(p), cast)` caches a new one."""
+
+    entries: dict[int, tuple]
+    get: Callable[[int], tuple | None]
+    hits: Any
+    stale: Any
+    no_grad_get: Callable[[torch.Tensor, int], torch.Tensor | None]
+    no_grad_put: Callable[[torch.Tensor, int, torch.Tensor], None]
 
 
 class CastCache:
-    """Maps id(param) -> (weakref to param, version, made_with_grad, cast) per target dtype."""
+    """Casts of parameters per target dtype (see the module doc)."""
 
-    __slots__ = ("_maps", "_hits", "_misses", "_casters", "__weakref__")
+    __slots__ = ("_maps", "_casters", "_inline", "_hits", "_stale", "_gone", "_settled", "_lock", "__weakref__")
 
     def __init__(self) -> None:
-        self._maps: dict[torch.dtype, dict[int, tuple]] = {
-            torch.float16: {}, torch.bfloat16: {}, torch.float32: {}, torch.float64: {}}
+        self._maps: dict[torch.dtype, dict[int, tuple]] = {}
+        self._casters: dict[torch.dtype, Cast] = {}
+        self._inline: dict[torch.dtype, Inline] = {}
         self._hits = itertools.count()
-        self._misses = itertools.count()
-        self._casters: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._stale = itertools.count()  # entries replaced because their parameter changed
+        self._gone = itertools.count()   # entries dropped one by one (forget, a freed parameter)
+        self._settled = 0                # entries dropped by clear()
+        self._lock = threading.Lock()
 
-    def caster(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`t.to(dtype)` served from the cache for parameters: a closure specialised for one
-        dtype, made once per dtype."""
+    def caster(self, dtype: torch.dtype) -> Cast:
+        """`t.to(dtype)` for a tensor whose dtype is not `dtype`, served from the cache for
+        parameters: a closure specialised for one dtype, made once per dtype."""
         fn = self._casters.get(dtype)
-        if fn is not None:
-            return fn
+        if fn is None:
+            fn = self._casters[dtype] = self._make_caster(dtype)
+        return fn
+
+    def inline(self, dtype: torch.dtype) -> Inline:
+        """What an O1 function needs to serve parameters' casts to `dtype` inline (see `Inline`)."""
+        self.caster(dtype)
+        return self._inline[dtype]
+
+    def _make_caster(self, dtype: torch.dtype) -> Cast:
         entries = self._maps.setdefault(dtype, {})
+        get = entries.get
         fast = _CONVERTERS.get(dtype)
         plain = _PLAIN if fast is not None else ()
-        hits, misses = self._hits, self._misses
-        grad_enabled = _grad_enabled
+        hits, stale, gone = self._hits, self._stale, self._gone
+        grad_enabled = torch.is_grad_enabled
         parameter = torch.nn.Parameter
-        ref = weakref.ref
-        drop = entries.pop
+        keyed_ref = weakref.KeyedRef
 
-        def fn(t: torch.Tensor) -> torch.Tensor:
-            # The lookup comes first: only a cached parameter can hit, and the checks after
-            # it are exactly the ones that decide whether a cast may be cached at all.
-            key = id(t)
-            entry = entries.get(key)
-            if (entry is not None and t.requires_grad and entry[1] == t._version
-                    and (entry[2] or not grad_enabled())):
+        def dead(ref: weakref.KeyedRef) -> None:  # a parameter with a no-grad cast was freed
+            if entries.pop(ref.key, None) is not None:
+                next(gone)
+
+        def no_grad_get(t: torch.Tensor, key: int) -> torch.Tensor | None:
+            entry = get(~key)
+            if entry is not None and entry[0] == t._version:
                 next(hits)
-                return entry[3]
-            if t.requires_grad and isinstance(t, parameter) and t.is_leaf:
-                next(misses)
-                out = fast(t) if type(t) in plain else t.to(dtype)
-                entries[key] = (ref(t, lambda _, key=key: drop(key, None)), t._version, grad_enabled(), out)
-                return out
+                return entry[1]
+            return None
+
+        def no_grad_put(t: torch.Tensor, key: int, out: torch.Tensor) -> None:
+            if ~key in entries:
+                next(stale)
+            entries[~key] = (t._version, out, keyed_ref(t, dead, ~key))
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
             return fast(t) if type(t) in plain else t.to(dtype)
 
-        self._casters[dtype] = fn
-        return fn
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            if not (t.requires_grad and (type(t) is parameter or (isinstance(t, parameter) and t.is_leaf))):
+                return convert(t)
+            key = id(t)
+            entry = get(key)
+            if entry is not None and entry[0] == t._version:
+                next(hits)
+                return entry[1]
+            grad = grad_enabled()
+            out = None if grad else no_grad_get(t, key)
+            if out is None:
+                out = convert(t)  # one line for both grad modes: torch.jit.trace's check compares lines
+                if not grad:
+                    no_grad_put(t, key, out)
+                else:
+                    if entry is not None:
+                        next(stale)
+                    entries[key] = (t._version, out)
+            return out
+
+        self._inline[dtype] = Inline(entries, get, hits, stale, no_grad_get, no_grad_put)
+        return cast
 
     def forget(self, t: torch.Tensor) -> None:
         """Drop the casts of one tensor (its contents are about to change unseen)."""
         key = id(t)
         for entries in self._maps.values():
-            entries.pop(key, None)
+            for k in (key, ~key):
+                if entries.pop(k, None) is not None:
+                    next(self._gone)
 
     def clear(self) -> None:
         """Forget every cast (end of an iteration)."""
-        for entries in self._maps.values():
-            if entries:
-                entries.clear()
+        with self._lock:
+            for entries in self._maps.values():
+                if entries:
+                    self._settled += len(entries)
+                    entries.clear()
 
     def __len__(self) -> int:
         return sum(len(m) for m in self._maps.values())
@@ -116,7 +188,8 @@ class CastCache:
 
     @property
     def misses(self) -> int:
-        return count_value(self._misses)
+        """Casts made and cached: one entry stored per miss."""
+        return self._settled + count_value(self._gone) + count_value(self._stale) + len(self)
 
 
 def watch_data(cache: CastCache, patcher: Any) -> None:
@@ -125,23 +198,14 @@ def watch_data(cache: CastCache, patcher: Any) -> None:
     `p.data` is the one common way to change a parameter that autograd does not see:
     `p.data.copy_(ema)` or `p.data = ...` (as `vector_to_parameters` and `Module._apply`
     do) leave `p._version` as it was, so the cache could not tell. Reading `.data` is
-    where each of them starts; the property forwards to torch's own descriptor. (A `.data`
-    alias kept from before the cast, or writes through numpy, stay invisible.)
+    where each of them starts (`base.data_watch`). (A `.data` alias kept from before the
+    cast, or writes through numpy, stay invisible.)
     """
-    descriptor = vars(torch._C.TensorBase)["data"]
-    get, put = descriptor.__get__, descriptor.__set__
-    forget = weakref.WeakMethod(cache.forget)  # the property must not keep a closed session alive
+    forget = weakref.WeakMethod(cache.forget)  # the watch must not keep a closed session alive
 
-    def data(self: torch.Tensor) -> torch.Tensor:
+    def touched(t: torch.Tensor) -> None:
         f = forget()
         if f is not None:
-            f(self)
-        return get(self)
+            f(t)
 
-    def set_data(self: torch.Tensor, value: torch.Tensor) -> None:
-        f = forget()
-        if f is not None:
-            f(self)
-        put(self, value)
-
-    patcher.patch(torch.Tensor, "data", property(data, set_data, doc=descriptor.__doc__))
+    data_watch.watch_data(patcher, touched)

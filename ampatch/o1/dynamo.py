@@ -1,7 +1,7 @@
 """torch.compile under O1/O4: Tensor methods and operators, as Dynamo sees them.
 
 Patched functions (`torch.*`, `F.*`, `torch.linalg.*`, `torch.Tensor.softmax(x)`) carry
-their own plain-Python twin, which Dynamo inlines (`proxies.CastFunctionWrapper`). Method
+their own plain-Python twin, which Dynamo inlines (`proxies`: `_torchdynamo_inline`). Method
 calls and operators on tensors (`x.softmax(-1)`, `x @ w`, `x ** 2`) never look at
 `torch.Tensor`'s attributes inside Dynamo: it records the method name or the operator
 directly. So, while a session patches torch, two Dynamo entry points are wrapped (and put
@@ -26,7 +26,7 @@ lazy compile of the backward graph, run with casts off in their thread, as torch
 with autocast off (`_BACKEND_COMPILE`).
 
 A module kept in FP32 (`keep_fp32`) runs with casts off, but Dynamo chooses the casts of
-what it traces when it traces (`CastFunctionWrapper._torchdynamo_inline`), not where a
+what it traces when it traces (`proxies.CastFunctionWrapper._torchdynamo_inline`), not where a
 module runs: so its forward wrapper (`model.forwards.UncastForward`, handed in as `eager`) runs eagerly,
 outside the graph, with casts off as in eager mode (`torch.compiler.disable`: a graph break).
 """
@@ -51,8 +51,7 @@ from . import rnn
 from ..base import tree
 from ..base import patcher
 from ..base.patcher import Patcher, disable_casts
-from . import plans, proxies, wrappers
-from .proxies import CastFunctionWrapper
+from . import generate, plans, proxies, signatures, wrappers
 from .twins import is_traced
 
 logger = logging.getLogger("ampatch")
@@ -84,12 +83,12 @@ class _Tracing(threading.local):
 _tracing = _Tracing()
 
 
-def _patched_method(name: str) -> CastFunctionWrapper | None:
+def _patched_method(name: str) -> Callable | None:
     """torch.Tensor.<name> when ampatch patched it, and Dynamo is not inside that patch."""
     if _tracing.names and _tracing.names[-1] == name:
         return None
     wrapper = vars(torch.Tensor).get(name)  # a patch is set on torch.Tensor itself
-    return wrapper if isinstance(wrapper, CastFunctionWrapper) else None
+    return wrapper if proxies.is_patch(wrapper) else None
 
 
 def _trace_method(tx: Any, name: str, args: list, kwargs: dict) -> Any:
@@ -116,7 +115,8 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 
 def _eager_codes() -> Iterator[types.CodeType]:
     """The code of ampatch's eager O1 path: the wrappers and what they call (plans, the
-    structure walk, the cast cache), the RNN forward.
+    structure walk, the cast cache), the RNN forward. (The generated O1 functions are
+    marked as they are compiled, `generate.on_new_code`.)
 
     Dynamo must never compile these frames on its own (it would happen in the eager parts
     of a compiled function, after a graph break): they read per-thread state that Dynamo
@@ -124,7 +124,7 @@ def _eager_codes() -> Iterator[types.CodeType]:
     twins (`o1.twins`, and whatever is marked `traced`) are what Dynamo traces; it
     still inlines the helpers they call from here, as skipping a frame does not stop that.
     """
-    for module in (patcher, plans, wrappers, proxies, tree, cache, rnn):
+    for module in (patcher, plans, wrappers, proxies, tree, cache, rnn, signatures, generate):
         for obj in vars(module).values():
             if getattr(obj, "__module__", None) != module.__name__ or is_traced(obj):
                 continue
@@ -134,15 +134,24 @@ def _eager_codes() -> Iterator[types.CodeType]:
                 yield from _codes(fn.__code__)
 
 
-def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = ()) -> None:
+def _skip_generated(code: types.CodeType) -> None:
+    """Mark a generated O1 function's factory, and the function in it, as never compiled."""
+    from torch._dynamo.eval_frame import skip_code
+    for c in _codes(code):
+        skip_code(c)
+
+
+def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = (),
+            after_compile: Callable[[], None] = lambda: None) -> None:
     """Wrap Dynamo's method and operator entry points for the session (see the module doc);
-    the methods in `eager` ((class, name): the forward of a kept module) run outside the graph.
+    the methods in `eager` ((class, name): the forward of a kept module) run outside the graph;
+    `after_compile` runs once installed and after each backend compile step (`captured`).
 
     Importing Dynamo takes a second or two (and rebinds a few torch functions), so a
     session that starts before anything imported it installs on the first `torch.compile`
     call instead (`torch.compiler.compile` and `Module.compile` go through it too)."""
     if "torch._dynamo" in sys.modules:
-        _install_now(patcher, eager)
+        _install_now(patcher, eager, after_compile)
         return
     lock, done = threading.Lock(), []
 
@@ -150,13 +159,13 @@ def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = ()) -> None:
         with lock:
             if not done:
                 done.append(True)
-                _install_now(patcher, eager)
+                _install_now(patcher, eager, after_compile)
         return wrapped(*args, **kwargs)
 
     patcher.patch(torch, "compile", wrapt.FunctionWrapper(torch.compile, compile_first))
 
 
-def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]]) -> None:
+def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]], after_compile: Callable[[], None]) -> None:
     try:
         from torch._dynamo.variables.builtin import BuiltinVariable
         from torch._dynamo.variables.tensor import TensorVariable
@@ -189,14 +198,56 @@ def _install_now(patcher: Patcher, eager: Sequence[tuple[type, str]]) -> None:
                 return _trace_method(tx, names[1], [right, left], {})
         return call_function(self, tx, args, kwargs)
 
-    _compile_without_casts(patcher)
+    _compile_without_casts(patcher, after_compile)
+    _torch_tables(patcher)
     for cls, name in eager:
         patcher.patch(cls, name, _eagerly(vars(cls)[name]))
     from torch._dynamo.eval_frame import skip_code
     for code in _eager_codes():  # a set in torch: adding twice is harmless
         skip_code(code)
+    generate.on_new_code(_skip_generated)
     patcher.patch(TensorVariable, "call_method", tensor_call_method)
     patcher.patch(BuiltinVariable, "call_function", builtin_call_function)
+    after_compile()  # Dynamo may have been imported just now
+
+
+_METHOD_TYPES = (types.MethodDescriptorType, types.WrapperDescriptorType, types.BuiltinFunctionType)
+
+
+def _torch_tables(patcher: Patcher) -> None:
+    """Dynamo's two tables of torch's own functions (`trace_rules.get_torch_obj_rule_map`,
+    `trace_rules.get_tensor_method`) are built once per process by looking names up on torch:
+    built while a session's O1 functions stand in torch's place (Dynamo first imported, or
+    first tracing, under O1), they hold those and miss torch's originals, which Dynamo then
+    refuses to trace (a graph break where a twin calls its op). While the session patches
+    torch, both answer with the originals added; `deinitialize` drops their caches, so they
+    are rebuilt from torch as it is then."""
+    from torch._dynamo import trace_rules
+
+    rule_map, tensor_methods = trace_rules.get_torch_obj_rule_map, trace_rules.get_tensor_method
+
+    @functools.cache
+    def completed_rule_map() -> dict[Any, Any]:
+        table = rule_map()
+        for _owner, _name, original, replacement in patcher.patched():
+            rule = table.get(replacement) if isinstance(replacement, types.FunctionType) else None
+            if rule is not None:
+                table.setdefault(original, rule)
+        return table
+
+    @functools.cache
+    def completed_tensor_methods() -> frozenset[Any]:
+        originals = [original for owner, name, original, _ in patcher.patched()
+                     if owner is torch.Tensor and isinstance(original, _METHOD_TYPES) and name != "__new__"]
+        return tensor_methods() | frozenset(originals)
+
+    def drop_caches() -> None:
+        rule_map.cache_clear()
+        tensor_methods.cache_clear()
+
+    patcher.patch(trace_rules, "get_torch_obj_rule_map", completed_rule_map)
+    patcher.patch(trace_rules, "get_tensor_method", completed_tensor_methods)
+    patcher.on_restore(drop_caches)
 
 
 _EAGER_REASON = ("ampatch: at O1/O4 a module in keep_fp32 runs eagerly, with casts off (a graph break); compile "
@@ -211,8 +262,9 @@ def _eagerly(fn: Callable) -> Callable:
         return torch.compiler.disable(fn)
 
 
-def _compile_without_casts(patcher: Patcher) -> None:
-    """Run each `_BACKEND_COMPILE` step with casts off (see the module doc)."""
+def _compile_without_casts(patcher: Patcher, after: Callable[[], None]) -> None:
+    """Run each `_BACKEND_COMPILE` step with casts off (see the module doc), then `after`
+    (the backend may have imported Inductor: `captured.keep_torch_ops`)."""
     for module, cls_name, name in _BACKEND_COMPILE:
         try:
             cls = getattr(importlib.import_module(module), cls_name)
@@ -222,12 +274,15 @@ def _compile_without_casts(patcher: Patcher) -> None:
                            "the graph again (aot_eager, inductor) may see torch's own code cast.", module,
                            cls_name, name, exc)
             continue
-        patcher.patch(cls, name, _without_casts(original))
+        patcher.patch(cls, name, _without_casts(original, after))
 
 
-def _without_casts(original: Callable) -> Callable:
+def _without_casts(original: Callable, after: Callable[[], None]) -> Callable:
     @functools.wraps(original)
     def method(*args: Any, **kwargs: Any) -> Any:
-        with disable_casts():
-            return original(*args, **kwargs)
+        try:
+            with disable_casts():
+                return original(*args, **kwargs)
+        finally:
+            after()
     return method

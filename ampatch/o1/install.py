@@ -4,23 +4,23 @@ wrapt's patching takes), then the parts that are not one wrapper per op: RNN mod
 `Tensor.data`, TorchScript and torch.compile.
 
 `find` reads the cast lists (`o1.lists`: the built-in ones and the user's registrations)
-against this torch; `build` makes one proxy (`proxies.wrap`); `O1Patches` applies them through
+against this torch; `build` makes one O1 function (`proxies.wrap`); `O1Patches` applies them through
 the session's `Patcher`, which restores everything on `deinitialize`.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from . import dynamo, jit
+from . import captured, dynamo, jit
 from ..machine import tips
 from .cache import CastCache, watch_data
 from ..base.patcher import Patcher, resolve_owner
 from .plans import BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE
-from .proxies import CastFunctionWrapper, wrap
+from .proxies import wrap
 from .wrappers import WrapContext
 from .rnn import patch_rnn_modules
 
@@ -68,8 +68,8 @@ def find(registered: Iterable[tuple[Any, str, str]],
     return found
 
 
-def build(target: Target, ctx: WrapContext) -> CastFunctionWrapper:
-    """The proxy that replaces `target` (its current value wrapped)."""
+def build(target: Target, ctx: WrapContext) -> Callable:
+    """The O1 function that replaces `target` (its current value wrapped)."""
     hint = tips.qualified_name(target.owner, target.name) if target.user else None
     return wrap(target.kind, target.name, getattr(target.owner, target.name), ctx, target.message, target.owner,
                 hint)
@@ -81,20 +81,33 @@ class O1Patches:
 
     def __init__(self, patcher: Patcher, cache: CastCache, ctx: WrapContext) -> None:
         self.patcher, self.cache, self.ctx = patcher, cache, ctx
-        self._decorated: dict[tuple[str, Any], CastFunctionWrapper] = {}
+        self._decorated: dict[tuple[str, Any], Callable] = {}
+        self._originals: dict[int, tuple[Any, Any]] = {}  # id(O1 function) -> (it, the op it replaced)
+
+    def _patch(self, target: Target) -> None:
+        function = build(target, self.ctx)
+        self._originals[id(function)] = (function, getattr(target.owner, target.name))
+        self.patcher.patch(target.owner, target.name, function)
+
+    def original_of(self, obj: Any) -> Any:
+        """The op an O1 function of this session replaced; None for anything else (also
+        after `deinitialize`)."""
+        found = self._originals.get(id(obj))
+        return found[1] if found is not None and found[0] is obj else None
 
     def install(self, registered: Iterable[tuple[Any, str, str]], namespaces: Iterable[tuple[str, ModuleType]],
                 eager: Sequence[tuple[type, str]] = ()) -> None:
         """Patch every op the policy names, then RNN modules, `Tensor.data` (p.data changes
         drop p's casts), TorchScript (script without casts, trace with them) and
         torch.compile (it sees the casts of Tensor methods too; the methods in `eager` run
-        outside its graphs, see `dynamo.install`)."""
+        outside its graphs, see `dynamo.install`; what the compiler binds from torch stays
+        torch's own, see `captured`)."""
         for target in find(registered, namespaces):
-            self.patcher.patch(target.owner, target.name, build(target, self.ctx))
+            self._patch(target)
         patch_rnn_modules(self.patcher, self.ctx.cast_for, self.ctx.half_dtype)
         watch_data(self.cache, self.patcher)
         jit.install(self.patcher, self.cache)
-        dynamo.install(self.patcher, eager)
+        dynamo.install(self.patcher, eager, captured.keep_torch_ops(self.patcher, self.original_of))
         logger.debug("ampatch: patched %d torch attributes", len(self.patcher))
 
     def register(self, owner: Any, name: str, kind: str) -> None:
@@ -105,11 +118,11 @@ class O1Patches:
                         name)
             return
         for target in find([(owner, name, kind)], ()):
-            self.patcher.patch(owner, name, build(target, self.ctx))
+            self._patch(target)
 
-    def decorated(self, kind: str, fn: Any) -> CastFunctionWrapper:
+    def decorated(self, kind: str, fn: Any) -> Callable:
         """The cast wrapper for a function decorated with `amp.half_function` & co., made once:
-        a wrapt proxy of `fn`, called like `fn` (torch.compile traces its twin)."""
+        an O1 function of `fn`, called like `fn` (torch.compile traces its twin)."""
         key = (kind, fn)
         wrapper = self._decorated.get(key)
         if wrapper is None:

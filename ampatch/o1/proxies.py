@@ -1,21 +1,27 @@
-"""The wrapt proxies set on torch: each holds an eager wrapper (`wrappers`) and its
-`torch.compile` twin (`twins`), built from one `CastPlan`; `wrap` makes them.
+"""What O1 sets on torch: each op's generated function (`wrappers.make_function`), carrying
+its `torch.compile` twin (`twins`) behind a wrapt proxy; `wrap` makes both from one plan.
 
-Dynamo takes a wrapt proxy of a torch builtin for that builtin (the proxy compares and
-hashes equal to it), so it would capture the original op and no cast. An object that
-carries `_torchdynamo_inline` is instead traced through that attribute (the convention
-`torch.jit.script` and `torch.compile` wrappers use): here, the twin while casts are on in
-the tracing thread, or the original op while they are off. Dynamo guards on the attribute,
-so a compiled graph is reused only under the same choice (a call inside `disable_casts()`,
-or after `deinitialize`, recompiles without the casts).
+The function is a plain Python function: called from Python it costs one frame, and on a
+class it binds like any method (`x.softmax(-1)` reaches it with `x` first, as the unbound
+original takes it). It keeps the original's name, docs, module and `__wrapped__`.
+
+Dynamo traces an object that carries `_torchdynamo_inline` through that attribute (the
+convention `torch.jit.script` and `torch.compile` wrappers use). The function's attribute is
+a `CastFunctionWrapper`: a wrapt proxy of the original op whose own `_torchdynamo_inline` is a
+property that gives the twin while casts are on in the tracing thread, or the original op
+while they are off. Dynamo guards on what it read, so a compiled graph is reused only under
+the same choice (a call inside `disable_casts()`, or after `deinitialize`, recompiles without
+the casts). wrapt earns its place here: Dynamo takes an object for a function only if it
+looks like one (`isinstance(obj, types.FunctionType)`, which a wrapt proxy answers as its
+wrapped op does), and only a proxy's class can hold the per-thread property. It is never on
+the eager path. (The RNN modules' forward is such a proxy too, `ModuleFunctionWrapper`.)
 
 wrapt labels how a wrapper binds when it is looked up on an object. A module's Python
-function and a class's instance method get the label wrapt gives C functions, "builtin":
-it never binds, and its calls skip a per-call `__self__` lookup that fails (an
-AttributeError raised and cleared per call, about half of wrapt's cost). wrapt has no
-public way to choose the label, so `_init_builtin` calls the constructor that
-`wrapt.FunctionWrapper` itself calls with it, and `check_builtin_binding` (run at import)
-fails loudly if an installed wrapt no longer behaves that way.
+function gets the label wrapt gives C functions, "builtin": it never binds, and its calls
+skip a per-call `__self__` lookup that fails. wrapt has no public way to choose the label,
+so `_init_builtin` calls the constructor that `wrapt.FunctionWrapper` itself calls with it,
+and `check_builtin_binding` (run at import) fails loudly if an installed wrapt no longer
+behaves that way.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import wrapt
 from .plans import plan
 from ..base.patcher import cast_switch
 from .twins import make_traceable
-from .wrappers import WrapContext, make_wrapper, with_dtype_hint
+from .wrappers import WrapContext, make_function, with_dtype_hint
 
 
 class CastFunctionWrapper(wrapt.FunctionWrapper):
@@ -61,28 +67,8 @@ class ModuleFunctionWrapper(CastFunctionWrapper):
         _init_builtin(self, wrapped, wrapper, traceable)
 
 
-class MethodWrapper(CastFunctionWrapper):
-    """A `CastFunctionWrapper` for an instance method of a class (`torch.Tensor.softmax`).
-
-    wrapt binds on every attribute access (`x.softmax` builds a bound method and a
-    BoundFunctionWrapper); here the wrapper has the "builtin" binding and `__get__` returns a
-    plain bound method of the wrapper, so `x.softmax(-1)` calls the wrapper with `instance`
-    None and `x` as the first argument, exactly how the unbound original takes it (and how
-    `torch.Tensor.softmax(x, -1)` calls it). Only for plain functions and method descriptors
-    found in the class itself or its bases: never for static or class methods.
-    """
-
-    def __init__(self, wrapped: Any, wrapper: Callable, traceable: Callable | None = None) -> None:
-        _init_builtin(self, wrapped, wrapper, traceable)
-
-    def __get__(self, instance: Any, owner: Any = None) -> Any:
-        if instance is None:
-            return self
-        return types.MethodType(self, instance)
-
-
 def check_builtin_binding(*classes: type[CastFunctionWrapper]) -> None:
-    """Raise ImportError unless each class (by default the two above) builds a wrapper with
+    """Raise ImportError unless each class (by default `ModuleFunctionWrapper`) builds a wrapper with
     wrapt's "builtin" binding that passes its calls to the wrapper function unbound."""
     def probe(a: Any, k: Any = None) -> Any:
         return a, k
@@ -90,7 +76,7 @@ def check_builtin_binding(*classes: type[CastFunctionWrapper]) -> None:
     def record(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped, instance, args, kwargs
 
-    for cls in classes or (ModuleFunctionWrapper, MethodWrapper):
+    for cls in classes or (ModuleFunctionWrapper,):
         try:
             proxy = cls(probe, record)
             seen = (proxy._self_binding, proxy(1, k=2))
@@ -106,27 +92,40 @@ def check_builtin_binding(*classes: type[CastFunctionWrapper]) -> None:
 check_builtin_binding()
 
 
-def wrap(kind: str, op: str, original: Any, ctx: WrapContext, banned_message: str = "",
-         owner: Any = None, hint_name: str | None = None) -> CastFunctionWrapper:
-    """The proxy of the `kind` wrapper around `original` (keeps its name, docs and identity
-    checks), with its twin; both are built from one plan.
+def twin_proxy(original: Any, traceable: Callable) -> CastFunctionWrapper:
+    """The proxy an O1 function carries as `_torchdynamo_inline` (see the module doc). Called
+    itself, it runs what Dynamo would trace: the twin while casts are on, else the original."""
+    def call(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (traceable if cast_switch.enabled else wrapped)(*args, **kwargs)
+    return ModuleFunctionWrapper(original, call, traceable)
 
-    `owner` is where it will be set (as attribute `op`): a Python function in a module, or an
-    instance method of a class, gets a proxy that skips wrapt's per-call binding work.
+
+def is_patch(obj: Any) -> bool:
+    """Whether `obj` is an O1 function made by `wrap`."""
+    return isinstance(obj, types.FunctionType) and isinstance(vars(obj).get(_TWIN), CastFunctionWrapper)
+
+
+_TWIN = "_torchdynamo_inline"
+
+
+def wrap(kind: str, op: str, original: Any, ctx: WrapContext, banned_message: str = "",
+         owner: Any = None, hint_name: str | None = None) -> Callable:
+    """The O1 function of the `kind` plan around `original`, carrying its twin; both are
+    built from one plan. It keeps the original's name, docs and `__wrapped__`.
+
+    `owner` is where it will be set (as attribute `op`): on a class, a static or class method
+    is set as a static method (the function calls the original as the class lookup gave it).
     `hint_name` adds the registration hint to dtype errors (user functions)."""
     p = plan(kind, op, ctx.half_dtype, ctx.allow_banned, banned_message)
-    wrapper = make_wrapper(p, original, ctx)
+    fn = make_function(p, original, ctx)
     if hint_name is not None:
-        wrapper = with_dtype_hint(wrapper, hint_name)
-    cls: type[CastFunctionWrapper] = CastFunctionWrapper
-    if isinstance(owner, types.ModuleType) and inspect.isfunction(original):
-        cls = ModuleFunctionWrapper
-    elif isinstance(owner, type):
+        fn = with_dtype_hint(fn, hint_name)
+    setattr(fn, _TWIN, twin_proxy(original, make_traceable(p, original)))
+    if isinstance(owner, type):
         try:
             raw = inspect.getattr_static(owner, op)
         except AttributeError:
             raw = None
-        if raw is original and (inspect.isfunction(raw) or inspect.ismethoddescriptor(raw)) \
-                and not isinstance(raw, (staticmethod, classmethod)):
-            cls = MethodWrapper
-    return cls(original, wrapper, make_traceable(p, original))
+        if isinstance(raw, (staticmethod, classmethod)):
+            return staticmethod(fn)
+    return fn

@@ -4,8 +4,8 @@ so the casts it makes become nodes of the graph `torch.compile` captures (on eve
 A twin reads the same `CastPlan` as the eager wrapper and walks arguments with the same
 `map_tensors`, with ops Dynamo understands (`isinstance`, dtype tests, `Tensor.to`): no
 cast cache (the graph casts a weight once per use; the compiler merges repeated casts), no
-counters, no per-thread switch (the proxy's `_torchdynamo_inline` picks the twin or the
-original when Dynamo traces, and guards on that choice; see `proxies.CastFunctionWrapper`).
+counters, no per-thread switch (the O1 function's `_torchdynamo_inline` picks the twin or
+the original when Dynamo traces, and guards on that choice; see `proxies`).
 
 The rest of ampatch's O1 code is kept out of compilation (`ampatch.o1.dynamo`); code meant for
 Dynamo to trace is marked with `traced` and recognised with `is_traced`.

@@ -27,7 +27,7 @@ class Report:
     opt_level: str
     half_dtype: str | None
     enabled: bool
-    casts: dict[str, dict[str, int]]
+    casts: dict[str, dict[str, int]]  # op -> {dtype: calls that converted an argument to it}; none: not listed
     cache: dict[str, int]
     steps: int
     skipped_steps: list[int]

@@ -10,7 +10,9 @@ ratio. On a shared machine absolute times drift; ratios taken inside one round b
     python scripts/bench --fsdp                   # alone: FSDP2 peak memory per rank, O2 vs O0
 
 Sections (``--only``, comma-separated): ``transformer``, ``mlp``, ``cnn`` (``train`` = all
-three), ``micro``, ``memory``, ``compiled`` (the transformer step under torch.compile),
+three), ``micro``, ``o1`` (O1 against autocast on tiny layers: F.linear calls and a 16-layer
+MLP step, eager and compiled; issue 44), ``memory``, ``compiled`` (the transformer step under
+torch.compile),
 and ``gpu``: a GPU-sized transformer (issue 13), the default
 with ``--device cuda`` (the CPU-sized workloads are launch-bound there and say nothing about
 mixed precision); ``--quick`` shrinks it so that the code path also runs on a CPU.

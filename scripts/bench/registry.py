@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .harness import Env, Log
-from .sections import compiled, gpu, memory, micro, training
+from .sections import compiled, gpu, memory, micro, o1, training
 from .targets import Target, TargetBlock
 
 
@@ -32,12 +32,13 @@ def _training(name: str) -> Section:
 SECTIONS: dict[str, Section] = {s.name: s for s in (
     *(_training(n) for n in training.NAMES),
     Section("micro", micro.run, micro.ratios, micro.settings, micro.TARGETS),
+    Section("o1", o1.run, o1.ratios, o1.settings, o1.TARGETS.targets),
     Section("memory", memory.run, memory.ratios, memory.settings, memory.TARGETS),
     Section("compiled", compiled.run, compiled.ratios, compiled.settings, compiled.TARGETS.targets),
     Section("gpu", gpu.run, gpu.ratios, gpu.settings, gpu.TARGETS.targets),
 )}
 GROUPS = {"train": training.NAMES}  # names --only accepts for several sections
-DEFAULTS = {"cpu": ("transformer", "mlp", "cnn", "micro", "memory", "compiled"), "cuda": ("gpu", "micro")}
+DEFAULTS = {"cpu": ("transformer", "mlp", "cnn", "micro", "o1", "memory", "compiled"), "cuda": ("gpu", "micro")}
 
 # Issue 8's targets, listed together after the sections' blocks.
 ISSUE_8 = TargetBlock("targets (issue 8)", {**training.TARGETS, **micro.TARGETS, **memory.TARGETS})
@@ -73,6 +74,7 @@ def target_records(names: Sequence[str], flat: dict[str, float]) -> dict[str, di
 
 def render(results: dict[str, Any], flat: dict[str, float]) -> list[str]:
     """The report's lines after its header (a section that did not run gives none)."""
-    lines = training.render(results) + micro.render(results) + memory.render(results) + gpu.render(results)
+    lines = training.render(results) + micro.render(results) + o1.render(results) + memory.render(results)
+    lines += gpu.render(results)
     lines += ISSUE_8.lines(flat)  # after the blocks of the sections they belong to, even when none ran
     return lines + compiled.render(results)  # its own block, with its own targets

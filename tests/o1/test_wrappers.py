@@ -1,5 +1,5 @@
 """The O1 mechanism's parts, one by one: the plan of each kind, the one structure walk,
-the eager wrapper and its torch.compile twin agreeing on every kind, the wrapt binding the
+the eager function and its torch.compile twin agreeing on every kind, the wrapt binding the
 proxies rely on, and finding what to patch.
 
 (What the wrappers do to real torch ops in a session is tested in o1/test_patched_functions.py.)
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import types
 from typing import Any, NamedTuple
 
 import pytest
@@ -16,7 +17,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 from ampatch.o1 import install as o1
 from ampatch.o1.plans import BANNED, BFLOAT16, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Action, Kind, plan
-from ampatch.o1.proxies import CastFunctionWrapper, MethodWrapper, ModuleFunctionWrapper, check_builtin_binding, wrap
+from ampatch.o1.proxies import CastFunctionWrapper, ModuleFunctionWrapper, check_builtin_binding, is_patch, wrap
 from ampatch.o1.twins import is_traced, traced
 from ampatch.o1.wrappers import WrapContext
 from ampatch.base.counters import Counters
@@ -177,10 +178,13 @@ def test_banned_wrapper_and_twin_refuse_half_inputs_only() -> None:
             call(T32, [TB])
 
 
-def test_counters_count_calls_of_cast_plans_and_casts_of_promote_plans() -> None:
+def test_counters_count_calls_that_converted_something() -> None:
+    """report()'s casts count conversions, not calls: a call whose arguments already had the
+    target dtype counts nothing (issue 45: "mean float32: 2560" where nothing was converted)."""
     ctx = context()
-    half, promote = wrap(HALF, "h", seen, ctx), wrap(PROMOTE, "p", seen, ctx)
-    half(TB), half(T32)
+    half, float_, promote = wrap(HALF, "h", seen, ctx), wrap(FLOAT, "f", seen, ctx), wrap(PROMOTE, "p", seen, ctx)
+    half(TB), half(T32), half(T32, T16, INTS)
+    float_(T32), float_(T32, dim=1), float_([T32, T64])
     promote(T32, T32), promote(T32, TB)
     assert ctx.counters.snapshot() == {"h": {"bfloat16": 2}, "p": {"float32": 1}}
 
@@ -190,16 +194,20 @@ def module_function(x: Any) -> Any:
     return x
 
 
-def test_proxies_get_the_builtin_binding_and_the_check_passes() -> None:
+def test_an_o1_function_is_a_plain_function_carrying_its_twin_behind_a_proxy() -> None:
     check_builtin_binding()
-    proxy = wrap(FLOAT, "module_function", module_function, context(), owner=sys.modules[__name__])
-    assert type(proxy) is ModuleFunctionWrapper and proxy._self_binding == "builtin"
-    assert isinstance(proxy, CastFunctionWrapper)
-    assert proxy(TB).dtype == F32
+    fn = wrap(FLOAT, "module_function", module_function, context(), owner=sys.modules[__name__])
+    assert type(fn) is types.FunctionType and is_patch(fn) and fn.__wrapped__ is module_function
+    assert (fn.__name__, fn.__qualname__, fn.__module__) == ("module_function", "module_function", __name__)
+    twin = fn._torchdynamo_inline
+    assert type(twin) is ModuleFunctionWrapper and twin._self_binding == "builtin"
+    assert twin.__wrapped__ is module_function
+    assert isinstance(twin, CastFunctionWrapper) and isinstance(twin, types.FunctionType)  # what Dynamo asks
+    assert fn(TB).dtype == F32 and twin(TB).dtype == F32
 
 
 def test_the_binding_check_fails_loudly_on_a_wrapt_that_binds_otherwise() -> None:
-    class Plain(MethodWrapper):
+    class Plain(ModuleFunctionWrapper):
         def __init__(self, wrapped: Any, wrapper: Any, traceable: Any = None) -> None:
             CastFunctionWrapper.__init__(self, wrapped, wrapper, traceable)  # wrapt's own choice: "function"
 

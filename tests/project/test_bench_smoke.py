@@ -49,6 +49,18 @@ def test_bench_quick_mlp_and_micro(tmp_path: Path) -> None:
     assert set(data["results"]["mlp"]["median_step_ms"]) == {"fp32", "autocast", "O1", "O2", "O3"}
 
 
+@pytest.mark.slow
+def test_bench_quick_o1(tmp_path: Path) -> None:
+    """Issue 44's section: F.linear calls and the 16-layer MLP step, eager and compiled."""
+    data = _run(tmp_path, "o1")
+    for case in ("linear_4x16", "linear_8x64", "mlp16", "mlp16_compiled"):
+        assert _finite(data["ratios"][f"o1.{case}.O1/autocast"]), case
+    for key in ("o1.linear_8x64.O1/autocast", "o1.mlp16.O1/autocast", "o1.mlp16_compiled.O1/autocast"):
+        assert set(data["targets"][key]) == {"limit", "value", "met", "what"}
+    phases = data["results"]["o1"]["mlp16"]["phases_us"]
+    assert set(phases) == {"autocast", "O1"} and set(phases["O1"]) == {"zero_grad", "forward", "backward", "step"}
+
+
 def test_bench_quick_memory(tmp_path: Path) -> None:
     if not Path("/proc/self/status").exists():
         pytest.skip("the CPU memory measure reads /proc")
