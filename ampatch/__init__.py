@@ -92,7 +92,7 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
                num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
                max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE, half_dtype: Any = None, allow_banned: bool = False,
                patch_torch_functions_type: Any = None, process_group: Any = None, keep_fp32: Any = None,
-               fp8: Any = None, fp8_modules: Any = None, policy: Any = None) -> Any:
+               fp8: Any = None, fp8_modules: Any = None, optimizer_states: Any = "float32", policy: Any = None) -> Any:
     """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
 
     Returns the models and optimizers in the shape they came in (only the models when no
@@ -108,6 +108,9 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     `Float8LinearConfig`; `fp8_modules` picks the layers (names, globs, or a callable
     `(module, fqn) -> bool`; default: every Linear with dims multiples of 16 but the output
     head). Converted in place, put back by `deinitialize` (docs/fp8.md).
+    `optimizer_states`: what the optimizers' state is stored in between steps, "float32" (the
+    optimizer's own), "bfloat16" (rounded stochastically) or "int8" (block-wise codes), for
+    any elementwise torch.optim optimizer at any level (docs/optimizer_states.md).
     """
     keywords = dict(locals())
     options = Options(**{k: v for k, v in keywords.items() if k not in ("models", "optimizers", "policy")})

@@ -11,11 +11,11 @@ from typing import Any
 
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import levels as levels_policy
-from ampatch.config.values import parse_fp8, parse_loss_scale, parse_master_weights, parse_names
+from ampatch.config.values import parse_fp8, parse_loss_scale, parse_master_weights, parse_names, parse_optimizer_states
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights", "fp8_recipe", "layer_names", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights", "optimizer_states", "with_states", "fp8_recipe", "layer_names", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -92,6 +92,19 @@ def _checked_text(parse: Callable[[str], Any]) -> Callable[[str], str]:
 
 loss_scale = argument(_checked_text(parse_loss_scale))          # a number or "dynamic"
 master_weights = argument(_checked_text(parse_master_weights))  # True, False, stochastic or kahan
+optimizer_states = argument(lambda text: parse_optimizer_states(text.strip(), "--optimizer-states").value)
+
+
+def with_states(labels: list[str], states: str | None) -> list[str]:
+    """`compare --optimizer-states`: each level that names no state precision of its own gets
+    `states`, but O0, the FP32 reference the others are compared with (O0+int8 says it)."""
+    if states is None:
+        return labels
+    out = []
+    for label in labels:
+        v = levels_policy.variant(label)
+        out.append(label if label == "O0" else v._replace(optimizer_states=v.optimizer_states or states).label)
+    return list(dict.fromkeys(out))
 
 
 def _fp8_text(text: str) -> str:
@@ -135,7 +148,8 @@ def check_fp8_levels(labels: list[str], half_dtype: str | None, device: str | No
     `initialize`'s own message (fp8 runs where they compute in bfloat16 or FP32)."""
     from ampatch.config.options import fp8_conflict  # imports torch: only when a level has fp8
     for label in labels:
-        level, _, fp8 = levels_policy.variant(label)
+        v = levels_policy.variant(label)
+        level, fp8 = v.level, v.fp8
         why = fp8_conflict(level, fp8, half_dtype, device) if fp8 is not None else None
         if why:
             raise CliError(f"{label}: {why}")

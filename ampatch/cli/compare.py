@@ -10,7 +10,8 @@ import time
 from typing import Any, NamedTuple
 
 from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_fp8_levels, check_output_path,
-                                level_variants, module_names, policy_path, positive, threads)
+                                level_variants, module_names, optimizer_states, policy_path, positive, threads,
+                                with_states)
 from ampatch.config import env as envvars
 from ampatch.compare.plot import write_plot
 from ampatch.runs.stats import common_steps, summarize
@@ -28,7 +29,8 @@ def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
                          usage="ampatch compare [options] [-- python train.py ARGS...]")
     cmp.add_argument("--levels", type=level_variants, default=list(LEVELS),
                      help="comma-separated opt levels (default: O0,O1,O2,O3,O4,O5); a level that casts the model "
-                          "may carry a low-memory master mode: O5+stochastic, O5+kahan (master_weights); a level "
+                          "may carry a low-memory master mode: O5+stochastic, O5+kahan (master_weights); any level "
+                          "the precision of its optimizer's state: O5+int8, O1+bfloat16 (optimizer_states); a level "
                           "that computes in bfloat16 or FP32 may run its Linear layers in FP8 with torchao (the fp8 "
                           "extra): O5+fp8 (tensorwise), O5+fp8:rowwise, O5+fp8:rowwise_with_gw_hp (emulated where "
                           "the GPU has no FP8 tensor cores: numerics only, not speed)")
@@ -56,6 +58,9 @@ def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
     cmp.add_argument("--plot", metavar="PATH", help="write a PNG of loss curves and loss scale")
     cmp.add_argument("--half-dtype", **half)
     cmp.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
+    cmp.add_argument("--optimizer-states", type=optimizer_states, metavar="PRECISION",
+                     help="keep every level's optimizer state in this precision: float32, bfloat16 or int8 (a level "
+                          "that names its own, O5+int8, keeps it; O0 stays the FP32 reference)")
     cmp.add_argument("--policy", type=policy_path, metavar="PATH",
                      help="add a row for a policy file (ampatch tune --out), run as `ampatch run --policy` runs it")
     cmp.set_defaults(func=cmd_compare)
@@ -139,6 +144,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     (128+N when signal N stopped it)."""
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
+    args.levels = with_states(args.levels, args.optimizer_states)
     done = compare_script(args) if args.command is not None else compare_builtin(args)
     rows = summarize(done.runs, done.upto)
     machine, note = machine_of(rows, done.device)

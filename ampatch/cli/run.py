@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ampatch.config import env as envvars
 from ampatch.cli.common import (KEEP_FP32_HELP, add_level_options, check_half_dtype, check_output_path, fp8_recipe,
-                                layer_names, loss_scale, master_weights, policy_path)
+                                layer_names, loss_scale, master_weights, optimizer_states, policy_path)
 from ampatch.runs import process, runner
 
 
@@ -23,6 +23,9 @@ def add_run(sub: argparse._SubParsersAction, half: dict) -> None:
     run.add_argument("--master-weights", type=master_weights, metavar="MODE",
                      help="force master_weights of every amp.initialize: True, False, stochastic or kahan (the last "
                           "two: a bfloat16 model at O2/O3/O5 without FP32 masters; AMPATCH_MASTER_WEIGHTS)")
+    run.add_argument("--optimizer-states", type=optimizer_states, metavar="PRECISION",
+                     help="force optimizer_states of every amp.initialize: float32 (the optimizer's own), bfloat16 "
+                          "or int8, the precision the optimizer's state is kept in (AMPATCH_OPTIMIZER_STATES)")
     run.add_argument("--fp8", type=fp8_recipe, nargs="?", const="tensorwise", metavar="RECIPE",
                      help="run the script's Linear layers in FP8 with torchao (the fp8 extra): tensorwise (the "
                           "default), rowwise or rowwise_with_gw_hp; 'off' turns off the script's own fp8 "
@@ -52,6 +55,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         env[envvars.LOSS_SCALE] = args.loss_scale
     if args.master_weights is not None:
         env[envvars.MASTER_WEIGHTS] = args.master_weights
+    if args.optimizer_states is not None:
+        env[envvars.OPTIMIZER_STATES] = args.optimizer_states
     if args.fp8 is not None:
         env[envvars.FP8] = args.fp8
     if args.fp8_modules is not None:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..base.dtypes import short_name
-from .values import DYNAMIC, FP8_RECIPES, LOW_MEMORY_MODES, parse_dtype
+from .values import DYNAMIC, FP8_RECIPES, LOW_MEMORY_MODES, STATE_PRECISIONS, parse_dtype
 
 __all__ = ["HALF", "Level", "LEVELS", "BFLOAT16_LEVELS", "PATCHING_LEVELS", "FP32_LEVEL", "normalize",
            "fixed_half_dtype", "half_dtype_conflict", "default_half_dtype", "half_dtype_for", "uses_half",
@@ -51,7 +51,7 @@ LEVELS: dict[str, Level] = {
 BFLOAT16_LEVELS = ("O4", "O5")
 PATCHING_LEVELS = ("O1", "O4")
 CASTING_LEVELS = ("O2", "O3", "O5")  # the model itself is cast to half
-VARIANT = "+"  # "O5+kahan", "O5+fp8": a level with a low-memory master mode or FP8 (the command line's --levels)
+VARIANT = "+"  # "O5+kahan", "O5+int8", "O5+fp8": a level with a master mode, state precision or FP8 (--levels)
 FP8_VARIANT = "fp8"  # "O5+fp8" (initialize's fp8=True), "O5+fp8:rowwise" (that recipe)
 DESCRIPTION = ("O0 FP32, O1 patched casts, O2 half model + FP32 masters, O3 pure half, O4/O5 = O1/O2 in "
                "bfloat16")
@@ -129,17 +129,19 @@ def half_dtype_for(level: str, device: torch.device | str | None, requested: Any
 
 class Variant(NamedTuple):
     """A level as `--levels` names it: the level, a low-memory master mode (None: the level's
-    own masters), and FP8: None (off), True ("+fp8": initialize's `fp8=True`, tensorwise; in
-    `tune`, each recipe) or a recipe name ("+fp8:rowwise")."""
+    own masters), FP8: None (off), True ("+fp8": initialize's `fp8=True`, tensorwise; in
+    `tune`, each recipe) or a recipe name ("+fp8:rowwise"), and the optimizer state's
+    precision ("+int8": optimizer_states="int8"; None: the script's own)."""
 
     level: str
     master_weights: str | None = None
     fp8: str | bool | None = None
+    optimizer_states: str | None = None
 
     @property
     def label(self) -> str:
-        """"O5", "O5+kahan", "O5+fp8", "O5+kahan+fp8:rowwise": what `variant` reads back."""
-        return variant_label(self.level, self.master_weights, self.fp8)
+        """"O5", "O5+kahan", "O5+int8", "O5+fp8", "O5+kahan+int8+fp8:rowwise": what `variant` reads back."""
+        return variant_label(self.level, self.master_weights, self.fp8, self.optimizer_states)
 
 
 def _fp8_part(part: str, text: str, what: str) -> str | bool:
@@ -156,7 +158,8 @@ def _fp8_part(part: str, text: str, what: str) -> str | bool:
 
 def variant(text: Any, what: str = "level") -> Variant:
     """A level as the command line names it, with optional parts after '+': a low-memory master
-    mode ("O5+kahan": master_weights="kahan", for the levels that cast the model: O2, O3, O5)
+    mode ("O5+kahan": master_weights="kahan", for the levels that cast the model: O2, O3, O5),
+    the optimizer state's precision ("O5+int8", "O1+bfloat16": optimizer_states, any level)
     and FP8 ("O5+fp8": tensorwise, "O5+fp8:rowwise"), each at most once, in any order:
     "O5" -> Variant("O5"), " o5+Kahan+FP8:rowwise" -> Variant("O5", "kahan", "rowwise").
     Anything else raises ValueError naming what is accepted. Whether FP8 fits the level's half
@@ -167,6 +170,7 @@ def variant(text: Any, what: str = "level") -> Variant:
     level = normalize(base, what)
     mode: str | None = None
     fp8: str | bool | None = None
+    states: str | None = None
     for raw in parts:
         part = raw.strip().lower()
         if part.partition(":")[0].strip() == FP8_VARIANT:
@@ -174,9 +178,15 @@ def variant(text: Any, what: str = "level") -> Variant:
                 raise ValueError(f"{what} {text!r}: fp8 is given twice.")
             fp8 = _fp8_part(part, text, what)
             continue
+        if part in STATE_PRECISIONS:
+            if states is not None:
+                raise ValueError(f"{what} {text!r}: one optimizer_states precision at most.")
+            states = part
+            continue
         if part not in LOW_MEMORY_MODES:
             raise ValueError(f"{what} {text!r}: after '+' comes a master_weights mode, one of "
-                             f"{', '.join(LOW_MEMORY_MODES)} (e.g. O5+kahan), or fp8 with an optional recipe "
+                             f"{', '.join(LOW_MEMORY_MODES)} (e.g. O5+kahan), an optimizer_states precision, one of "
+                             f"{', '.join(STATE_PRECISIONS)} (e.g. O5+int8), or fp8 with an optional recipe "
                              f"(O5+fp8, O5+fp8:rowwise; recipes: {', '.join(FP8_RECIPES)}).")
         if mode is not None:
             raise ValueError(f"{what} {text!r}: one master_weights mode at most.")
@@ -184,12 +194,15 @@ def variant(text: Any, what: str = "level") -> Variant:
             raise ValueError(f"{what} {text!r}: master_weights={part!r} applies to the levels that cast the model to "
                              f"bfloat16 ({', '.join(CASTING_LEVELS)}), not to {level}.")
         mode = part
-    return Variant(level, mode, fp8)
+    return Variant(level, mode, fp8, states)
 
 
-def variant_label(level: str, mode: str | None = None, fp8: str | bool | None = None) -> str:
-    """"O5", "O5+kahan", "O5+fp8", "O5+fp8:rowwise": the inverse of `variant`."""
+def variant_label(level: str, mode: str | None = None, fp8: str | bool | None = None,
+                  optimizer_states: str | None = None) -> str:
+    """"O5", "O5+kahan", "O5+int8", "O5+fp8", "O5+fp8:rowwise": the inverse of `variant`."""
     label = level if mode is None else f"{level}{VARIANT}{mode}"
+    if optimizer_states is not None:
+        label += f"{VARIANT}{optimizer_states}"
     if fp8 is True:
         label += f"{VARIANT}{FP8_VARIANT}"
     elif fp8:

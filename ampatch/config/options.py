@@ -24,8 +24,9 @@ from ..base.notices import warn
 from . import levels
 from .env import Overrides
 from .settings import SETTINGS
-from .values import (DEFAULT_MAX_LOSS_SCALE, DYNAMIC, MasterMode, check_scale_value, parse_bool, parse_dtype,
-                     parse_fp8, parse_fp8_modules, parse_loss_scale, parse_master_weights)
+from .values import (DEFAULT_MAX_LOSS_SCALE, DYNAMIC, MasterMode, StatePrecision, check_scale_value, parse_bool,
+                     parse_dtype, parse_fp8, parse_fp8_modules, parse_loss_scale, parse_master_weights,
+                     parse_optimizer_states)
 
 __all__ = ["Options", "OverrideError", "warn_or_err", "NO_CAST", "PROPERTY_KEYWORDS", "Properties", "resolve",
            "OUTSIDE", "check_fp8", "fp8_conflict"]
@@ -56,7 +57,7 @@ class Options:
     bools, `loss_scale` a float or "dynamic", `cast_model_type=False` as `NO_CAST`,
     `half_dtype` taking `patch_torch_functions_type` (its ROCm Apex alias), `fp8` None or a
     recipe name or a torchao config (`values.parse_fp8`), `fp8_modules` a tuple of names or
-    globs or a callable."""
+    globs or a callable, `optimizer_states` a `StatePrecision`."""
 
     enabled: bool = True
     opt_level: str = "O1"
@@ -77,6 +78,7 @@ class Options:
     keep_fp32: Any = None
     fp8: Any = None
     fp8_modules: Any = None
+    optimizer_states: Any = "float32"
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -122,6 +124,7 @@ class Options:
         if self.fp8_modules is not None and self.fp8 is None:
             raise ValueError("fp8_modules chooses the layers that run in FP8, but fp8 is off: pass fp8=True (or a "
                              "recipe name such as 'rowwise') with it, or drop fp8_modules.")
+        put("optimizer_states", parse_optimizer_states(self.optimizer_states))
 
     def given(self) -> dict[str, Any]:
         """The property keywords that were given (not None), in the signature's order."""
@@ -132,8 +135,9 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
-# what the environment may force
-OUTSIDE = ("opt_level", "half_dtype", "loss_scale", "master_weights", "fp8", "fp8_modules")
+# what the environment may force; the values that mean the script left one unset
+UNSET = {"optimizer_states": StatePrecision.FLOAT32}
+OUTSIDE = ("opt_level", "half_dtype", "loss_scale", "master_weights", "fp8", "fp8_modules", "optimizer_states")
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class Properties:
     cast_model_outputs: torch.dtype | None = None
     fp8: Any = None  # None: off; a recipe name (values.FP8_RECIPES) or a torchao Float8LinearConfig
     fp8_modules: Any = None  # with fp8: the layers (names/globs, a callable; None: the default choice)
+    optimizer_states: StatePrecision = StatePrecision.FLOAT32  # what the optimizers' state is stored in
 
     @property
     def casts_model(self) -> bool:
@@ -240,7 +245,7 @@ def _outside_wins(options: Options, overrides: Overrides, notes: list[str]) -> O
                          "bfloat16; ignored.")
             continue
         mine = getattr(options, name)
-        if mine is not None and mine != value:
+        if mine not in (None, UNSET.get(name)) and mine != value:
             notes.append(f"ampatch: {overrides.given(name)} overrides the script's {name}={mine}.")
         changes[name] = value
     return options.replace(**changes) if changes else options
@@ -273,7 +278,8 @@ def _build(options: Options, device: Any, hard_override: bool) -> Properties:
         keep_batchnorm_fp32=merged["keep_batchnorm_fp32"], master_weights=merged["master_weights"],
         loss_scale=merged["loss_scale"], cast_model_outputs=options.cast_model_outputs,
         fp8=options.fp8 if options.enabled else None,
-        fp8_modules=options.fp8_modules if options.enabled and options.fp8 is not None else None)
+        fp8_modules=options.fp8_modules if options.enabled and options.fp8 is not None else None,
+        optimizer_states=options.optimizer_states if options.enabled else StatePrecision.FLOAT32)
 
 
 def _fp8_conflict(options: Options, device: Any) -> str | None:

@@ -5,6 +5,7 @@ they were measured on::
 
     {"format": 1, "opt_level": "O1", "half_dtype": "bfloat16", "keep_fp32": ["head"],
      "loss_scale": null, "master_weights": null, "fp8": null, "fp8_modules": null,
+     "optimizer_states": null,
      "measured": {"tolerance": 0.02, "steps": 60, "speedup": 1.41, "deviation": 0.004,
                   "machine": {"type": "cpu", "name": "...", "native": {"bfloat16": true, ...}},
                   "torch": "2.13.0", "what": "built-in workload lm (small)", "date": "..."}}
@@ -14,7 +15,8 @@ level's default (or the script's own); ``fp8`` is null (the script's own), false
 torchao recipe name ("tensorwise", "rowwise", "rowwise_with_gw_hp"), as ``AMPATCH_FP8``;
 ``fp8_modules`` null (the default choice of layers, or the script's own) or the list of layers that
 run in FP8 (what ``tune`` writes once ``diagnose`` named layers FP8 hurts), as
-``AMPATCH_FP8_MODULES``. It is applied two ways:
+``AMPATCH_FP8_MODULES``; ``optimizer_states`` null (the script's own) or "float32", "bfloat16",
+"int8", as ``AMPATCH_OPTIMIZER_STATES``. It is applied two ways:
 
 - in code, ``amp.initialize(..., policy="ampatch-policy.json")`` (a path or a dict;
   `session.build.takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
@@ -22,7 +24,7 @@ run in FP8 (what ``tune`` writes once ``diagnose`` named layers FP8 hurts), as
 - from outside, ``AMPATCH_POLICY=path`` (what ``ampatch run --policy`` and ``ampatch compare
   --policy`` set) for an unmodified script (`from_outside`): the file's fields act as
   ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE``, ``AMPATCH_FP8``,
-  ``AMPATCH_FP8_MODULES`` and
+  ``AMPATCH_FP8_MODULES``, ``AMPATCH_OPTIMIZER_STATES`` and
   ``AMPATCH_KEEP_FP32`` would, by the one rule of settings from outside
   (`options.resolve`): its level wins, and each of the script's keywords that conflicts
   with it is dropped, with a warning. Its ``keep_fp32`` is added to the script's own (as
@@ -47,7 +49,7 @@ import torch
 from ..base.dtypes import HALF_NAMES
 from ..base.notices import warn
 from . import env, levels
-from .values import parse_dtype, parse_fp8, parse_loss_scale, parse_master_weights, parse_names
+from .values import parse_dtype, parse_fp8, parse_loss_scale, parse_master_weights, parse_names, parse_optimizer_states
 
 __all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "apply_in_code", "from_outside",
            "DEFAULT_PATH"]
@@ -55,7 +57,8 @@ __all__ = ["Policy", "PolicyError", "FORMAT", "FIELDS", "load", "save", "apply_i
 FORMAT = 1
 DEFAULT_PATH = "ampatch-policy.json"
 # the initialize keywords it sets
-FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale", "master_weights", "fp8", "fp8_modules")
+FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale", "master_weights", "fp8", "fp8_modules",
+          "optimizer_states")
 KEYS = ("format", *FIELDS, "measured")                             # every key a policy file may have
 
 
@@ -76,6 +79,7 @@ class Policy:
     master_weights: bool | str | None = None  # None: the level's own (True at O2/O5); "stochastic"/"kahan"
     fp8: str | bool | None = None  # None: the script's own; False: off; a recipe name (values.FP8_RECIPES)
     fp8_modules: tuple[str, ...] | None = None  # None: the default choice (or the script's own); the layers in FP8
+    optimizer_states: str | None = None  # None: the script's own; "float32", "bfloat16" or "int8"
     measured: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, kw_only=True)
 
     def keywords(self) -> dict[str, Any]:
@@ -93,6 +97,8 @@ class Policy:
             out["fp8"] = self.fp8
         if self.fp8_modules is not None:
             out["fp8_modules"] = list(self.fp8_modules)
+        if self.optimizer_states is not None:
+            out["optimizer_states"] = self.optimizer_states
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +107,7 @@ class Policy:
                 "keep_fp32": list(self.keep_fp32), "loss_scale": self.loss_scale,
                 "master_weights": self.master_weights, "fp8": self.fp8,
                 "fp8_modules": list(self.fp8_modules) if self.fp8_modules is not None else None,
+                "optimizer_states": self.optimizer_states,
                 "measured": dict(self.measured) if self.measured is not None else None}
 
     def describe(self) -> str:
@@ -117,6 +124,8 @@ class Policy:
             text += f", fp8={self.fp8!r}"
         if self.fp8_modules is not None:
             text += f", fp8_modules={list(self.fp8_modules)}"
+        if self.optimizer_states is not None:
+            text += f", optimizer_states={self.optimizer_states!r}"
         return text
 
 
@@ -177,11 +186,17 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
             raise PolicyError(f"{where}: fp8_modules names the layers that run in FP8, but fp8 is false (off): "
                               "drop one of them.")
         layers = tuple(k.strip() for k in layers)
+    states = data.get("optimizer_states")
+    if states is not None:
+        try:
+            states = parse_optimizer_states(states).value
+        except (TypeError, ValueError) as exc:
+            raise PolicyError(f"{where}: {exc}") from None
     measured = data.get("measured")
     if measured is not None and not isinstance(measured, Mapping):
         raise PolicyError(f"{where}: measured must be an object (or null), got {type(measured).__name__}.")
     return Policy(level, levels.half_name(level, half), tuple(k.strip() for k in keep), scale, masters, fp8, layers,
-                  measured=dict(measured) if measured is not None else None)
+                  states, measured=dict(measured) if measured is not None else None)
 
 
 def load(source: str | os.PathLike | Mapping[str, Any] | Policy) -> Policy:
@@ -232,7 +247,8 @@ def apply_in_code(keywords: dict[str, Any], policy: Any, explicit: Collection[st
 def from_outside(overrides: env.Overrides) -> env.Overrides:
     """`overrides` with the policy file ``AMPATCH_POLICY`` names merged in, as if its fields
     were set as ``AMPATCH_OPT_LEVEL``, ``AMPATCH_HALF_DTYPE``, ``AMPATCH_LOSS_SCALE``,
-    ``AMPATCH_MASTER_WEIGHTS``, ``AMPATCH_FP8`` and ``AMPATCH_FP8_MODULES`` (which, when set
+    ``AMPATCH_MASTER_WEIGHTS``, ``AMPATCH_FP8``, ``AMPATCH_FP8_MODULES`` and
+    ``AMPATCH_OPTIMIZER_STATES`` (which, when set
     too, still win; its ``keep_fp32`` is added to ``AMPATCH_KEEP_FP32``'s): from outside, a
     policy beats the script by the same rule as those variables (`options.resolve`). Raises
     `PolicyError` for a missing or bad file."""
@@ -244,12 +260,13 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
     sources = dict(overrides.sources)
     half = parse_dtype(pol.half_dtype, "half_dtype") if levels.uses_half(pol.opt_level) else None
     values = {"opt_level": pol.opt_level, "half_dtype": half, "loss_scale": pol.loss_scale,
-              "master_weights": pol.master_weights, "fp8": pol.fp8, "fp8_modules": pol.fp8_modules}
+              "master_weights": pol.master_weights, "fp8": pol.fp8, "fp8_modules": pol.fp8_modules,
+              "optimizer_states": parse_optimizer_states(pol.optimizer_states) if pol.optimizer_states else None}
     for name, value in values.items():  # a field the variables leave unset, where the file sets it
         if getattr(overrides, name) is None and value is not None:
             fields[name] = value
             shown = (getattr(pol, name) if name in ("opt_level", "half_dtype")
-                     else repr(list(value) if name == "fp8_modules" else value))
+                     else repr(list(value) if name == "fp8_modules" else getattr(pol, name)))
             sources[name] = f"{given} ({name} {shown})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
     from_file = {name: f"{given} (keep_fp32)" for name in pol.keep_fp32 if name not in overrides.keep_fp32}

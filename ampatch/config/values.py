@@ -1,6 +1,6 @@
 """The values a setting may take, each parsed by one function: dtypes and their names, flags,
-loss scales (with their range and defaults), master-weight modes, FP8 recipes and layer
-choices, and comma-separated names.
+loss scales (with their range and defaults), master-weight modes, the precision of an
+optimizer's state, FP8 recipes and layer choices, and comma-separated names.
 
 `initialize`'s keywords, the ``AMPATCH_*`` variables, policy files and the command line all
 parse through here, so "bfloat16", "True" or "dynamic" mean the same wherever they are
@@ -19,8 +19,8 @@ from ..base.dtypes import FLOATS
 
 __all__ = ["DYNAMIC", "USABLE_RANGE", "INITIAL_LOSS_SCALE", "DEFAULT_MIN_LOSS_SCALE", "DEFAULT_MAX_LOSS_SCALE",
            "BadFlagString", "MasterMode", "parse_dtype", "parse_bool", "parse_env_flag", "parse_loss_scale", "check_scale_value",
-           "parse_master_weights", "parse_names", "FP8_RECIPES", "DEFAULT_FP8_RECIPE", "parse_fp8", "parse_fp8_modules",
-           "is_fp8_config"]
+           "parse_master_weights", "StatePrecision", "STATE_PRECISIONS", "parse_optimizer_states", "parse_names",
+           "FP8_RECIPES", "DEFAULT_FP8_RECIPE", "parse_fp8", "parse_fp8_modules", "is_fp8_config"]
 
 DYNAMIC = "dynamic"
 INITIAL_LOSS_SCALE = 2.0 ** 16       # where a dynamic scale starts (Apex's value)
@@ -130,6 +130,46 @@ def parse_master_weights(value: Any) -> bool | str | None:
         raise BadFlagString(f"master_weights={value!r}: use True, False, 'stochastic' or 'kahan' (the last two "
                             "keep no FP32 copy of a bfloat16 model: O2/O3/O5 only).")
     return parse_bool(value, "master_weights")
+
+
+class StatePrecision(enum.Enum):
+    """What an optimizer's per-element state (Adam's moments, a momentum buffer) is stored in
+    between steps (`optimizer_states`); the step itself always computes in FP32."""
+
+    FLOAT32 = "float32"    # the optimizer's own state, as it makes it
+    BFLOAT16 = "bfloat16"  # rounded stochastically on write: 2 bytes per element
+    INT8 = "int8"          # 8-bit codes with an FP32 scale per block of 256: about 1 byte per element
+
+    @property
+    def stored(self) -> bool:
+        """Whether ampatch keeps the state (else the optimizer keeps its own)."""
+        return self is not StatePrecision.FLOAT32
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STATE_PRECISIONS = tuple(p.value for p in StatePrecision)
+_STATE_DTYPES = {torch.float32: StatePrecision.FLOAT32, torch.bfloat16: StatePrecision.BFLOAT16,
+                 torch.int8: StatePrecision.INT8}
+
+
+def parse_optimizer_states(value: Any, what: str = "optimizer_states") -> StatePrecision:
+    """`optimizer_states`: "float32" (the default, also None: the optimizer's own state),
+    "bfloat16" or "int8" (any case; the torch dtypes of those names too)."""
+    if value is None:
+        return StatePrecision.FLOAT32
+    if isinstance(value, StatePrecision):
+        return value
+    if isinstance(value, torch.dtype) and value in _STATE_DTYPES:
+        return _STATE_DTYPES[value]
+    choices = "'float32' (the optimizer's own state), 'bfloat16' or 'int8'"
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in STATE_PRECISIONS:
+            return StatePrecision(key)
+        raise ValueError(f"{what}={value!r} is not a state precision; use {choices}.")
+    raise TypeError(f"{what} must be {choices}, got {type(value).__name__}.")
 
 
 def parse_names(text: str) -> list[str]:

@@ -135,6 +135,7 @@ class Workspace:
     def __init__(self) -> None:
         self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scratches: dict[torch.device, torch.Tensor] = {}  # int32: the stochastic rounding's hash
+        self.named: dict[tuple[torch.device, str], torch.Tensor] = {}  # the kept optimizer state's (`states`)
 
     def take(self, device: torch.device, n: int, most: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `n` elements of the values and grads buffers on `device`: made again, `n`
@@ -156,9 +157,18 @@ class Workspace:
                                                             else n), dtype=torch.int32, device=device)
         return have[:n]
 
+    def buffer(self, device: torch.device, name: str, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The first `n` elements of the buffer `name` on `device` (made again, `n` long, if shorter)."""
+        have = self.named.get((device, name))
+        if have is None or have.numel() < n or have.dtype != dtype:
+            self.named.pop((device, name), None)
+            have = self.named[(device, name)] = torch.empty(n, dtype=dtype, device=device)
+        return have[:n]
+
     def nbytes(self) -> int:
         return (sum(v.numel() * 4 + g.numel() * 4 for v, g in self.buffers.values())
-                + sum(s.numel() * 4 for s in self.scratches.values()))
+                + sum(s.numel() * 4 for s in self.scratches.values())
+                + sum(b.numel() * b.element_size() for b in self.named.values()))
 
 
 @contextlib.contextmanager

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from ..base.dtypes import LOW
-from ..config.values import MasterMode
-from . import calls
+from ..config.values import MasterMode, StatePrecision
+from . import calls, state_checkpoint
 from .context import HandleContext, OptState, StepGuard
 from .lowmem import LowMemMasters, take_state_entries
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
+from .states import StateStore
+from .stepper import step_kept
 from ..base.notices import warn
 from ..base.patcher import Patcher, disable_casts
 from .scaler import distributed, unscale_
@@ -50,7 +52,8 @@ class OptimizerHandle:
 
     `master_ids`: the params that get a master (None: no masters), made at once from their
     current (FP32) values; `mode`: FP32 masters (`masters.Masters`) or a low-memory mode
-    ("stochastic"/"kahan": `lowmem.LowMemMasters`, which steps the optimizer in chunks). `install` patches the optimizer's step, zero_grad,
+    ("stochastic"/"kahan": `lowmem.LowMemMasters`, which steps the optimizer in chunks); `states`:
+    its state's precision (`states.StateStore`). `install` patches the optimizer's step, zero_grad,
     add_param_group, state_dict and load_state_dict. Without a session:
 
         handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
@@ -78,11 +81,14 @@ class OptimizerHandle:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int = 0, master_ids: set[int] | None = None,
-                 context: HandleContext = HandleContext(), mode: MasterMode = MasterMode.FP32) -> None:
+                 context: HandleContext = HandleContext(), mode: MasterMode = MasterMode.FP32,
+                 states: StatePrecision = StatePrecision.FLOAT32) -> None:
         self.optimizer = optimizer
         self.index = index
+        self.states = StateStore(optimizer, states)  # first: it refuses what it cannot keep
         self.masters = (LowMemMasters(optimizer, master_ids, mode) if mode.low_memory and master_ids is not None
                         else Masters(optimizer, master_ids))
+        state_checkpoint.take_kept(self.states, list(self.params()))
         self.use_masters = self.masters.enabled  # every unscale is checked, even at a static 1.0
         self._ctx = context
         self._guard: StepGuard | None = None
@@ -250,7 +256,7 @@ class OptimizerHandle:
             self.masters.move_grads(pairs)
         try:
             with disable_casts():
-                out = inner(*args, **kwargs)
+                out = step_kept(self.optimizer, inner, args, kwargs, self.states)  # inner itself, unless state is kept
         finally:  # even a step that raised half-way: the model shows what the masters hold
             if pairs:
                 self.masters.copy_to_model(pairs)
@@ -263,7 +269,7 @@ class OptimizerHandle:
     def _chunked_step(self, inner: Callable, args: tuple, kwargs: dict) -> Any:
         self.masters.move_grads(list(self.pairs()))  # grads of a plain backward outside scale_loss
         with disable_casts():
-            out = self.masters.step(inner, args, kwargs)
+            out = self.masters.step(inner, args, kwargs, self.states)
         self._stepped(skipped=False)
         return out
 
@@ -353,10 +359,10 @@ class OptimizerHandle:
         return self.masters.checkpoint() if self.use_masters else {}
 
     def add_state_entries(self, state_dict: dict) -> None:
-        """What the params' entries of `optimizer.state_dict()` carry besides torch's own (a
-        kahan compensation, see `lowmem.LowMemMasters.state_entries`)."""
-        if self.use_masters and isinstance(state_dict.get("state"), dict):
-            self.masters.state_entries(state_dict["state"])
+        """The params' entries besides torch's own: kahan compensations (`lowmem`), kept state (`state_checkpoint`)."""
+        if isinstance(state_dict.get("state"), dict):
+            self.masters.state_entries(state_dict["state"])  # nothing where there are no masters
+            state_checkpoint.add_entries(self.states, list(self.params()), state_dict["state"])
 
     def load_entries(self, state_dict: dict, inner: Callable) -> None:
         """`optimizer.load_state_dict`: ampatch's entries taken out of `state_dict` and checked,
@@ -366,8 +372,7 @@ class OptimizerHandle:
         model's shapes, tampered masters) leaves the optimizer, its masters and the model as
         they were. Saved FP32 masters go into whatever this optimizer steps: its masters, or,
         at a level without them (an O2 checkpoint resumed at O1), the model params themselves.
-        The entry of master_weights "stochastic"/"kahan" (compensations, rounding seed)
-        is loaded where this session uses that mode."""
+        The entry of master_weights "stochastic"/"kahan" is loaded where this session uses that mode."""
         masters = state_dict.pop(MASTERS_KEY, None)
         lowmem = state_dict.pop(LOWMEM_KEY, None)
         params = list(self.params())
@@ -375,12 +380,14 @@ class OptimizerHandle:
             check_masters(masters, params)
         if lowmem is not None:
             check_lowmem_entry(lowmem, params)
-        comps = {}
-        if isinstance(state_dict.get("state"), dict):  # kahan compensations travel in the params' entries
+        comps, kept = {}, state_checkpoint.NOTHING
+        if isinstance(state_dict.get("state"), dict):  # kahan compensations, kept state: in the params' entries
             state_dict["state"] = dict(state_dict["state"])
             comps = take_state_entries(state_dict["state"], params)
+            kept = state_checkpoint.take(state_dict["state"], params)
         with self.masters.loading():
             inner(state_dict)  # torch checks the param groups before it changes anything
+        state_checkpoint.apply(self.states, kept, params, replaced=True)
         self.masters.take_comps(comps, params)
         if lowmem is not None:
             self.masters.load_lowmem(lowmem, params)
@@ -393,7 +400,8 @@ class OptimizerHandle:
 
     # ------------------------------------------------------------------ undo
     def unswap(self) -> dict[int, torch.Tensor]:
-        """Put the model params back into param_groups (state re-keyed); returns masters by model param id."""
+        """Kept state back to FP32, model params back into param_groups; returns masters by model param id."""
+        self.states.restore(self.params())
         return self.masters.unswap()
 
     def recast_state(self) -> None:

@@ -24,6 +24,7 @@ from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
 from .chunks import Workspace, chunk_numel, is_elementwise
 from .rounding import rotation
 from .scaler import distributed, overflowed
+from .states import StateStore
 from .stepper import Rounding, Target, step_in_chunks
 
 logger = logging.getLogger("ampatch")
@@ -248,10 +249,11 @@ class LowMemMasters(Masters):
         return scale_into(masters, grads, inv_scale, found_inf, check)
 
     # ------------------------------------------------------------------ the step
-    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+             states: StateStore | None = None) -> Any:
         """One optimizer step, a chunk at a time (`stepper.step_in_chunks`; docs/lowmem.md);
         `call(*args, **kwargs)` is the optimizer's own step(), called once per chunk; returns
-        what the last call returned. The masters' (bfloat16) grads are spent: None after."""
+        what the last call returned; the masters' grads are spent. `states`: the optimizer's kept state."""
         kwargs = kwargs or {}
         if args and callable(args[0]) or kwargs.get("closure") is not None:
             raise NotImplementedError(f"optimizer.step(closure) is not supported with master_weights="
@@ -260,22 +262,27 @@ class LowMemMasters(Masters):
         self.settle()  # a write to a weight since the last step: its compensation no longer applies
         elementwise = is_elementwise(self.optimizer)
         own, targets = [], []  # (group, param) that are their own masters; what steps in chunks
+        kept, place = states is not None and states.active, len(self.ordinal)  # own params' places: after the masters'
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
-                mp = self.model_of.get(id(p))
-                if mp is None:
+                mp, g = self.model_of.get(id(p)), p.grad
+                place += mp is None
+                direct = mp is None and kept and g is not None and p.dtype == F32 == g.dtype  # FP32, its state kept
+                if mp is None and not direct:
                     own.append((gi, p))
-                elif p.grad is not None:
-                    g = p.grad
-                    split = elementwise and not g.is_sparse and g.is_contiguous() and mp.is_contiguous()
-                    targets.append(Target(p, gi, mp, g, self.comp.get(id(p)), self.ordinal[id(p)], 0, split))
+                elif g is not None:
+                    w = p if direct else mp
+                    split = elementwise and not g.is_sparse and g.is_contiguous() and w.is_contiguous()
+                    targets.append(Target(p, gi, w, g, self.comp.get(id(p)), place if direct else self.ordinal[id(p)],
+                                          0, split, direct))
         budget = self.chunk_numel or (chunk_numel(targets[0].weight.device) if targets else 1)
         rounding = Rounding(self.mode is MasterMode.STOCHASTIC, self.seed, rotation(self.rounds))
         try:
-            out = step_in_chunks(self.optimizer, call, args, kwargs, targets, own, budget, self.workspace, rounding)
+            out = step_in_chunks(self.optimizer, call, args, kwargs, targets, own, budget, self.workspace, rounding,
+                                 store=states)
         finally:
             for t in targets:
-                t.key.grad = None
+                t.key.grad = None if not t.direct else t.key.grad
             note_all(self.record_of.values())
         self.rounds += 1
         return out

@@ -172,9 +172,10 @@ class ShardedLowMem(Masters):
         pass
 
     # ------------------------------------------------------------------ the step
-    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, states: Any = None) -> Any:
         """One optimizer step over the local shards, a chunk at a time (`stepper.step_in_chunks`);
-        FP32 params (units kept FP32) step as they are, in a call of their own."""
+        FP32 params (units kept FP32) step as they are, in a call of their own. (`states`: kept
+        optimizer state is not supported on sharded models: refused at `initialize`.)"""
         kwargs = kwargs or {}
         if args and callable(args[0]) or kwargs.get("closure") is not None:
             raise NotImplementedError(f"optimizer.step(closure) is not supported with master_weights="

@@ -87,7 +87,7 @@ class Plan:
 
         def command_for(label: str) -> CommandFor:
             # "O5+kahan": O5 with master_weights="kahan"; "O5+fp8": the environment says (runner.child_env)
-            level, mode, _ = variant(label)
+            level, mode = variant(label).level, variant(label).master_weights
             masters = [] if mode is None else ["--master-weights", mode]
 
             def make(steps: int | None, deadline: float | None) -> list[str]:

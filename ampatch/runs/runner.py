@@ -81,7 +81,8 @@ def prepend_path(env: dict[str, str], directory: str) -> None:
 
 
 # what a policy file decides: a run given one does not inherit these from the caller's shell
-POLICY_DECIDES = (envvars.OPT_LEVEL, envvars.HALF_DTYPE, envvars.LOSS_SCALE, envvars.KEEP_FP32, envvars.MASTER_WEIGHTS)
+POLICY_DECIDES = (envvars.OPT_LEVEL, envvars.HALF_DTYPE, envvars.LOSS_SCALE, envvars.KEEP_FP32, envvars.MASTER_WEIGHTS,
+                  envvars.OPTIMIZER_STATES)
 
 
 def child_env(level: str | None, half_dtype: str | None, report: str | None = None,
@@ -105,6 +106,8 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
         env[envvars.OPT_LEVEL] = level
         if forced.master_weights is not None:
             env[envvars.MASTER_WEIGHTS] = forced.master_weights
+        if forced.optimizer_states is not None:
+            env[envvars.OPTIMIZER_STATES] = forced.optimizer_states
         if forced.fp8 is not None:  # True: initialize's fp8=True (tensorwise)
             env[envvars.FP8] = "1" if forced.fp8 is True else forced.fp8
     if keep_fp32:
@@ -314,6 +317,8 @@ def _not_as_forced(report: Report, label: str) -> str | None:
         return f"ran at {report.opt_level} although {label} was forced"
     if forced.master_weights not in (None, report.master_weights):
         return f"ran with master_weights={report.master_weights!r} although {label} was forced"
+    if forced.optimizer_states not in (None, report.optimizer_states):
+        return f"ran with optimizer_states={report.optimizer_states!r} although {label} was forced"
     recipe = DEFAULT_FP8_RECIPE if forced.fp8 is True else forced.fp8
     if recipe is not None and report.fp8 != recipe:
         return f"ran with fp8={report.fp8 or None!r} although {label} was forced"

@@ -10,6 +10,7 @@ what was built before it raises.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import inspect
 import logging
@@ -27,7 +28,7 @@ from ..config.env import Overrides
 from ..config.options import Options, warn_or_err
 from ..config.options import Properties, resolve
 from ..config.settings import SETTINGS
-from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE, MasterMode
+from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE, MasterMode, StatePrecision
 from ..machine import hardware
 from ..model import fp8, sharded
 from ..model.cast import ModelHandle, params_to_cast
@@ -39,6 +40,7 @@ from ..optim.context import HandleContext
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import check_one_master_each, master_ids
 from ..optim.sharded import ShardedOptimizerHandle
+from ..optim.states import check_keepable
 
 logger = logging.getLogger("ampatch")
 
@@ -128,6 +130,17 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
     props, notes = resolve(options, hardware.model_device(model_list), overrides)
     if props.fp8 is not None:
         check_fp8(props, opt_list)
+    for o in opt_list:
+        check_keepable(o, props.optimizer_states)
+    if props.optimizer_states.stored and sharded.is_sharded(model_list):
+        why = (f"optimizer_states={props.optimizer_states.value!r} is not supported on FSDP2-sharded models yet (the "
+               "kept state would have to be sharded like each parameter)")
+        if overrides.optimizer_states is None:
+            raise ValueError(f"{why}; use optimizer_states='float32' with fully_shard, or master_weights='stochastic' "
+                             "for memory.")
+        notes.append(f"ampatch: dropping {overrides.given('optimizer_states')}: {why}; the optimizer keeps its FP32 "
+                     "state.")  # from outside (a variable, a policy: tune's candidates), as a level it cannot apply to
+        props = dataclasses.replace(props, optimizer_states=StatePrecision.FLOAT32)
     return Prepared(options, props, overrides, model_list, opt_list, single_model, single_opt, optimizers is None,
                     notes)
 
@@ -223,7 +236,7 @@ def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
     model_handles: list[ModelHandle] = []
     try:
         for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
-            handles.append(OptimizerHandle(opt, first_index + i, ids[i], context, mode))
+            handles.append(OptimizerHandle(opt, first_index + i, ids[i], context, mode, props.optimizer_states))
         if props.casts_model:
             def trained(p: torch.Tensor) -> Any:
                 return next((k for h in handles if (k := h.masters.keeps(p)) is not None), None)

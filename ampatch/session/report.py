@@ -49,6 +49,9 @@ class Report:
     trained_params: int = 0
     bytes_per_param: float = 0.0
     optimizer_state_bytes: int = 0  # the optimizers' state tensors (Adam's moments, momentum buffers, ...)
+    optimizer_states: str = ""  # what the state is kept in (config.values.StatePrecision: "float32", "bfloat16", "int8")
+    # int8: the share of the kept elements at the bottom of their block's range (values it could not hold)
+    optimizer_state_underflow: float = 0.0
     # fp8=: the recipe ("" when off; "custom" for a torchao config), whether it was emulated (no FP8
     # tensor cores here: numerics only, not speed), and each Linear layer: name, kind, in_features,
     # out_features, converted, reason (model.fp8_choice.LayerChoice)
@@ -72,6 +75,11 @@ class Report:
         if not self.trained_params:
             return None
         return self.bytes_per_param + self.optimizer_state_bytes / self.trained_params
+
+    @property
+    def state_bytes_per_param(self) -> float | None:
+        """Bytes of the optimizers' state per trained parameter (kept state as it is kept)."""
+        return self.optimizer_state_bytes / self.trained_params if self.trained_params else None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain numbers, strings, lists and dicts (the device as its fields)."""
@@ -142,6 +150,10 @@ class Report:
                  *([f"  master weights: {self.master_weights}, {self.bytes_per_param:.2f} bytes per trained "
                     f"parameter ({self.trained_params:,} parameters), "
                     f"{self.training_bytes_per_param:.2f} with the optimizer's state"] if self.trained_params else []),
+                 *([f"  optimizer state: {self.optimizer_states or 'float32'}, {self.state_bytes_per_param:.2f} bytes per "
+                    "trained parameter" + (f", {self.optimizer_state_underflow:.1%} of its int8 elements at the bottom "
+                                           "of their block's range" if self.optimizer_states == "int8" else "")]
+                   if self.trained_params else []),
                  *self._fp8_lines(),
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"
                  + (f" at {self.skipped_steps[:10]}" if self.skipped_steps else ""),

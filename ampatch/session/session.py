@@ -324,7 +324,8 @@ class Session:
         return self.telemetry.report(self.properties, cache,
                                      self.scalers, self.device, [k.label for k in self.kept],
                                      [h.masters.footprint() for h in self.optimizers],
-                                     sum(state_bytes(h.optimizer) for h in self.optimizers), self.fp8)
+                                     sum(state_bytes(h.optimizer) + h.states.nbytes() for h in self.optimizers), self.fp8,
+                                     tuple(map(sum, zip((0, 0), *(h.states.underflow() for h in self.optimizers)))))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -108,11 +108,13 @@ class Telemetry:
 
     def report(self, properties: Properties, cache: dict[str, int], scalers: Sequence[LossScaler],
                device: SessionDevice | None, kept: Sequence[str], footprints: Sequence[tuple[int, int]] = (),
-               state_bytes: int = 0, fp8: Fp8Layers | None = None) -> Report:
+               state_bytes: int = 0, fp8: Fp8Layers | None = None, underflow: tuple[int, int] = (0, 0)) -> Report:
         """The `Report` of a session: these counters with its `properties`, cast-cache
         `{"hits", "misses"}`, loss scalers, device (`hardware.check_half`), the labels of
         the modules kept in FP32, and the optimizers' `(params, bytes)` footprints (weights
-        plus masters or compensations, `Masters.footprint`) and the bytes of their state, and
+        plus masters or compensations, `Masters.footprint`) and the bytes of their state (kept
+        state included, `optim.states`; `underflow`: its int8 elements at the bottom of their
+        block's range, of those in blocks that hold something), and
         the layers run in FP8 (`model.fp8.Fp8Layers`)."""
         params = sum(n for n, _ in footprints)
         size = sum(b for _, b in footprints)
@@ -138,6 +140,8 @@ class Telemetry:
             trained_params=params,
             bytes_per_param=size / params if params else 0.0,
             optimizer_state_bytes=state_bytes,
+            optimizer_states=properties.optimizer_states.value if properties.enabled else "",
+            optimizer_state_underflow=underflow[0] / underflow[1] if underflow[1] else 0.0,
             fp8=fp8.recipe if fp8 is not None else "",
             fp8_emulated=fp8 is not None and fp8.emulated,
             fp8_layers=[c.to_dict() for c in fp8.choices] if fp8 is not None else [],

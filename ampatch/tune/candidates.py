@@ -1,5 +1,6 @@
 """The policies `ampatch tune` tries: each opt level with each half dtype worth trying here,
-and, when memory is the objective, the low-memory master modes of a bfloat16-cast level."""
+and, when memory is the objective, the low-memory master modes of a bfloat16-cast level and
+the optimizer state's lower precisions."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from ampatch.machine import hardware
 from ampatch.base.dtypes import HALF_NAMES, short_name
 from ampatch.config.levels import CASTING_LEVELS, fixed_half_dtype, half_dtype_conflict, uses_half
 from ampatch.config.policy_file import Policy
-from ampatch.config.values import LOW_MEMORY_MODES
+from ampatch.config.values import LOW_MEMORY_MODES, StatePrecision
 
 __all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY", "OBJECTIVES", "low_memory_variants"]
 
@@ -34,10 +35,11 @@ class Candidate:
     fp8: str | None = None                     # a torchao recipe: the Linear layers in FP8 (tune.fp8)
     fp8_modules: tuple[str, ...] | None = None  # the layers left in FP8 (None: the default choice)
     fp8_exclude: tuple[str, ...] = ()          # the layers diagnose left out of FP8 (what the label says)
+    optimizer_states: str | None = None        # None: the script's own; "bfloat16", "int8"
 
     def policy(self, measured: dict[str, Any] | None = None) -> Policy:
         return Policy(self.opt_level, self.half_dtype, self.keep_fp32, self.loss_scale, self.master_weights,
-                      self.fp8, self.fp8_modules, measured=measured)
+                      self.fp8, self.fp8_modules, self.optimizer_states, measured=measured)
 
     @property
     def label(self) -> str:
@@ -45,10 +47,11 @@ class Candidate:
             return self.policy().describe()
         return f"{replace(self, fp8_modules=None).policy().describe()} without {list(self.fp8_exclude)}"
 
-    def simplicity(self) -> tuple[int, int, int, int, int]:
+    def simplicity(self) -> tuple[int, int, int, int, int, int]:
         """Smaller is simpler (see `SIMPLICITY`; FP8 is not simpler than its level without it)."""
         return (len(self.keep_fp32) + len(self.fp8_exclude), SIMPLICITY[self.opt_level], int(self.fp8 is not None),
-                int(self.loss_scale is not None), int(self.master_weights is not None))
+                int(self.loss_scale is not None), int(self.master_weights is not None),
+                int(self.optimizer_states is not None))
 
     def repaired(self, keep: Sequence[str], loss_scale: float | str | None,
                  master_weights: bool | str | None = None, fp8_exclude: Sequence[str] = (),
@@ -94,9 +97,16 @@ def initial(levels: Sequence[str], device: str, half_dtype: str | None, objectiv
 
 
 def low_memory_variants(cands: Sequence[Candidate]) -> list[Candidate]:
-    """`master_weights="stochastic"` and `"kahan"` (no FP32 master copies) on one bfloat16-cast
-    level among `cands`: O5 when tried, else O2, else O3 in bfloat16 (on the others they train
-    alike: one level shows what the modes cost and save)."""
+    """On one bfloat16-cast level among `cands` (O5 when tried, else O2, else O3 in bfloat16: on
+    the others they train alike, and one level shows what each costs and saves):
+    `master_weights="stochastic"` and `"kahan"` (no FP32 master copies), the optimizer state in
+    each lower precision (`optimizer_states`), and the leanest of all, "stochastic" with int8
+    state. Each is judged by the same learning test as any candidate."""
     cast = [c for c in cands if c.opt_level in CASTING_LEVELS and c.half_dtype == "bfloat16"]
     base = min(cast, key=lambda c: ("O5", "O2", "O3").index(c.opt_level), default=None)
-    return [] if base is None else [replace(base, master_weights=mode) for mode in LOW_MEMORY_MODES]
+    if base is None:
+        return []
+    lower = [p.value for p in StatePrecision if p.stored]
+    return ([replace(base, master_weights=mode) for mode in LOW_MEMORY_MODES]
+            + [replace(base, optimizer_states=states) for states in lower]
+            + [replace(base, master_weights=LOW_MEMORY_MODES[0], optimizer_states=lower[-1])])

@@ -61,7 +61,8 @@ class Measured:
         c = self.candidate
         ms = self.step_ms
         return {"opt_level": c.opt_level, "half_dtype": c.half_dtype, "keep_fp32": list(c.keep_fp32),
-                "loss_scale": c.loss_scale, "master_weights": c.master_weights, "step_ms": ms,
+                "loss_scale": c.loss_scale, "master_weights": c.master_weights,
+                "optimizer_states": c.optimizer_states, "step_ms": ms,
                 "speedup": reference_ms / ms if reference_ms and ms else None,
                 "deviation": self.deviation if self.deviation is None or math.isfinite(self.deviation) else None,
                 "learned": self.learned, "learned_margin": self.learned_margin, "noise": self.noise,
@@ -106,12 +107,18 @@ def measured(candidate: Candidate, done: Finished, reference: RunStats | None, r
     the reference)."""
     # forced as its label says: a run at another level, master mode or FP8 recipe fails (runner.level_run)
     mode = candidate.master_weights if isinstance(candidate.master_weights, str) else None
-    row = RunStats.of(level_run(done, variant_label(candidate.opt_level, mode, candidate.fp8)), reference, upto)
+    label = variant_label(candidate.opt_level, mode, candidate.fp8, candidate.optimizer_states)
+    row = RunStats.of(level_run(done, label), reference, upto)
     if reference is None:  # the reference itself
         return Measured(candidate, row, row.ok, "the reference (FP32)" if row.ok else f"run failed: {row.error}",
                         row.ok and all(math.isfinite(x) for x in row.losses), 0.0 if row.ok else None)
     v = judge(row, rule, reference.reference(upto), upto)
     reason = f"{v.reason}; {NOT_CHOSEN}" if emulated(row.report) else v.reason
+    under = row.report.optimizer_state_underflow if row.report is not None else 0.0
+    if not v.qualifies and candidate.optimizer_states == "int8" and under > 0:
+        reason += (f"; its int8 optimizer state held {under:.1%} of its elements at the bottom of their block's range "
+                   "(a block of 256 holds about 1e-5 of its largest for a first moment, 1e-10 for a second): "
+                   "optimizer_states='bfloat16' keeps each element's own exponent")
     return Measured(candidate, row, v.qualifies, reason, v.finite, v.deviation, learned=v.learned,
                     learned_margin=v.learned_margin, noise=v.noise, beyond=v.beyond)
 

@@ -44,7 +44,8 @@ def step_kinds(level_names: Sequence[str], device: str, half_dtype: str | None) 
     """Level (as `--levels` names it) -> its step kind: ``float32`` for O0, else the name of the
     half dtype it runs in; with FP8, that and the recipe ("bfloat16+fp8:rowwise")."""
     def kind(label: str) -> str:
-        level, _, fp8 = levels.variant(label)  # "O5+kahan" steps bfloat16 weights as O5 does
+        v = levels.variant(label)  # "O5+kahan" steps bfloat16 weights as O5 does
+        level, fp8 = v.level, v.fp8
         dtype = levels.half_name(level, levels.half_dtype_for(level, device, half_dtype)) or FP32
         return dtype if fp8 is None else f"{dtype}{FP8_KIND}{DEFAULT_FP8_RECIPE if fp8 is True else fp8}"
     return {lv: kind(lv) for lv in level_names}
@@ -63,7 +64,8 @@ def time_kind(module: Any, size: str, level: str, args: argparse.Namespace) -> d
                                                   "--device", args.device, "--seed", "0"], TIMED_STEPS + 1)
     torch.manual_seed(run_args.seed)
     model, optimizer, batches, loss_fn = module.build(run_args)
-    level, _, fp8 = levels.variant(level)
+    v = levels.variant(level)
+    level, fp8 = v.level, v.fp8
     half = levels.half_dtype_for(level, args.device, args.half_dtype) if levels.uses_half(level) else None
     model, optimizer = amp.initialize(model, optimizer, opt_level=level, half_dtype=half, verbosity=0, fp8=fp8)
     model.train()

@@ -48,7 +48,8 @@ def test_level_strings_with_fp8(text, want, label):
     ("O5+fp8:", "'' is not an fp8 recipe"),
     ("O5+fp8:off", "'off' is not an fp8 recipe"),
     ("O5+fp8+fp8:rowwise", "fp8 is given twice"),
-    ("O5+fp16", "after '+' comes a master_weights mode, one of stochastic, kahan (e.g. O5+kahan), or fp8"),
+    ("O5+fp16", "after '+' comes a master_weights mode, one of stochastic, kahan (e.g. O5+kahan), an "
+                "optimizer_states precision"),
 ])
 def test_bad_level_strings_name_what_is_accepted(text, message):
     with pytest.raises(ValueError) as err:

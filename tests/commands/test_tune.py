@@ -303,7 +303,7 @@ def _memory_search(footprints: dict[Candidate, tuple[float, float, float]]) -> S
 
 def test_the_memory_objective_tries_the_low_memory_masters_and_chooses_the_fewest_bytes():
     cands = initial(["O1", "O2", "O3", "O5"], "cpu", "bfloat16", objective="memory")
-    low = [c for c in cands if c.master_weights is not None]
+    low = [c for c in cands if c.master_weights is not None and c.optimizer_states is None]  # with int8: their own test
     assert [(c.opt_level, c.master_weights) for c in low] == [("O5", "stochastic"), ("O5", "kahan")]
     assert not [c for c in initial(["O1", "O5"], "cpu", "bfloat16") if c.master_weights]   # speed: not tried
     with pytest.raises(ValueError, match="objective must be one of speed, memory"):

@@ -145,6 +145,7 @@ def test_what_the_sharded_modes_refuse(ranks):
         assert "LBFGS needs all of them at once" in r["lbfgs"]
         assert r["adafactor/untouched"] and r["lbfgs/untouched"]
         assert "it was built before fully_shard" in r["optimizer_before_shard"]
+        assert "not supported on FSDP2-sharded models yet" in r["optimizer_states"] and r["optimizer_states/untouched"]
 
 
 @pytest.mark.parametrize("opt", sorted(worker.OPTIMIZERS))
@@ -217,8 +218,10 @@ def test_tune_for_memory_offers_the_sharded_modes(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    rows = {c.get("master_weights"): c for c in data["candidates"]}
+    rows = {c.get("master_weights"): c for c in data["candidates"] if c.get("optimizer_states") is None}
     assert set(rows) == {None, "stochastic", "kahan"}
+    kept = [c for c in data["candidates"] if c.get("optimizer_states") is not None]  # not on FSDP2 yet: dropped
+    assert kept and all(not c["qualifies"] and "ran with optimizer_states='float32'" in c["reason"] for c in kept)
     for mode in MODES:
         assert rows[mode]["finite"] and rows[mode]["qualifies"], rows[mode]["reason"]
     per_param = {m: r["train_bytes_per_param"] for m, r in rows.items()}
