@@ -19,7 +19,7 @@ from . import levels
 from .values import parse_dtype, parse_fp8, parse_loss_scale, parse_master_weights, parse_names
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MASTER_WEIGHTS", "MAX_STEPS", "REPORT", "PROGRESS",
-           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "ALL", "Overrides", "read", "without_ampatch"]
+           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "WITNESS", "ALL", "Overrides", "read", "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)
@@ -34,9 +34,10 @@ DIAGNOSE = "AMPATCH_DIAGNOSE"            # write per-module precision statistics
 POLICY = "AMPATCH_POLICY"                # apply this policy file (ampatch tune's) to every initialize
 FP8 = "AMPATCH_FP8"                      # force fp8: a recipe name, 1/true (tensorwise) or 0/off
 FP8_MODULES = "AMPATCH_FP8_MODULES"      # force fp8_modules: the layers run in FP8, comma-separated names/globs
+WITNESS = "AMPATCH_WITNESS"              # write a projection of the stepped weights here at exit (session.witness)
 
 ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MASTER_WEIGHTS, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE, POLICY, FP8,
-       FP8_MODULES)
+       FP8_MODULES, WITNESS)
 PREFIX = "AMPATCH_"
 
 
@@ -59,6 +60,7 @@ class Overrides:
     policy: str | None = None                # AMPATCH_POLICY: a policy file's path (see policy_file.from_outside)
     fp8: str | bool | None = None            # AMPATCH_FP8: a recipe name, or False (forced off)
     fp8_modules: tuple[str, ...] | None = None  # AMPATCH_FP8_MODULES: layer names or globs (None: unset)
+    witness: str | None = None               # AMPATCH_WITNESS (only while recording a report)
     raw: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     # field -> how messages name where its value came from, when not its own variable (a policy file)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -68,7 +70,7 @@ class Overrides:
         "master_weights": MASTER_WEIGHTS,
         "max_steps": MAX_STEPS, "report": REPORT, "progress": PROGRESS, "time_wrappers": TIME_WRAPPERS,
         "diagnose": DIAGNOSE, "policy": POLICY, "fp8": FP8,
-        "fp8_modules": FP8_MODULES}
+        "fp8_modules": FP8_MODULES, "witness": WITNESS}
 
     def given(self, field_name: str) -> str:
         """"AMPATCH_X=value" for a field, as the user set it: what messages quote."""
@@ -142,6 +144,7 @@ def read(environ: Mapping[str, str] | None = None) -> Overrides:
         policy=v[POLICY],
         fp8=_checked(FP8, v[FP8], lambda s: parse_fp8(s, "") or False),
         fp8_modules=_checked(FP8_MODULES, v[FP8_MODULES], _layer_names),
+        witness=v[WITNESS] if v[REPORT] else None,
         raw={name: value for name, value in v.items() if value is not None},
     )
 

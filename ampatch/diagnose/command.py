@@ -37,7 +37,8 @@ from ..record.child import DEFAULT_STEPS
 from ..record.records import Recording, RecordingError
 from ..runs.deviation import TOLERANCE, Basis
 from ..runs.verdict import Rule, judge
-from ..runs.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
+from ..runs.runner import (COLLECT, Finished, LevelRun, child_env, failure_line, level_run, run_child,
+                           with_apex_alias)
 from .analysis import diagnosis, grow
 from .result import Diagnosis, Figures, Settings, Verification
 
@@ -81,8 +82,7 @@ def _run(req: Request, log: TextIO, what: str, level: str | None, keep: Sequence
     `settings`, and only `fp8_modules` in FP8 (None: the layers the run chooses; none: fp8 off)."""
     log.write(f"ampatch diagnose: {what} ...\n")
     log.flush()
-    variables = child_env(level, req.half_dtype)
-    variables[env.MAX_STEPS] = str(req.steps)
+    variables = child_env(level, req.half_dtype, max_steps=req.steps)
     for name in (env.KEEP_FP32, env.LOSS_SCALE, env.MASTER_WEIGHTS, env.DIAGNOSE, env.REPORT, env.FP8_MODULES):
         variables.pop(name, None)
     if level == "O0":
@@ -102,7 +102,7 @@ def _run(req: Request, log: TextIO, what: str, level: str | None, keep: Sequence
         variables[env.MASTER_WEIGHTS] = str(settings.master_weights)
     if req.apex_alias:
         variables = with_apex_alias(variables)
-    collect = (env.REPORT, env.DIAGNOSE) if record else (env.REPORT,)
+    collect = (*COLLECT, env.DIAGNOSE) if record else COLLECT
     done = run_child(list(req.command), variables, collect=collect)
     return _Run(done, level_run(done, level), done.outputs.get(env.DIAGNOSE))
 

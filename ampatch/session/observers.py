@@ -4,7 +4,8 @@ The session tells each observer about every loss it scales (loss id 0) and every
 its first optimizer, and closes them when it closes. `attach` makes the list from the
 environment (`env.Overrides`): the report written at exit (AMPATCH_REPORT), the diagnose
 recorder (AMPATCH_DIAGNOSE: started by the `RecorderFactory` the caller passes in, the public API's
-`ampatch.record`, which sits beside the session and is not imported here), and the end of the process after N steps
+`ampatch.record`, which sits beside the session and is not imported here), the weights witness beside the
+report (AMPATCH_WITNESS, `witness`), and the end of the process after N steps
 (AMPATCH_MAX_STEPS), last, so that the others saw the final step first.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from ..config.env import DIAGNOSE, MAX_STEPS, Overrides
 from ..base.exit_json import exit_report
+from .witness import WeightWitness
 
 logger = logging.getLogger("ampatch")
 
@@ -94,6 +96,8 @@ def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides, reco
     observers: list[Observer] = session.observers
     if overrides.report:
         observers.append(ReportAtExit(session, overrides.report))
+    if overrides.witness:  # the weights as a second witness of a run's learning (tune, compare, diagnose)
+        observers.append(WeightWitness(session, overrides.witness))
     if overrides.diagnose:  # per-module statistics for `ampatch diagnose`
         if recorder is None:
             raise RuntimeError(f"{DIAGNOSE} is set, but this session was opened without a recorder; open it through "
