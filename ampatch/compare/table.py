@@ -24,8 +24,9 @@ COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
            ("first loss", "first_loss", "{:.4f}"),
            ("final loss", "final_loss", "{:.4f}"),
            ("max dev vs O0", "max_loss_dev_vs_O0", "{:.2%}"), ("noise", "noise", "{:.2%}"),
+           ("verdict", "verdict", "{}"),
            ("skipped", "skipped_steps", "{}"), ("loss scale", "final_loss_scale", "{:g}"),
-           ("steps", "steps", "{}"), ("verdict", "verdict", "{}")]
+           ("steps", "steps", "{}")]
 VERDICT_KEYS = ("noise", "verdict")   # columns read from the row's verdict, not from the row
 TEXT_COLUMNS = 2   # the first columns are text, left-aligned; numbers are right-aligned
 NOTE_WIDTH = 100
@@ -67,8 +68,8 @@ def format_table(rows: Sequence[RunStats], title: str, machine: str | None = Non
     widths = [max([len(h)] + [len(c[i]) for c in ok]) for i, (h, _, _) in enumerate(COLUMNS)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < TEXT_COLUMNS or i == len(COLUMNS) - 1 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(c.ljust(w) if i < TEXT_COLUMNS or COLUMNS[i][1] == "verdict" else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
 
     out = [title] + ([f"machine: {machine}"] if machine else []) + [line([h for h, _, _ in COLUMNS])]
     cells = iter(ok)
