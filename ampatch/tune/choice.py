@@ -17,14 +17,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ampatch.runs.verdict import Decider
 from ampatch.tune import timing
 from ampatch.tune.candidates import REFERENCE, Candidate
-
-if TYPE_CHECKING:  # the search's result; search imports this module
-    from ampatch.tune.search import Result
+from ampatch.tune.result import Result
 
 __all__ = ["SAME_BYTES", "choose", "choose_memory", "undecided_decider"]
 

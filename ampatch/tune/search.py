@@ -11,8 +11,8 @@ judged again), and the choice (`choice`), within a time budget.
   either), O0 and those candidates run again with twice the steps. Each doubling happens only
   when O0's and the candidates' runs at the new length fit the budget (the slowest run so far,
   scaled to the steps), and only as far as the script goes (a script that ends before the steps
-  asked for cannot run longer; without a budget, at most `MAX_DOUBLINGS`). Every verdict says
-  the steps it rests on.
+  asked for cannot run longer; without a budget, at most `runs.longer.MAX_DOUBLINGS`). Every
+  verdict says the steps it rests on.
 - Where O0's loss never shows progress, the weights witness (`ampatch.runs.weights`) judges;
   where they cannot either (O0's own weights barely moved), the search stops with
   `NoProgress` ("run more steps").
@@ -32,25 +32,25 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TextIO
 
 from ampatch.runs.stats import RunStats
 from ampatch.runs import process
 from ampatch.runs.deviation import Basis, Reference, unsound
+from ampatch.runs.longer import Longer
 from ampatch.runs.weights import compare as compare_weights
 from ampatch.tune import choice, timing
 from ampatch.tune.candidates import OBJECTIVES, REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
 from ampatch.tune.repair import MAX_REPAIRS, suggest
+from ampatch.tune.result import Result
 from ampatch.runs.verdict import Decider, Evidence, Rule
 
-__all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "sound_reference", "RECORD_FACTOR",
-           "MAX_DOUBLINGS"]
+__all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "sound_reference", "RECORD_FACTOR"]
 
 RECORD_FACTOR = 3.0   # a recorded run's time against a plain run's, until one is measured
 SAME_BYTES = choice.SAME_BYTES
-MAX_DOUBLINGS = 6     # without a budget, runs grow to at most 2**6 times --steps (a run whose loss never moves)
 
 
 class NoReference(RuntimeError):
@@ -92,59 +92,6 @@ def reference_of(row: RunStats, steps: int | None = None) -> Reference:
     if ref.basis is not Basis.PROGRESS:
         raise NoProgress(ref.no_progress(steps if steps is not None else row.steps))
     return ref
-@dataclass
-class Result:
-    """What the search measured and chose (`chosen` None with `cannot_tell`: nothing was)."""
-
-    tolerance: float
-    reference: Measured | None = None
-    candidates: list[Measured] = field(default_factory=list)
-    timings: dict[str, list[float]] = field(default_factory=dict)   # label -> each run's median step ms
-    repeats: dict[str, list[float]] = field(default_factory=dict)   # ... of the interleaved re-timing runs only
-    spread: float | None = None
-    chosen: Candidate | None = None
-    why: str = ""
-    interrupted: int | None = None   # the signal that stopped the search (SIGINT: Ctrl-C)
-    notes: list[str] = field(default_factory=list)
-    objective: str = "speed"   # "memory": the fewest bytes per trained parameter (see the module docstring)
-    references: dict[int, Measured] = field(default_factory=dict)   # O0 at each step count it ran
-    stopped: str | None = None   # why the search stopped before a choice (no reference, no progress)
-    decide: Decider | None = None  # ... and what would decide, when something would
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(self.tolerance)
-
-    @property
-    def basis(self) -> Reference | None:
-        """O0's curve as the reference: what the deviations are relative to."""
-        return self.reference.row.reference() if self.reference is not None else None
-
-    @property
-    def cannot_tell(self) -> bool:
-        """The search ended without a verdict it can stand by: no policy chosen, no policy file."""
-        return self.interrupted is None and self.chosen is None and (
-            self.stopped is not None or any(m.undecided for m in self.candidates))
-
-    @property
-    def steps(self) -> list[int]:
-        """The step counts O0 ran at, in order (the last: the longest)."""
-        return sorted(self.references)
-
-    def compared(self) -> dict[str, list[float]]:
-        """The timings that compare: a re-timed policy's interleaved repeats (run side by side
-        with O0's), else its one timing."""
-        return {k: self.repeats.get(k) or v for k, v in self.timings.items()}
-
-    def step_ms(self, c: Candidate) -> float | None:
-        return timing.step_ms(self.compared()).get(c.label)
-
-    def measured_of(self, c: Candidate) -> Measured | None:
-        if c == REFERENCE:
-            return self.reference
-        return next((m for m in self.candidates if m.candidate == c), None)
-
-
 class Search:
     """One search (see the module docstring); progress lines go to `log`."""
 
@@ -158,12 +105,11 @@ class Search:
         self.result = Result(tolerance, objective=objective)
         self.objective = objective
         self.deadline = None if budget_s is None else time.time() + budget_s
-        self.first_steps = job.steps
+        self.longer = Longer(job.steps, job.steps, self.deadline)
         self.last_wall = 0.0                 # the slowest plain run so far, at the current steps
         self.record_wall: float | None = None  # the slowest recorded run so far
         self.runs = 0
         self.retimed: list[Candidate] = []   # the candidates re-timed against O0 (the finalists)
-        self.script_ends: int | None = None  # the steps the script stops at by itself (None: not seen to)
 
     def say(self, text: str) -> None:
         self.log.write(f"ampatch tune: {text}\n")
@@ -223,18 +169,12 @@ class Search:
 
     # ------------------------------------------------------------------ longer runs
     def _longer(self, runs: int) -> bool:
-        """Double the steps, if the script goes that far, the budget fits `runs` runs of twice the
-        length, and (without a budget) fewer than `MAX_DOUBLINGS` doublings were made."""
-        n = self.job.steps
-        if self.script_ends is not None and self.script_ends <= n:
+        """Double the steps when `runs` runs of twice the length may be made (`runs.longer`)."""
+        why = self.longer.why_not(runs, self.last_wall)
+        if why is not None:
+            self.result.notes.append(f"{why}: the verdicts rest on at most {self.job.steps} steps.")
             return False
-        if self.deadline is None and n >= self.first_steps * 2 ** MAX_DOUBLINGS:
-            return False
-        if not self.fits(runs=runs, scale=2.0):
-            self.result.notes.append(f"the budget does not fit {runs} run(s) of {2 * n} steps: verdicts rest on "
-                                     f"{n} steps.")
-            return False
-        self.job = replace(self.job, steps=2 * n)
+        self.job = replace(self.job, steps=self.longer.double())
         self.last_wall *= 2.0      # until measured at the new length
         return True
 
@@ -242,9 +182,8 @@ class Search:
         ref = self.measure(REFERENCE, why)
         ran = ref.row.steps
         self.result.reference = self.result.references[ran or self.job.steps] = ref
-        if self.job.script and ran is not None and ref.row.ok and ran < self.job.steps:
-            self.script_ends = ran
-            self.result.notes.append(f"the script ends after {ran} optimizer steps: no run can be longer.")
+        if self.job.script and ref.row.ok:
+            self.longer.saw(self.job.steps, ran)
         return sound_reference(ref.row)
 
     def _no_progress(self, basis: Reference, stalled: str | None = None) -> NoProgress:
