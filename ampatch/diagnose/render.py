@@ -176,9 +176,10 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
     out += [f"  - {n}" for n in result.recommendation.notes]
     v = result.verification
     if v is not None:
-        out += ["", f"verification ({v.verified.steps} steps each, same seed; follows O0 as tune judges a "
+        out += ["", f"verification (same seed, each run's steps in its column; follows O0 as tune judges a "
                     f"candidate: finite, learning {MIN_SHARE:.0%} to {1 / MIN_SHARE:.0%} of what O0 learns, deviation "
-                    f"within {TOLERANCE:.0%} beyond its own noise):"]
+                    f"within {TOLERANCE:.0%} beyond its own noise, or on its weights where the loss cannot tell; "
+                    "runs that cannot tell are made longer, as tune's are):"]
         label = (level or "") + (f"+fp8:{fp8.recipe}" if fp8 else "")
         out += ["  " + ln for ln in _verification(result, label)]
         if v.gave_up:
@@ -187,8 +188,8 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
             if v.verified.follows_O0 is False:
                 out.append(f"  the fixed run does not follow O0: {v.verified.verdict}.")
             elif v.verified.follows_O0 is None:
-                out.append(f"  these runs cannot tell whether the fixed run follows O0: {v.verified.verdict}. "
-                           f"Rerun with more --steps (e.g. {5 * v.verified.steps}) to judge it.")
+                out.append(f"  these runs cannot tell whether the fixed run follows O0, at {v.verified.steps} steps "
+                           f"(runs made longer as far as the budget and the script allow): {v.verified.verdict}.")
             out += ["", *_apply(result.recommendation, rerun)]
     return "\n".join(out)
 
