@@ -142,7 +142,11 @@ def _recommendation(result: Diagnosis) -> str:
     if rec.fp8_exclude:
         left = f"fp8_modules={list(rec.fp8_modules)}" if rec.fp8_modules else "fp8 off: no layer is left"
         what.append(f"leave {list(rec.fp8_exclude)} out of FP8 ({left})")
-    return "recommendation: " + ", ".join(what)
+    why = ""
+    if rec.settings.master_weights and result.step_fault is not None:
+        why = (" (the optimizer's own step in the half dtype made the weights non-finite: with FP32 masters it steps "
+               "FP32 copies; no module to keep in FP32 helps; bfloat16 or a larger eps would do too)")
+    return "recommendation: " + ", ".join(what) + why
 
 
 def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:

@@ -83,20 +83,22 @@ for _ in range(20):
 """
 
 
-def test_a_step_fault_drops_the_candidate_with_its_reason(tmp_path, capsys):
+def test_a_step_fault_is_repaired_with_fp32_masters_not_modules(tmp_path, capsys):
     """O3 float16 with Adam's eps=1e-8 (0 in float16): the weights go NaN at the optimizer
-    step. No module to keep helps, so the candidate is dropped, not repaired, and O0 chosen."""
+    step. No module to keep helps; the repair is diagnose's recommendation, FP32 master weights
+    (the optimizer then steps FP32 copies), and it trains like O0."""
     script = tmp_path / "adam.py"
     script.write_text(ADAM_EPS_SCRIPT.format(labels="(x[:, 3] > 0).long()"))   # labels O0 learns in 6 steps
     js = tmp_path / "t.json"
-    code = main(["tune", "--levels", "O3", "--half-dtype", "float16", "--steps", "6", "--out", str(tmp_path / "p.json"),
-                 "--json", str(js), "--", "python", str(script)])
+    code = main(["tune", "--levels", "O3", "--half-dtype", "float16", "--steps", "6", "--rounds", "0",
+                 "--out", str(tmp_path / "p.json"), "--json", str(js), "--", "python", str(script)])
     assert code == 0, capsys.readouterr().err[-2000:]
     data = json.loads(js.read_text())
-    (o3,) = data["candidates"]
+    o3, repaired = data["candidates"]
     assert o3["opt_level"] == "O3" and not o3["qualifies"] and o3["step_fault"]
     assert "step fault" in o3["reason"] and "not a module's precision" in o3["reason"]
-    assert data["chosen"]["opt_level"] == "O0" and load(tmp_path / "p.json").opt_level == "O0"
+    assert repaired["master_weights"] is True and repaired["keep_fp32"] == [] and repaired["repairs"] == "O3 float16"
+    assert repaired["qualifies"], repaired["reason"]
 
 
 UNSOUND = """
