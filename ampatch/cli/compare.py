@@ -160,7 +160,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     code = 128 + done.interrupted if done.interrupted is not None else 0 if ok else 1
     if args.plot and rows:
         try:
-            write_plot(args.plot, rows, done.title)
+            write_plot(args.plot, rows, done.title, verdicts, args.tolerance, done.upto)
         except ImportError:
             print("ampatch: error: --plot needs matplotlib: pip install matplotlib "
                   "(or pip install ampatch[plot])", file=sys.stderr)

@@ -69,6 +69,9 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
                    help=f"the policy file to write (default {DEFAULT_PATH})")
     t.add_argument("--json", metavar="PATH", help="write every candidate, the measure and the outcome (chosen, cannot "
                                                    "tell, no reference) with its reason as JSON, whatever the outcome")
+    t.add_argument("--plot", metavar="PATH", help="write a PNG: each candidate's speed-up (or bytes per parameter) "
+                                                  "against its deviation, the tolerance, failures with their reason, "
+                                                  "the chosen one named")
     t.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     t.add_argument("--size", choices=SIZES, help="size of the built-in workload (default: large for lm)")
     t.add_argument("--device", help="device the built-in workload trains on, or your script does: what decides the "
@@ -95,6 +98,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     check_output_path(args.out, "--out")
     check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
     if args.command is not None and (args.workload or args.size):
         raise CliError("--workload/--size apply to the built-in workloads; give your script its own options after --")
     check_fp8_levels(args.levels, args.half_dtype, workload_device(args.device))
@@ -111,6 +115,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(result.render(), flush=True)
     if args.json:
         result.write_json(args.json)
+    if args.plot:
+        try:
+            result.write_plot(args.plot)
+        except ImportError:
+            print("ampatch: error: --plot needs matplotlib: pip install ampatch[plot]", file=sys.stderr)
+            return 1
     if result.interrupted is not None:
         return 128 + result.interrupted
     return 1 if result.cannot_tell else 0

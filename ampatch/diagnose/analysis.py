@@ -39,7 +39,8 @@ from . import fp8 as fp8_layers
 from . import stalls
 from .result import Diagnosis, FirstNonfinite, ModuleEntry, Recommendation, Settings, StepFault
 
-__all__ = ["analyse", "diagnosis", "grow", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE", "FULL_UNDERFLOW"]
+__all__ = ["analyse", "diagnosis", "grow", "error_floor", "blame_line", "OUTLIER_FACTOR", "UNDERFLOW_SHARE",
+           "FULL_UNDERFLOW"]
 
 OUTLIER_FACTOR = 10.0   # a leaf's error this many times the median leaf's stands out
 EPS_MULTIPLE = 32.0     # ... and it must exceed this many machine epsilons of the half dtype
@@ -149,13 +150,21 @@ def _first_nonfinite(steps: list[StepRecord], fault: StepFault | None,
     return first, keep
 
 
+def blame_line(leaves: Sequence[ModuleEntry], half: str | None) -> float:
+    """The local error above which a leaf is named: `OUTLIER_FACTOR` times the median leaf's,
+    and at least `error_floor` (what `diagnose --plot` draws as its line)."""
+    finite_errors = [e.rel_error for e in leaves if e.rel_error is not None]
+    typical = statistics.median(finite_errors) if finite_errors else 0.0
+    return max(error_floor(half), OUTLIER_FACTOR * typical)
+
+
 def _outliers(leaves: list[ModuleEntry], half: str | None, keep: list[str], notes: list[str]) -> None:
     """Leaves whose local error stands far above the typical leaf's join `keep`."""
     finite_errors = [e.rel_error for e in leaves if e.rel_error is not None]
     if not finite_errors:
         return
     typical = statistics.median(finite_errors)
-    bar = max(error_floor(half), OUTLIER_FACTOR * typical)
+    bar = blame_line(leaves, half)
     for e in leaves:
         if e.rel_error is not None and e.rel_error > bar and not _is_within(e.name, keep):
             keep.append(e.name)

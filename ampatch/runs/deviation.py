@@ -63,7 +63,7 @@ from ampatch.runs import noise
 from ampatch.runs.noise import Noise, noise_of, second_differences, t_quantile, trend
 
 __all__ = ["WINDOW", "ENDS", "TOLERANCE", "CONFIDENCE", "MIN_SHARE", "DIVERGE", "Basis", "Noise", "Reference",
-           "Comparison", "initial_backoffs", "losses_per_step", "deviation", "learned", "against", "unsound",
+           "Comparison", "initial_backoffs", "losses_per_step", "deviation", "gap_curve", "learned", "against", "unsound",
            "ends_window", "noise_of", "t_quantile"]
 
 WINDOW = 5          # losses averaged at each step before comparing (the compare table's final-loss window)
@@ -272,6 +272,22 @@ def _gaps(losses: Mapping[int, float], ref: Reference, skipped: Sequence[int], w
             return math.inf
         gaps.append((abs(value - r) / ref.scale(r), min(i + 1, window)))
     return gaps or None
+
+
+def gap_curve(losses: Mapping[int, float], reference: Mapping[int, float] | Reference, skipped: Sequence[int] = (),
+              window: int = WINDOW, per_step: int = 1) -> list[tuple[int, float]]:
+    """(step, signed gap) at each compared step: ``(mean(L, window) - mean(R, window)) / scale``,
+    the deviation before its absolute value and maximum (what ``compare --plot`` draws); empty
+    when no step compares or a compared loss is not finite."""
+    ref = _reference(reference, window)
+    paired = _paired(losses, ref.curve, skipped, per_step)
+    if paired is None:
+        return []
+    common, k = paired
+    ours = _smoothed({s: losses[s] for s in common}, window)
+    theirs = _smoothed({s - k: ref.curve[s - k] for s in common}, window)
+    return [(s, (v - theirs[s - k]) / ref.scale(theirs[s - k])) for s, v in ours.items()
+            if math.isfinite(theirs[s - k])]
 
 
 def deviation(losses: Mapping[int, float], reference: Mapping[int, float] | Reference, skipped: Sequence[int] = (),

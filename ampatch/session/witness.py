@@ -26,7 +26,7 @@ from ..base.exit_json import ExitJson
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["DIMS", "SAMPLED", "PER_TENSOR", "SEED", "WitnessPoint", "Witness", "WeightWitness"]
+__all__ = ["DIMS", "SAMPLED", "PER_TENSOR", "SEED", "WitnessPoint", "Witness", "WeightWitness", "latest"]
 
 DIMS = 64          # numbers per recorded point (the sketch's buckets)
 SAMPLED = 8192     # weights sampled from the whole model (about; small tensors are taken whole)
@@ -173,3 +173,10 @@ class WeightWitness:
 
 
 _output = ExitJson(lambda witness: witness.document(), "weights witness")
+
+
+def latest() -> Witness | None:
+    """The newest session's witness in this process, as it would be written at exit (None:
+    none recorded); for runs made in-process (``scripts/tune_grid.py``)."""
+    data = _output.produce(_output.source) if _output.source is not None else _output.final
+    return Witness.from_dict(data) if data else None

@@ -29,7 +29,7 @@ from ampatch.config import levels as level_table
 from ampatch.config.policy_file import DEFAULT_PATH, Policy, save
 from ampatch.runs import builtin, runner
 from ampatch.runs.deviation import TOLERANCE
-from ampatch.tune import candidates, fp8, report, timing
+from ampatch.tune import candidates, fp8, plot, report, timing
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.measure import Job
 from ampatch.tune.search import NoProgress, NoReference, Result, Search
@@ -86,6 +86,10 @@ class TuneResult:
 
     def write_json(self, path: str) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    def write_plot(self, path: str) -> None:
+        """The PNG of ``--plot`` (`tune.plot`); ImportError without matplotlib."""
+        plot.write_plot(path, self.search, report.title(self.what, self.search))
 
     def render(self) -> str:
         """The table, the choice with its reason, and how to apply it."""
