@@ -27,11 +27,14 @@ RESOLUTION_ULPS = 4   # the last two bits of a computed loss are rounding
 _COARSE_FIRST = (torch.bfloat16, torch.float16, torch.float32)
 
 
+MIN_DISTINCT = 2   # one value repeated says nothing of the dtype it was computed in (a flat curve at 10.0)
+
+
 def dtype_of(values: Iterable[float]) -> torch.dtype:
     """The coarsest dtype in which every finite value is exact (float64 when none is: not a
-    float32 computation); float32 for no finite value."""
+    float32 computation); float32 for fewer than `MIN_DISTINCT` distinct finite values."""
     finite = [v for v in values if math.isfinite(v)]
-    if not finite:
+    if len(set(finite)) < MIN_DISTINCT:
         return torch.float32
     data = torch.tensor(finite, dtype=torch.float64)
     for dtype in _COARSE_FIRST:
