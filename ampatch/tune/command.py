@@ -77,8 +77,8 @@ class TuneResult:
         return self.search.interrupted
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON of ``--json``, for every outcome: `outcome` ("chosen", "cannot tell",
-        "interrupted"), `reason`, `decide` (what would decide: steps, tolerance), `tolerance`,
+        """The JSON of ``--json``, for every outcome: `outcome` ("chosen", "cannot tell", "no
+        reference", "interrupted"), `reason`, `decide` (what would decide: steps, tolerance), `tolerance`,
         `deviation` (the measure, O0's progress and its significance), `reference`,
         `candidates`, `chosen`, timings and notes."""
         return {**report.to_json(self.search), "what": self.what, "steps": self.steps, "device": self.device,

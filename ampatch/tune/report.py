@@ -48,9 +48,11 @@ def _speedup(result: Result, c: Candidate) -> float | None:
 
 
 def outcome(result: Result) -> str:
-    """How the search ended: "chosen", "cannot tell" or "interrupted"."""
+    """How the search ended: "chosen", "cannot tell", "no reference" or "interrupted"."""
     if result.interrupted is not None:
         return "interrupted"
+    if result.no_reference:
+        return "no reference"
     return "cannot tell" if result.cannot_tell else "chosen"
 
 

@@ -30,6 +30,7 @@ class Result:
     objective: str = "speed"   # "memory": the fewest bytes per trained parameter (see the module docstring)
     references: dict[int, Measured] = field(default_factory=dict)   # O0 at each step count it ran
     stopped: str | None = None   # why the search stopped before a choice (no reference, no progress)
+    no_reference: bool = False   # ... because O0's run cannot be a reference (failed, unsound), not for progress
     decide: Decider | None = None  # ... and what would decide, when something would
 
     @property

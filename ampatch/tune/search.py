@@ -162,7 +162,7 @@ class Search:
             self.result.notes.append(f"interrupted ({signal.Signals(self.result.interrupted).name}): the choice is "
                                      "the best of what was measured.")
         except NoReference as exc:
-            self.result.stopped = str(exc)
+            self.result.stopped, self.result.no_reference = str(exc), not isinstance(exc, NoProgress)
             raise
         self.choose()
         return self.result
