@@ -141,3 +141,24 @@ def test_max_steps_ends_the_run_after_that_many_steps_with_its_report(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=variables, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(report.read_text())["steps"] == 7
+
+
+def test_a_step_fault_recommends_and_verifies_fp32_masters(tmp_path):
+    """A small CNN with AdamW (eps 1e-8) and OneCycleLR at O3 in float16: float16 rounds eps to 0
+    and the optimizer's own step makes weights NaN. The notes say so; the recommendation follows
+    them (FP32 master weights, not a loss scale or a module) and its verification follows O0; no
+    note blames the data for the loss that goes NaN after that step."""
+    plants = str(Path(__file__).resolve().parent / "_tune_plants.py")
+    out = tmp_path / "d.json"
+    done = _ampatch("diagnose", "--half-dtype", "float16", "--opt-level", "O3", "--json", str(out), "--",
+                    "python", plants, "cnn")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    rec = result["recommendation"]
+    assert result["step_fault"] is not None and rec["settings"]["master_weights"] is True and rec["keep_fp32"] == []
+    notes = " ".join(rec["notes"])
+    assert "eps=1e-08" in notes and "step fault" in notes and "bad labels" not in notes
+    v = result["verification"]
+    assert v["finite"] and v["follows_O0"] is True and v["settings"]["master_weights"] is True
+    assert "recommendation: " in done.stdout and "master_weights=True" in done.stdout
+    assert "--master-weights True" in done.stdout
