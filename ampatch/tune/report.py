@@ -21,11 +21,14 @@ __all__ = ["render", "to_json", "policy_of", "write_json", "title", "outcome", "
 
 MEASURE = (f"max over steps of |candidate - O0| ({WINDOW}-loss means, compared update for update after the loss "
            f"scaler's initial back-offs) / O0's progress (the mean of its first losses minus the mean of its last: "
-           f"1/{ENDS} of the run each, at least {WINDOW}). O0 must make progress beyond its own noise (one-sided t "
-           f"test at {CONFIDENCE:.0%} confidence, the noise from the second differences of its curve), else tune "
-           f"stops: run more steps. A candidate qualifies when it learns between {MIN_SHARE:.0%} and "
-           f"{1 / MIN_SHARE:.0%} of what O0 learns at {CONFIDENCE:.0%} confidence, its noise allowance is within the "
-           f"tolerance, and its deviation goes no more than the tolerance beyond that allowance.")
+           f"1/{ENDS} of the run each, at least {WINDOW}). O0 must make progress beyond its own noise (its "
+           f"least-squares trend, one-sided t test at {CONFIDENCE:.0%} confidence, the noise from the second "
+           f"differences of its curve) and beyond a few ulps of its loss's dtype, else tune runs longer, then asks the "
+           f"weights. A candidate qualifies when it learns between {MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} of what O0 "
+           f"learns at {CONFIDENCE:.0%} confidence, its noise allowance is within the tolerance, and its deviation "
+           f"goes no more than the tolerance beyond that allowance; where the loss cannot tell, on its weights (the "
+           f"same band for how far they went O0's way, the tolerance for how close they stay); else the runs cannot "
+           f"tell.")
 NOISE = ("from each run itself: O0's scatter around its trend (second differences of its curve) for its progress; "
          "for a candidate, its paired per-step differences from O0 on the same batches (batch effects cancel): the "
          "standard error of its share of O0's progress (learned_margin: the one-sided t margin at the confidence), "
@@ -101,6 +104,8 @@ def to_json(result: Result) -> dict[str, Any]:
                           "o0_progress": basis.progress if basis else None, "o0_first": basis.first if basis else None,
                           "o0_last": basis.last if basis else None, "o0_noise": basis.noise if basis else None,
                           "o0_progress_se": basis.se if basis else None,
+                          "o0_trend": basis.trend if basis else None, "o0_dtype": basis.dtype if basis else None,
+                          "o0_floor": basis.floor if basis else None,
                           "o0_significance": _finite(basis.significance) if basis else None,
                           "o0_needed": basis.needed if basis else None, "confidence": CONFIDENCE,
                           "window": WINDOW, "ends": basis.ends if basis else None, "min_learned": MIN_SHARE,
