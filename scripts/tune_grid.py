@@ -404,9 +404,11 @@ def summary(cells: list[Cell]) -> str:
         return f"{sum(j.expected == what for j in js)} ({sum(j.expected == what and j.right for j in js)} right)"
     out = [f"{len(cells)} cells: {len(undecided)} end in 'cannot tell' ({len(stopped)} of them because O0 showed no "
            f"progress by its loss or its weights); {len(longer)} ran longer than their steps; "
-           f"{len(judged)} verdicts given ({len(on_weights)} on the weights), {len(left)} levels the runs could not tell.",
-           f"O3 stalled (most weights never change) in {len(stalled)} verdicts: {sum(not j.qualifies for j in stalled)} "
-           f"fail; the old rule passed {sum(bool(j.old) for j in stalled)} of them.",
+           f"{len(judged)} verdicts given ({len(on_weights)} on the weights), {len(left)} levels the runs could not "
+           "tell.",
+           f"O3 stalled (most weights never change) in {len(stalled)} verdicts: "
+           f"{sum(not j.qualifies for j in stalled)} fail; the old rule passed {sum(bool(j.old) for j in stalled)} of "
+           "them.",
            f"O3 not stalled in {len(free)} verdicts: {sum(j.qualifies for j in free)} qualify, "
            f"{sum(not j.qualifies for j in free)} fail.",
            f"expected to qualify (track O0 within half the tolerance): {count(judged, 'qualify')}; to fail: "

@@ -19,7 +19,8 @@ from . import levels
 from .values import parse_dtype, parse_fp8, parse_loss_scale, parse_master_weights, parse_names
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MASTER_WEIGHTS", "MAX_STEPS", "REPORT", "PROGRESS",
-           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "WITNESS", "ALL", "Overrides", "read", "without_ampatch"]
+           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "WITNESS", "ALL", "Overrides", "read",
+           "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)

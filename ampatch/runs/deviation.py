@@ -63,7 +63,8 @@ from ampatch.runs import noise
 from ampatch.runs.noise import Noise, noise_of, second_differences, t_quantile, trend
 
 __all__ = ["WINDOW", "ENDS", "TOLERANCE", "CONFIDENCE", "MIN_SHARE", "DIVERGE", "Basis", "Noise", "Reference",
-           "Comparison", "initial_backoffs", "losses_per_step", "deviation", "gap_curve", "learned", "against", "unsound",
+           "Comparison", "initial_backoffs", "losses_per_step", "deviation", "gap_curve", "learned", "against",
+           "unsound",
            "ends_window", "noise_of", "t_quantile"]
 
 WINDOW = 5          # losses averaged at each step before comparing (the compare table's final-loss window)
