@@ -35,6 +35,14 @@ class Inner(nn.Module):
         return F.cross_entropy(logits, y)
 
 
+def step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """One optimizer step of the amp recipe."""
+    opt.zero_grad()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
 def fullbatch(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
@@ -46,11 +54,7 @@ def fullbatch(args: argparse.Namespace) -> None:
     x = torch.randn(256, 32)
     y = torch.randn(256, 1)
     for _ in range(args.steps):
-        loss = F.mse_loss(model(x).float(), y) + 1.0
-        opt.zero_grad()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
+        step(opt, F.mse_loss(model(x).float(), y) + 1.0)
 
 
 def inner(args: argparse.Namespace) -> None:
@@ -62,12 +66,7 @@ def inner(args: argparse.Namespace) -> None:
     centres = torch.randn(8, 64, generator=gen)
     for _ in range(args.steps):
         y = torch.randint(0, 8, (256,), generator=gen)
-        x = 0.3 * centres[y] + torch.randn(256, 64, generator=gen)
-        loss = model(x, y)
-        opt.zero_grad()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
+        step(opt, model(0.3 * centres[y] + torch.randn(256, 64, generator=gen), y))
 
 
 def cnn(args: argparse.Namespace) -> None:
@@ -83,12 +82,7 @@ def cnn(args: argparse.Namespace) -> None:
     protos = torch.randn(10, 3, 16, 16, generator=gen)
     for _ in range(args.steps):
         y = torch.randint(0, 10, (64,), generator=gen)
-        x = protos[y] + 0.8 * torch.randn(64, 3, 16, 16, generator=gen)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
+        step(opt, F.cross_entropy(model(protos[y] + 0.8 * torch.randn(64, 3, 16, 16, generator=gen)), y))
         if not amp.last_step_skipped(opt):   # a skipped step does not advance the schedule
             sched.step()
 

@@ -451,23 +451,7 @@ def test_run_forces_master_weights(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "use True, False, 'stochastic' or 'kahan'" in bad.stderr
 
 
-LONG_SCRIPT = textwrap.dedent("""\
-    import torch
-    import ampatch as amp
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(10_000):                    # far longer than a comparison needs
-        x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen)
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        with amp.scale_loss(loss, optimizer) as scaled_loss:
-            scaled_loss.backward()
-        optimizer.step()
-""")
+LONG_SCRIPT = AMP_SCRIPT.replace("range(5)", "range(10_000)")   # far longer than a comparison needs
 
 
 @pytest.mark.slow
