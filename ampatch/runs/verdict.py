@@ -3,9 +3,10 @@ level, with three outcomes (`Outcome`): it *qualifies*, it *fails* (with the rea
 runs *cannot tell* (with what would decide it: more steps, or a wider tolerance: `Decider`).
 
 A run fails when it did not finish, a loss is not finite, or a step was skipped after the loss
-scaler's initial back-offs (except *growth probes*: a dynamic scale that grows after its growth
-interval of clean steps may overflow once and go back, one skipped step, the scaler doing its
-job). Then two witnesses, the loss first:
+scaler's first back-offs (`first_backoffs`: the first run of skipped steps, wherever it starts,
+the scale finding what fits; and except *growth probes*: a dynamic scale that grows after its
+growth interval of clean steps may overflow once and go back, one skipped step, the scaler
+doing its job). Then two witnesses, the loss first:
 
 - **The loss** (`ampatch.runs.deviation`), where O0 made progress beyond its noise and its
   rounding, and the run's own loss resolves that progress: its share of O0's progress (same
@@ -36,7 +37,7 @@ from ampatch.runs.stats import RunStats, losses_by_step
 from ampatch.runs.weights import WeightComparison, compare
 from ampatch.session.witness import Witness
 
-__all__ = ["Rule", "Outcome", "Evidence", "Decider", "Verdict", "judge", "label", "growth_probes"]
+__all__ = ["Rule", "Outcome", "Evidence", "Decider", "Verdict", "judge", "label", "growth_probes", "first_backoffs"]
 
 
 @dataclass(frozen=True)
@@ -133,12 +134,25 @@ def growth_probes(skipped: Sequence[int], history: Sequence[Sequence[float]]) ->
     return probes
 
 
+def first_backoffs(skipped: Sequence[int]) -> list[int]:
+    """The loss scaler's first back-offs: the first run of consecutive skipped steps, wherever
+    it starts (a dynamic scale finding what fits: at step 0 when its start overflows at once, or
+    at the first step whose gradients outgrow it)."""
+    steps = sorted(set(skipped))
+    out = steps[:1]
+    for s in steps[1:]:
+        if s != out[-1] + 1:
+            break
+        out.append(s)
+    return out
+
+
 def _late_skips(row: RunStats) -> list[int]:
-    """Steps skipped after the initial back-offs that are not growth probes."""
-    backoffs = initial_backoffs(row.skipped_steps)
+    """Steps skipped after the first back-offs that are not growth probes."""
+    first = set(first_backoffs(row.skipped_steps)) | set(range(initial_backoffs(row.skipped_steps)))
     history = row.loss_scale_history.get("loss_scaler0", [])
     probes = growth_probes(row.skipped_steps, history)
-    return [s for s in row.skipped_steps if s >= backoffs and s not in probes]
+    return [s for s in row.skipped_steps if s not in first and s not in probes]
 
 
 def _pm(margin: float | None) -> str:

@@ -183,3 +183,18 @@ def test_the_decider_says_what_would_decide():
     assert Decider(None, 0.25).describe() == "a tolerance of 25.00% or more"
     assert Decider(80, 0.05).describe() == "about 80 steps or a tolerance of 5.00% or more"
     assert math.isfinite(Decider().describe().count(" "))
+
+
+def test_the_scalers_first_back_offs_are_not_late_skips_wherever_they_start():
+    """A dynamic scale that fits for 9 steps and then overflows backs off once: the scaler finding
+    what fits, as at step 0; a second streak later is a late skip and fails the run."""
+    from ampatch.runs.verdict import first_backoffs
+    assert first_backoffs([9]) == [9] and first_backoffs([0, 1, 2, 7]) == [0, 1, 2] and first_backoffs([]) == []
+    o0 = [3.0 - 0.05 * i for i in range(20)]
+    base = _row("O0", o0)
+    rep = report({"opt_level": "O1", "losses": o0, "steps": 20, "skipped_steps": [9]})
+    once = judge(RunStats.of(LevelRun("O1", True, None, 0, 1.0, rep), base), Rule(0.02), base.reference())
+    assert once.qualifies, once.reason
+    rep = report({"opt_level": "O1", "losses": o0, "steps": 20, "skipped_steps": [9, 14]})
+    twice = judge(RunStats.of(LevelRun("O1", True, None, 0, 1.0, rep), base), Rule(0.02), base.reference())
+    assert twice.outcome is Outcome.FAILS and "(first: 14)" in twice.reason
