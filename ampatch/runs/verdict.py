@@ -19,8 +19,12 @@ doing its job). Then two witnesses, the loss first:
 - **The weights** (`ampatch.runs.weights`), where the loss cannot tell: how far the run's
   weights went O0's way (the same band as the loss's share, at the same confidence: a stalled
   run fails even where the loss is flat) and, to qualify on them, how close they stay to O0's
-  (the upper bound of their distance within the tolerance). A verdict reached on the weights
-  says so (`Verdict.evidence`).
+  (the upper bound of their distance within the tolerance). They also arbitrate a run that
+  learns like O0 but whose loss curve strays beyond the tolerance: where its weights stay
+  within the tolerance of O0's, the curve's distance is the loss's own arithmetic in half
+  precision (a bfloat16 forward computes the same weights' loss 1e-4 off, 2.4% of a progress
+  of 0.005), not its training, and it qualifies on them. A verdict reached on the weights says
+  so (`Verdict.evidence`).
 
 Neither witness decides: the runs cannot tell, and `Verdict.decide` says what would.
 """
@@ -173,6 +177,7 @@ class _Loss:
     outcome: Outcome | None
     reason: str
     decide: Decider | None = None
+    strays: bool = False   # it fails on its curve's distance from O0's alone (it learns like O0)
 
 
 def _by_loss(c: Comparison, rule: Rule, reference: Reference, steps: int | None) -> _Loss:
@@ -209,7 +214,7 @@ def _by_loss(c: Comparison, rule: Rule, reference: Reference, steps: int | None)
     shown = f"{noise:.2%}" != "0.00%"   # a noise that rounds to 0 is not worth a word
     said = f"deviation {dev:.2%}" + (f" ({beyond:.2%} beyond its noise of {noise:.2%})" if shown else "")
     if beyond > rule.tolerance:
-        return _Loss(Outcome.FAILS, f"{said} > tolerance {rule.describe()}")
+        return _Loss(Outcome.FAILS, f"{said} > tolerance {rule.describe()}", strays=True)
     return _Loss(Outcome.QUALIFIES, f"{said} within {rule.describe()}")
 
 
@@ -253,9 +258,13 @@ def judge(row: RunStats, rule: Rule, reference: Reference, upto: int | None = No
                                       f"{late[0]})", True, evidence=Evidence.RUN, **figures)
     loss = _by_loss(c, rule, reference, steps)
     weights = compare(row.witness, o0_witness, rule.confidence)
+    outcome, why = _by_weights(weights, rule)
+    if loss.strays and outcome is Outcome.QUALIFIES:  # the curve strays, the training does not: the loss's arithmetic
+        return Verdict(outcome, f"{why}; its loss curve strays from O0's ({loss.reason}) where its weights do not: "
+                                "the loss's own arithmetic in half precision, not its training",
+                       True, evidence=Evidence.WEIGHTS, weights=weights, **figures)
     if loss.outcome is not None:
         return Verdict(loss.outcome, loss.reason, True, weights=weights, **figures)
-    outcome, why = _by_weights(weights, rule)
     if outcome is not None:
         return Verdict(outcome, f"{why} (the loss cannot tell: {loss.reason})", True, evidence=Evidence.WEIGHTS,
                        weights=weights, **figures)
