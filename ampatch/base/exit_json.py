@@ -8,6 +8,7 @@ import atexit
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,22 @@ import torch
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["ExitJson", "exit_report", "process_rank"]
+__all__ = ["ExitJson", "exit_report", "process_rank", "check_writable"]
+
+
+def check_writable(path: str, variable: str) -> None:
+    """Raise `ValueError` naming `variable` when the JSON it asks for could not be written to
+    `path` (a missing or read-only folder, a folder in its place): found at `initialize`,
+    not at exit, when the run is over and nothing is written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    reason = ("it is a folder" if os.path.isdir(path)
+              else f"the folder {folder} does not exist" if not os.path.isdir(folder)
+              else "the file is read-only" if os.path.exists(path) and not os.access(path, os.W_OK)
+              else f"the folder {folder} is not writable" if not os.access(folder, os.W_OK)
+              else None)
+    if reason:
+        raise ValueError(f"{variable}={path!r}: the file cannot be written ({reason}); point {variable} at a file "
+                         "in a writable folder, or unset it.")
 
 
 class ExitJson:
@@ -65,8 +81,10 @@ class ExitJson:
                 with open(self.path, "w") as f:
                     json.dump(data, f)
                 self.written = True
-        except Exception:  # at exit or inside a step: say why, never fail the run for it
+        except Exception as exc:  # at exit or inside a step: say why (whatever the logger's level), never fail the run
             logger.exception("ampatch: could not write the %s to %s", self.what, self.path)
+            warnings.warn(f"ampatch: could not write the {self.what} to {self.path}: {exc}", RuntimeWarning,
+                          stacklevel=2)
 
 
 exit_report = ExitJson(lambda session: session.report().to_dict(), "report")

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from . import levels
-from .values import parse_dtype, parse_fp8, parse_loss_scale, parse_master_weights, parse_names
+from .values import parse_dtype, parse_env_flag, parse_fp8, parse_loss_scale, parse_master_weights, parse_names
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MASTER_WEIGHTS", "MAX_STEPS", "REPORT", "PROGRESS",
            "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "WITNESS", "ALL", "Overrides", "read",
@@ -65,6 +65,12 @@ class Overrides:
     raw: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     # field -> how messages name where its value came from, when not its own variable (a policy file)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # a keep_fp32 name -> where it came from, when not AMPATCH_KEEP_FP32 (a policy file's keep_fp32)
+    keep_fp32_sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def keep_source(self, name: str) -> str:
+        """Where the forced keep_fp32 `name` came from, as messages name it."""
+        return self.keep_fp32_sources.get(name, KEEP_FP32)
 
     VARIABLES: ClassVar[dict[str, str]] = {
         "opt_level": OPT_LEVEL, "half_dtype": HALF_DTYPE, "keep_fp32": KEEP_FP32, "loss_scale": LOSS_SCALE,
@@ -118,6 +124,13 @@ def _half(value: str | None) -> torch.dtype | None:
     return half
 
 
+def _flag(value: str) -> bool:
+    flag = parse_env_flag(value)
+    if flag is None:
+        raise ValueError("is not a flag: use 1/true/on/yes or 0/false/off/no.")
+    return flag
+
+
 def _layer_names(value: str) -> tuple[str, ...]:
     names = tuple(parse_names(value))
     if not names:
@@ -140,7 +153,7 @@ def read(environ: Mapping[str, str] | None = None) -> Overrides:
         max_steps=_positive_int(MAX_STEPS, v[MAX_STEPS]),
         report=v[REPORT],
         progress=v[PROGRESS] if v[REPORT] else None,
-        time_wrappers=(source.get(TIME_WRAPPERS) or "0") != "0",
+        time_wrappers=_checked(TIME_WRAPPERS, v[TIME_WRAPPERS], _flag) or False,
         diagnose=v[DIAGNOSE],
         policy=v[POLICY],
         fp8=_checked(FP8, v[FP8], lambda s: parse_fp8(s, "") or False),

@@ -252,4 +252,6 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
                      else repr(list(value) if name == "fp8_modules" else value))
             sources[name] = f"{given} ({name} {shown})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
-    return dataclasses.replace(overrides, **fields, sources=sources)
+    from_file = {name: f"{given} (keep_fp32)" for name in pol.keep_fp32 if name not in overrides.keep_fp32}
+    return dataclasses.replace(overrides, **fields, sources=sources,
+                               keep_fp32_sources={**overrides.keep_fp32_sources, **from_file})

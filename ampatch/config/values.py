@@ -18,7 +18,7 @@ import torch
 from ..base.dtypes import FLOATS
 
 __all__ = ["DYNAMIC", "USABLE_RANGE", "INITIAL_LOSS_SCALE", "DEFAULT_MIN_LOSS_SCALE", "DEFAULT_MAX_LOSS_SCALE",
-           "BadFlagString", "MasterMode", "parse_dtype", "parse_bool", "parse_loss_scale", "check_scale_value",
+           "BadFlagString", "MasterMode", "parse_dtype", "parse_bool", "parse_env_flag", "parse_loss_scale", "check_scale_value",
            "parse_master_weights", "parse_names", "FP8_RECIPES", "DEFAULT_FP8_RECIPE", "parse_fp8", "parse_fp8_modules",
            "is_fp8_config"]
 
@@ -142,7 +142,16 @@ def parse_names(text: str) -> list[str]:
 # equal), written here so that parsing `fp8=` imports no torchao; True means the first.
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 DEFAULT_FP8_RECIPE = FP8_RECIPES[0]
-_FP8_ON, _FP8_OFF = ("true", "1", "on", "yes"), ("false", "0", "off", "no", "none")
+# How the environment writes a flag (`AMPATCH_TIME_WRAPPERS`, `AMPATCH_FP8`): one reading for all of them
+FLAG_ON, FLAG_OFF = ("true", "1", "on", "yes"), ("false", "0", "off", "no", "none", "")
+
+
+def parse_env_flag(value: str | None) -> bool | None:
+    """An environment variable read as a flag: True for 1/true/on/yes, False for
+    0/false/off/no/none/empty (any case), None for anything else (the caller names what it
+    accepts)."""
+    key = (value or "").strip().lower()
+    return True if key in FLAG_ON else False if key in FLAG_OFF else None
 
 
 def is_fp8_config(value: Any) -> bool:
@@ -170,10 +179,9 @@ def parse_fp8(value: Any, what: str = "fp8") -> Any:
         key = value.strip().lower()
         if key in FP8_RECIPES:
             return key
-        if key in _FP8_ON:
-            return DEFAULT_FP8_RECIPE
-        if key in _FP8_OFF:
-            return None
+        flag = parse_env_flag(value)
+        if flag is not None:
+            return DEFAULT_FP8_RECIPE if flag else None
         raise ValueError(f"{what + '=' if what else ''}{value!r} is not an fp8 recipe; use {choices}.")
     raise TypeError(f"{what} must be {choices}; got {type(value).__name__}.")
 

@@ -30,7 +30,7 @@ from torch import nn
 logger = logging.getLogger("ampatch")
 
 __all__ = ["dims_not_multiple_of_8", "log_dims_tip", "eps_lost_in_float16", "eps_lost_warning", "skipping_warning",
-           "explain_dtype_error", "attach_hint", "hint_dtype_error", "qualified_name"]
+           "explain_dtype_error", "attach_hint", "add_note", "changed_model_hint", "hint_dtype_error", "qualified_name"]
 
 _MULTIPLE = 8
 
@@ -179,6 +179,16 @@ def explain_dtype_error(exc: BaseException, op_name: str | None = None,
             f"(or run the code under `with amp.disable_casts():`).")
 
 
+def changed_model_hint(changes: Sequence[str], half: Any) -> str:
+    """The note on a dtype error of a cast model changed after `initialize` (`changes`: what
+    changed, e.g. "'head.weight' is float32", "'head' was replaced")."""
+    shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+    return (f"ampatch: the model was changed after amp.initialize cast it to {str(half).removeprefix('torch.')} "
+            f"({shown}). To change a model's dtypes or modules, call amp.deinitialize() first (it gives the FP32 "
+            "model back), change it, then call amp.initialize again; to run a module in FP32, name it in "
+            "amp.initialize(..., keep_fp32=[...]).")
+
+
 def _model_hint(half: str) -> str:
     return (f"ampatch: inside the model's forward a {half} tensor met an FP32 one. At O2/O3/O5 the model's "
             f"parameters, buffers and forward inputs are cast to {half}, and tensors created inside its forward "
@@ -193,6 +203,17 @@ def _model_hint(half: str) -> str:
             "(amp.register_*_function and amp.disable_casts act on O1/O4's patches: they change nothing here.)")
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """Add `note` to `exc`'s message (as a note on Python 3.11+, else in its args), whatever
+    hints it has."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}",) + exc.args[1:]
+    else:
+        exc.args = exc.args + (note,)
+
+
 def attach_hint(exc: BaseException, hint: str) -> None:
     """Add `hint` to `exc`'s message once (as a note on Python 3.11+, else in its args)."""
     if getattr(exc, _HINTED, False):
@@ -201,12 +222,7 @@ def attach_hint(exc: BaseException, hint: str) -> None:
         setattr(exc, _HINTED, True)
     except AttributeError:  # exceptions without a __dict__
         return
-    if hasattr(exc, "add_note"):
-        exc.add_note(hint)
-    elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\n{hint}",) + exc.args[1:]
-    else:
-        exc.args = exc.args + (hint,)
+    add_note(exc, hint)
 
 
 def hint_dtype_error(exc: BaseException, op_name: str | None = None, model_dtype: Any = None) -> None:

@@ -31,8 +31,9 @@ from torch import nn
 from ..base.dtypes import LOW
 from .default_dtype import DEFAULT_DTYPE
 from ..base.patcher import disable_casts
-from ..machine.tips import hint_dtype_error
+from ..machine.tips import add_note, changed_model_hint, hint_dtype_error
 from ..base.tree import map_tensors
+from .weight_table import Weights
 
 __all__ = ["CastForward", "KeepForward", "UncastForward", "EAGER_UNDER_COMPILE", "InputCast", "Replicate", "cast_tree", "wrap_outputs",
            "install_forward", "keep_in_fp32", "forward_casts_bypassed", "is_wrapped"]
@@ -103,15 +104,20 @@ class CastForward:
     `default_dtype` request per forward); with `dtype=None` (see `wrap_outputs`) only the
     outputs are cast.
 
+    With `weights` (a cast model's records, `weights.Weights`), a write to either copy of a
+    weight since the last sync point reaches the forward (`Weights.settle`).
+
     A plain object rather than a closure so the model stays copyable and picklable:
     `copy.deepcopy(model)` (EMA copies) rebinds `__wrapped__`, a bound method, to the copy,
-    so the copy runs its own weights; pickling stores it as `getattr(model, "forward")`,
-    which resolves to the class's forward while the model is being rebuilt.
+    so the copy runs its own weights, and gives it a table of its own; pickling stores it as
+    `getattr(model, "forward")`, which resolves to the class's forward while the model is
+    being rebuilt.
     """
 
     def __init__(self, inner: Callable[..., Any], dtype: torch.dtype | None,
-                 output_dtype: torch.dtype | None, nests: bool = True) -> None:
+                 output_dtype: torch.dtype | None, nests: bool = True, weights: Weights | None = None) -> None:
         self.__wrapped__ = inner
+        self.weights = weights  # the model's records: settled before each forward (not inside a compiled one)
         self.dtype = dtype  # None: inputs pass as they are (outputs-only wrapper)
         self.only_low = output_dtype is None
         self.output_dtype = output_dtype or torch.float32
@@ -122,6 +128,11 @@ class CastForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _bypass.active:
             return self.__wrapped__(*args, **kwargs)
+        weights = self.weights
+        if weights is not None and not torch.compiler.is_compiling():
+            weights.settle()  # a write since the last step or forward, through either copy, reaches this one
+            if weights.retired():  # a copy made FP32 again (`ema.float()`): an ordinary FP32 model
+                return self.__wrapped__(*args, **kwargs)
         if self.dtype is not None:
             args, kwargs = cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
         nesting = _nesting.__dict__
@@ -140,6 +151,10 @@ class CastForward:
         except BaseException as exc:
             if isinstance(exc, (RuntimeError, TypeError, ValueError)):  # e.g. an FP32 constant meets half
                 hint_dtype_error(exc, model_dtype=self.dtype)
+                if weights is not None and isinstance(self.__wrapped__, types.MethodType):
+                    changed = weights.changes(self.__wrapped__.__self__)
+                    if changed:  # the model was changed after initialize: say how to do that
+                        add_note(exc, changed_model_hint(changed, self.dtype))
             if not depth and not compiling and _kept_outputs.by_id:
                 _kept_outputs.by_id = {}  # a forward that raised: drop what kept modules noted
             raise

@@ -35,7 +35,7 @@ from .fp8_choice import LayerChoice, choose
 logger = logging.getLogger("ampatch")
 
 __all__ = ["EMULATED", "TORCHAO_VERSION", "MIN_TORCH", "require", "has_fp8_kernels", "config_for",
-           "convert", "Fp8Layers", "float8_conv1d_class", "linear_mm_config"]
+           "convert", "Fp8Layers", "float8_conv1d_class", "float8_layer", "linear_mm_config"]
 
 EMULATED = "fp8 emulated: numerics only, not speed"  # every report, row and notice of an emulated run says it
 TORCHAO_VERSION = "0.18"  # the torchao release ampatch is tested with (the `fp8` extra pins it)
@@ -144,9 +144,26 @@ def _float8_class(cls: type) -> type:
     else:
         from torchao.float8.float8_linear import Float8Linear
         base = Float8Linear
-    if cls is base.__mro__[1]:  # nn.Linear, or Conv1D itself
+    if cls is base.__mro__[1] and base.__module__ != __name__:  # nn.Linear: torchao's own, importable class
         return base
-    return type(f"Float8{cls.__name__}", (base, cls), {"__module__": __name__})
+    if cls is base.__mro__[1]:  # Conv1D: our Float8Conv1D, made at run time
+        base.__reduce_ex__ = _reduce_float8  # type: ignore[method-assign]
+        base.ampatch_source_class = cls  # type: ignore[attr-defined]
+        return base
+    return type(f"Float8{cls.__name__}", (base, cls), {"__module__": __name__, "__reduce_ex__": _reduce_float8,
+                                                       "ampatch_source_class": cls})
+
+
+def _reduce_float8(self: nn.Module, protocol: int) -> tuple:
+    """How a layer of a float8 class made at run time pickles (`torch.save(model)`, deepcopy):
+    as the float8 class of its own, importable class, made again where it is loaded."""
+    return (float8_layer, (type(self).ampatch_source_class,), self.__dict__.copy())
+
+
+def float8_layer(source: type) -> nn.Module:
+    """An empty layer of `_float8_class(source)`, which unpickling fills with its state."""
+    cls = _float8_class(source)
+    return cls.__new__(cls)
 
 
 def convert(models: Sequence[nn.Module], fp8: Any, fp8_modules: Any = None, kept: Collection[int] = frozenset(),

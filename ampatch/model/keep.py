@@ -100,12 +100,14 @@ def _call(fn: Callable[[str, nn.Module], Any], name: str, module: nn.Module) -> 
     return result
 
 
-def resolve(models: Sequence[nn.Module], spec: Any, forced: Sequence[str] = ()) -> list[Kept]:
-    """The outermost modules of `models` that `spec` and the `forced` names (from
-    AMPATCH_KEEP_FP32) select, in `named_modules()` order. A name that matches no module
-    raises ValueError listing close names; a class or callable that matches none is logged.
-    A callable gets each module's name within its model."""
-    sources = [(x, "keep_fp32") for x in _items(spec)] + [(n, env.KEEP_FP32) for n in forced]
+def resolve(models: Sequence[nn.Module], spec: Any, forced: Sequence[str] = (),
+            source_of: Callable[[str], str] = lambda name: env.KEEP_FP32) -> list[Kept]:
+    """The outermost modules of `models` that `spec` and the `forced` names (from outside:
+    AMPATCH_KEEP_FP32, a policy file; `source_of(name)` says which, for messages) select, in
+    `named_modules()` order. A name that matches no module raises ValueError listing close
+    names and where it came from; a class or callable that matches none is logged. A
+    callable gets each module's name within its model."""
+    sources = [(x, "keep_fp32") for x in _items(spec)] + [(n, source_of(n)) for n in forced]
     if not sources:
         return []
     entries = labelled(models)
@@ -163,18 +165,23 @@ def with_tied(models: Sequence[nn.Module], kept: Sequence[Kept]) -> tuple[list[K
 
 
 def select(models: Sequence[nn.Module], spec: Any, forced: Sequence[str], casts_model: bool,
-           warn: Callable[[str], None]) -> list[Kept]:
-    """What a session keeps in FP32: `resolve(models, spec, forced)`, and where the models
-    are cast to half (`casts_model`), the modules tied to those (`with_tied`, said through
-    `warn`). `forced` (AMPATCH_KEEP_FP32) is logged, and ignored without models (amp.init())."""
+           warn: Callable[[str], None], source_of: Callable[[str], str] = lambda name: env.KEEP_FP32) -> list[Kept]:
+    """What a session keeps in FP32: `resolve(models, spec, forced, source_of)`, and where the
+    models are cast to half (`casts_model`), the modules tied to those (`with_tied`, said
+    through `warn`). `forced` (from outside: `source_of` names where) is logged, and ignored
+    without models (amp.init())."""
+    by_source: dict[str, list[str]] = {}
+    for n in forced:
+        by_source.setdefault(source_of(n), []).append(n)
+    where = "; ".join(f"{src}={','.join(names)}" if src == env.KEEP_FP32 else f"{src}: {','.join(names)}"
+                      for src, names in by_source.items())
     if forced and not models:
-        logger.warning("ampatch: %s is set, but this session has no models (amp.init()): nothing kept in FP32.",
-                       env.KEEP_FP32)
+        logger.warning("ampatch: %s sets keep_fp32, but this session has no models (amp.init()): nothing kept in "
+                       "FP32.", where)
         forced = ()
-    kept = resolve(models, spec, forced)
+    kept = resolve(models, spec, forced, source_of)
     if forced:
-        logger.warning("ampatch: %s=%s: these modules run in FP32 too (added to the script's keep_fp32).",
-                       env.KEEP_FP32, ",".join(forced))
+        logger.warning("ampatch: %s: these modules run in FP32 too (added to the script's keep_fp32).", where)
     if casts_model:
         kept, tied = with_tied(models, kept)
         if tied:

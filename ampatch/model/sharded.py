@@ -21,7 +21,7 @@ from torch import nn
 from ..base.dtypes import LOW
 from ..config.options import Properties
 from ..config.values import MasterMode
-from .cast import Cast, LoadHook, is_batchnorm, modules_to_cast, params_to_cast
+from .cast import LoadHook, is_batchnorm, modules_to_cast, params_to_cast
 from .forwards import wrap_outputs
 
 logger = logging.getLogger("ampatch")
@@ -274,15 +274,16 @@ class ShardedModel:
         by param id the tensor torch loaded into it (a kahan compensation takes what the
         loaded values have beyond bfloat16)."""
         if not self._on_load:
-            cast = {id(p): dtype for p, dtype in self._cast}
+            cast = {id(p) for p, _ in self._cast}
             for m in self.units.model.modules():
-                own = {n: Cast(True, cast[id(p)], None) for n, p in m._parameters.items()
-                       if p is not None and id(p) in cast}
+                own = [n for n, p in m._parameters.items() if p is not None and id(p) in cast]
                 if own:
-                    hook = LoadHook(self._on_load, own)
+                    hook = LoadHook(_LoadReport(self._on_load, cast), own)
                     self._load_hooks += [m._register_load_state_dict_pre_hook(hook.pre, with_module=True),
                                          m.register_load_state_dict_post_hook(hook)]
         self._on_load.append(callback)
+
+
 
     def restore(self, masters: Any = None) -> None:
         """Back to the units' own policies and the original dtypes (O3: from the half values;
@@ -304,6 +305,23 @@ class ShardedModel:
             b = m._buffers.get(name)
             if b is not None:
                 m._buffers[name] = b.to(dtype)
+
+
+class _LoadReport:
+    """What a sharded module's `LoadHook` reports to: the callbacks, by param id. A copy of the
+    model (deepcopy, pickle) has no session to report to: it gets an inert one."""
+
+    def __init__(self, callbacks: list[Any], cast: set[int]) -> None:
+        self.callbacks, self.cast = callbacks, cast
+
+    def __call__(self, module: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+        params = [p for p in module._parameters.values() if p is not None and id(p) in self.cast]
+        incoming = {id(module._parameters[n]): src for n, src in loaded.items() if n in module._parameters}
+        for cb in self.callbacks:
+            cb(incoming, params)
+
+    def __reduce__(self) -> tuple:
+        return (_LoadReport, ([], set()))
 
 
 def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:

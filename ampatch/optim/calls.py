@@ -81,6 +81,9 @@ def argument(fn: Callable, args: tuple, kwargs: dict, name: str, default: Any = 
     if not args and not kwargs:  # the usual call, `step()`, `zero_grad()`: the declared default
         declared = sig.parameters[name].default
         return default if declared is inspect.Parameter.empty else declared
+    if not args and name in kwargs and sig.parameters[name].kind is not inspect.Parameter.POSITIONAL_ONLY and all(
+            k in sig.parameters for k in kwargs):  # `zero_grad(set_to_none=False)`: no binding needed
+        return kwargs[name]
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError:

@@ -19,7 +19,7 @@ from ..base.dtypes import LOW
 from ..config.values import MasterMode
 from . import calls
 from .context import HandleContext, OptState, StepGuard
-from .lowmem import LowMemMasters
+from .lowmem import LowMemMasters, take_state_entries
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
 from ..base.notices import warn
 from ..base.patcher import Patcher, disable_casts
@@ -246,6 +246,7 @@ class OptimizerHandle:
             return self._chunked_step(inner, args, kwargs)
         pairs = list(self.pairs()) if self.use_masters else None  # one walk for the whole step
         if pairs:
+            self.masters.settle()  # a write to a half weight since the last step reaches its master
             self.masters.move_grads(pairs)
         try:
             with disable_casts():
@@ -324,6 +325,7 @@ class OptimizerHandle:
     def _state_dict(self, inner: Callable, *args: Any, **kwargs: Any) -> dict:
         sd = inner(*args, **kwargs)
         sd.update(self.checkpoint_entries())
+        self.add_state_entries(sd)
         return sd
 
     def _load_state_dict(self, inner: Callable, *args: Any, **kwargs: Any) -> None:
@@ -350,6 +352,12 @@ class OptimizerHandle:
         """What `optimizer.state_dict()` carries besides torch's own (the masters)."""
         return self.masters.checkpoint() if self.use_masters else {}
 
+    def add_state_entries(self, state_dict: dict) -> None:
+        """What the params' entries of `optimizer.state_dict()` carry besides torch's own (a
+        kahan compensation, see `lowmem.LowMemMasters.state_entries`)."""
+        if self.use_masters and isinstance(state_dict.get("state"), dict):
+            self.masters.state_entries(state_dict["state"])
+
     def load_entries(self, state_dict: dict, inner: Callable) -> None:
         """`optimizer.load_state_dict`: ampatch's entries taken out of `state_dict` and checked,
         torch's own `inner(state_dict)`, then the entries applied.
@@ -367,8 +375,13 @@ class OptimizerHandle:
             check_masters(masters, params)
         if lowmem is not None:
             check_lowmem_entry(lowmem, params)
+        comps = {}
+        if isinstance(state_dict.get("state"), dict):  # kahan compensations travel in the params' entries
+            state_dict["state"] = dict(state_dict["state"])
+            comps = take_state_entries(state_dict["state"], params)
         with self.masters.loading():
             inner(state_dict)  # torch checks the param groups before it changes anything
+        self.masters.take_comps(comps, params)
         if lowmem is not None:
             self.masters.load_lowmem(lowmem, params)
         if masters is None:
@@ -386,16 +399,6 @@ class OptimizerHandle:
     def recast_state(self) -> None:
         """Floating optimizer state follows its param's dtype (after the model was cast or restored)."""
         self.masters.recast_state()
-
-    def saved_value(self, p: torch.Tensor) -> torch.Tensor | None:
-        """What `model.state_dict()` saves for the model param `p`: its master's exact value
-        (FP32 masters, kahan's weight + compensation), None where the half weight is the value."""
-        return self.masters.saved_value(p)
-
-    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
-                          params: list[torch.Tensor] | None = None) -> None:
-        """Masters re-read from the model after `model.load_state_dict` (see `Masters.resync_from_model`)."""
-        self.masters.resync_from_model(incoming, params)
 
 
 def _drop_attribute(owner: Any, name: str, value: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.values import MasterMode
+from ..base.data_watch import raw_data, set_data
+from ..model.weights import Keeps, Weight, note_all, settle_all
 from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
 from .chunks import Workspace, chunk_numel, is_elementwise
 from .rounding import rotation
@@ -26,9 +28,10 @@ from .stepper import Rounding, Target, step_in_chunks
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["LowMemMasters"]
+__all__ = ["LowMemMasters", "COMP_KEY", "bad_compensation", "take_state_entries"]
 
 F32, BF16 = torch.float32, torch.bfloat16
+COMP_KEY = "ampatch_compensation"  # kahan: a param's entry in optimizer.state_dict()["state"]
 SEED_SALT = 0x5EED_A3C7  # the rounding stream differs from the script's own draws of the same seed
 
 
@@ -67,14 +70,42 @@ def compensation_of(p: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tenso
     return comp, total
 
 
-def weight_sum(t: torch.Tensor, scratch: torch.Tensor) -> float:
-    """The sum of `t`'s values, a `SUM_BLOCK` at a time in FP32 through `scratch` (no temporary
-    of the whole tensor): the same for the same values, so a change of the weights shows."""
-    flat, total = t.detach().reshape(-1), 0.0
-    for a in range(0, flat.numel(), SUM_BLOCK):
-        x = flat[a:a + SUM_BLOCK]
-        total += float(scratch[:x.numel()].copy_(x).sum())
-    return total
+def bad_compensation(c: Any, p: torch.Tensor, name: str, exact_dtype: bool = False) -> str | None:
+    """Why `c` cannot be the kahan compensation of `p` (called `name` in the message), or None.
+    `exact_dtype`: only bfloat16 will do (a sharded checkpoint); else an FP32 tensor (what a
+    plain optimizer that loaded the checkpoint saves again) is taken too."""
+    local = c.to_local() if hasattr(c, "to_local") else c
+    what = (type(c).__name__ if not isinstance(c, torch.Tensor)
+            else f"dtype {c.dtype}" if c.dtype != BF16 and (exact_dtype or c.dtype != F32)
+            else f"shape {tuple(c.shape)}" if c.shape != p.shape else None)
+    if what is not None:
+        return f"the compensation of {name} (shape {tuple(p.shape)}) is {what}, not a bfloat16 tensor of its shape"
+    if not bool(torch.isfinite(local).all()):
+        return (f"the compensation of {name} (shape {tuple(p.shape)}) holds NaN or inf (the next step would turn "
+                "its weights into NaN): the checkpoint is corrupted")
+    return None
+
+
+def take_state_entries(state: dict, params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The kahan compensations out of a checkpoint's `state` entries (`COMP_KEY`), checked and
+    taken out, so torch's own load never puts them into the optimizer's state; by param index."""
+    found: dict[int, torch.Tensor] = {}
+    for k, entry in list(state.items()):
+        if not isinstance(entry, dict) or COMP_KEY not in entry:
+            continue
+        c = entry[COMP_KEY]
+        i = k if isinstance(k, int) else -1
+        if not 0 <= i < len(params):
+            raise ValueError(f"optimizer checkpoint: a compensation for state entry {k!r}, which no param of "
+                             "this optimizer has; it was saved from another model. Nothing was loaded.")
+        problem = bad_compensation(c, params[i], f"param {i}")
+        if problem:
+            raise ValueError(f"optimizer checkpoint: {problem}; the checkpoint is corrupted or from another "
+                             "model. Nothing was loaded.")
+        found[i] = c
+    for k in found:
+        state[k] = {key: v for key, v in state[k].items() if key != COMP_KEY}
+    return found
 
 
 class WeightPlusCompensation(Mapping):
@@ -110,7 +141,7 @@ class LowMemMasters(Masters):
         self.mode = mode
         self.chunk_numel: int | None = None  # elements per chunk; None: by device (chunks.chunk_numel)
         self.comp: dict[int, torch.Tensor] = {}     # id(master) -> bfloat16 compensation (kahan)
-        self.baseline: dict[int, float] = {}        # id(master) -> sum of the weight it was made for (kahan)
+        self.saved_comp: dict[int, torch.Tensor] = {}  # id(master) -> one a plain optimizer loaded, until made
         self.seed = rounding_seed(seed)
         self.rounds = 0  # optimizer steps taken: the stochastic rounding's shift (`rounding.rotation`)
         self.ordinal: dict[int, int] = {}  # id(master) -> its place in the order masters were made
@@ -131,8 +162,11 @@ class LowMemMasters(Masters):
             # until the cast (`follow_model`), so that the cast frees each FP32 weight as it goes
             alias = p.detach() if p.dtype == BF16 else torch.empty((), dtype=BF16, device=p.device).expand(p.shape)
             master = nn.Parameter(alias, requires_grad=p.requires_grad)
-            if self.mode is MasterMode.KAHAN:
-                self.comp[id(master)], self.baseline[id(master)] = compensation_of(p, self.scratch(p.device, p.numel()))
+            saved = self.optimizer.state.get(p, {}).pop(COMP_KEY, None)  # a plain optimizer loaded our checkpoint
+            if isinstance(saved, torch.Tensor) and saved.shape == p.shape:
+                self.saved_comp[id(master)] = saved
+            if self.mode is MasterMode.KAHAN and p.dtype == BF16:  # an FP32 one's is made as it is cast (`keeps`)
+                self.compensate(p, master)
         self.model_of[id(master)] = p
         self.master_of[id(p)] = master
         self.ordinal[id(master)] = len(self.ordinal)
@@ -141,12 +175,43 @@ class LowMemMasters(Masters):
             state[master] = cast_state(state.pop(p), F32)
         return master
 
+    def compensate(self, p: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """The kahan compensation of `p` (what bfloat16 drops of its values; the one a plain
+        optimizer kept from our checkpoint, where it did), made once."""
+        comp = self.comp.get(id(master))
+        if comp is None:  # a block's scratch, not the step's workspace: initialize makes no chunk-sized buffers
+            comp, _ = compensation_of(p, torch.empty(min(SUM_BLOCK, p.numel()), dtype=F32, device=p.device))
+            saved = self.saved_comp.pop(id(master), None)
+            if saved is not None:
+                comp.copy_(saved)
+            self.comp[id(master)] = comp
+        return comp
+
+    def keeps(self, p: torch.Tensor) -> tuple[Keeps, torch.Tensor | None, torch.Tensor | None] | None:
+        """What the model param `p` keeps besides its bfloat16 weight, asked just before its
+        module is cast: a kahan compensation, made now (so the FP32 weights go one module at a
+        time, and `initialize` peaks no higher than with FP32 masters), or nothing ("stochastic")."""
+        m = self.master_of.get(id(p))
+        if m is None:
+            return None
+        if self.mode is MasterMode.KAHAN:
+            return Keeps.COMPENSATED, None, self.compensate(p, m)
+        return Keeps.HALF_ONLY, None, None
+
+    def attach(self, lookup: Callable[[torch.Tensor], Weight | None]) -> None:
+        """The records of the cast model, and a compensation for every kahan master (one whose
+        param was never cast gets its own now)."""
+        if self.mode is MasterMode.KAHAN:
+            for mp, m in self.pairs():
+                self.compensate(mp, m)
+        super().attach(lookup)
+
     def follow_model(self) -> None:
         """Every master aliases its model param's current storage again (after the model cast
         replaced the FP32 tensors, and at each step in case something else did)."""
         for mp, m in self.pairs():
             if m.data_ptr() != mp.data_ptr() or m.dtype != mp.dtype or m.shape != mp.shape:
-                m.data = mp.data
+                set_data(m, raw_data(mp))  # ampatch's own: not a user's `.data` write (`DataWatch`)
 
     def recast_state(self) -> None:
         """After the model was cast or restored: the masters follow it; their optimizer state
@@ -158,8 +223,10 @@ class LowMemMasters(Masters):
                 state[p] = cast_state(state[p], F32 if id(p) in self.model_of else p.dtype)
 
     def copy_to_model(self, pairs: list[Pair] | None = None) -> None:
-        """Nothing to copy: the masters are the model's weights (they alias them)."""
+        """Nothing to copy: the masters are the model's weights (they alias them); the weights
+        are as ampatch wrote them (`Weight.note`)."""
         self.follow_model()
+        note_all(self.record_of.values())
 
     # ------------------------------------------------------------------ grads
     def move_grads(self, pairs: list[Pair], inv_scale: float = 1.0, found_inf: torch.Tensor | None = None,
@@ -190,6 +257,7 @@ class LowMemMasters(Masters):
             raise NotImplementedError(f"optimizer.step(closure) is not supported with master_weights="
                                       f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
         self.follow_model()
+        self.settle()  # a write to a weight since the last step: its compensation no longer applies
         elementwise = is_elementwise(self.optimizer)
         own, targets = [], []  # (group, param) that are their own masters; what steps in chunks
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -208,6 +276,7 @@ class LowMemMasters(Masters):
         finally:
             for t in targets:
                 t.key.grad = None
+            note_all(self.record_of.values())
         self.rounds += 1
         return out
 
@@ -222,8 +291,9 @@ class LowMemMasters(Masters):
     def agree(self, process_group: Any) -> None:
         """Under torch.distributed, at the first scale_loss: every rank takes rank 0's rounding
         seed and step count (the ranks' weights stay identical only if they round alike); and if on any
-        rank a weight changed since its compensation was made (DDP broadcast rank 0's weights
-        into the model), every rank drops its compensation."""
+        rank a weight was written since its compensation was made (DDP broadcast rank 0's weights
+        into the model: `Weight.settle` zeroed that rank's compensation), every rank drops its
+        compensation."""
         pairs = list(self.pairs())
         if not pairs or not distributed(process_group):
             return
@@ -235,56 +305,37 @@ class LowMemMasters(Masters):
                 dist.broadcast(agreed, src=src, group=process_group)
                 self.seed, self.rounds = (int(v) for v in agreed.tolist())
                 return
-            stale = any(abs(weight_sum(mp, self.scratch(mp.device, mp.numel())) - self.baseline[id(m)])
-                        > 1e-6 * (1 + abs(self.baseline[id(m)])) for mp, m in pairs if id(m) in self.baseline)
+            records = self.records(pairs)
+            settle_all(records)
+            stale = any(r.widened for r in records)
+            for r in records:
+                r.widened = False
             if overflowed(torch.full((), float(stale), dtype=torch.float32, device=device), process_group):  # MAX: any rank
                 for c in self.comp.values():
                     c.zero_()
                 logger.info("ampatch: the kahan compensations were dropped on every rank (the ranks' weights "
                             "differed when amp.initialize made them); seed every rank alike to keep the FP32 "
                             "initial weights.")
-            self._note_baseline(m for _, m in pairs)
-
-    def _note_baseline(self, masters: Iterable[torch.Tensor]) -> None:
-        for m in masters:
-            if id(m) in self.comp:
-                mp = self.model_of[id(m)]
-                self.baseline[id(m)] = weight_sum(mp, self.scratch(mp.device, mp.numel()))
-
-    def saved_value(self, p: torch.Tensor) -> torch.Tensor | None:
-        """What `model.state_dict()` saves for the bfloat16 weight `p`: under "kahan", weight +
-        compensation in FP32 (`joined`), which `make` (load, then initialize) and
-        `resync_from_model` (initialize, then load) split back exactly; None under
-        "stochastic" (the weight is the value)."""
-        m = self.master_of.get(id(p))
-        c = self.comp.get(id(m)) if m is not None else None
-        if c is None or c.shape != p.shape or c.device != p.device:
-            return None
-        return self.joined(p.detach(), c)
-
-    @staticmethod
-    def joined(weight: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
-        """A bfloat16 weight and its kahan compensation as one FP32 tensor that splits back into
-        both exactly (w = its bfloat16 rounding, c = the rest's): w + c, exact in FP32; where
-        that is a tie bfloat16 would round away from w (c is half an ulp), one FP32 ulp toward w."""
-        with torch.no_grad():
-            w = weight.float()
-            v = w + comp.float()
-            off = v.to(BF16) != weight
-            if bool(off.any()):
-                v = torch.where(off, torch.nextafter(v, w), v)
-        return v
 
     def checkpoint(self) -> dict[str, Any]:
-        """The entry `optimizer.state_dict()` carries (`LOWMEM_KEY`, see `check_lowmem_entry`)."""
+        """The entry `optimizer.state_dict()` carries (`LOWMEM_KEY`, see `check_lowmem_entry`):
+        the mode, and the stochastic rounding's seed and step count. A kahan compensation goes
+        into its param's state entry instead (`state_entries`)."""
+        self.settle()
         entry: dict[str, Any] = {"mode": self.mode.value}
-        if self.mode is MasterMode.KAHAN:
-            entry["compensation"] = [self.comp[id(p)].detach().clone() if id(p) in self.comp else None
-                                     for p in self.params()]
-        else:
+        if self.mode is MasterMode.STOCHASTIC:
             entry["seed"] = self.seed
             entry["rounds"] = self.rounds
         return {LOWMEM_KEY: entry}
+
+    def state_entries(self, state: dict[int, dict]) -> None:
+        """`optimizer.state_dict()["state"]`, by param index: each kahan compensation joins its
+        param's entry (`COMP_KEY`), aliased, so a plain optimizer that loads the checkpoint
+        before `initialize` hands it back, and a strict load into a plain model is unaffected."""
+        for i, p in enumerate(self.params()):
+            c = self.comp.get(id(p))
+            if c is not None:
+                state[i] = {**state.get(i, {}), COMP_KEY: c.detach()}
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
@@ -309,11 +360,24 @@ class LowMemMasters(Masters):
                 p.copy_(value)
                 if id(p) in self.comp:
                     self.comp[id(p)].copy_(value.to(p.device, F32) - p.float())
-        self._note_baseline(p for p, v in zip(params, saved) if v is not None)
+        note_all(self.record_of.values())
+
+    def take_comps(self, comps: dict[int, torch.Tensor], params: list[torch.Tensor]) -> None:
+        """Checked compensations of a checkpoint (`take_state_entries`), by param index, into
+        the weights' compensations."""
+        if self.mode is not MasterMode.KAHAN:
+            if comps:
+                logger.info("ampatch: the optimizer checkpoint was saved with master_weights='kahan', this session "
+                            "uses %r: its compensations are not loaded.", self.mode.value)
+            return
+        with torch.no_grad():
+            for i, c in comps.items():
+                if id(params[i]) in self.comp:
+                    self.comp[id(params[i])].copy_(c)
 
     def load_lowmem(self, entry: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """The checked `LOWMEM_KEY` entry of a checkpoint: compensations, or the rounding's seed
-        and step count."""
+        """The checked `LOWMEM_KEY` entry of a checkpoint: the rounding's seed and step count
+        (and the compensations of a checkpoint written before they moved into the state)."""
         if entry["mode"] != self.mode.value:
             logger.info("ampatch: the optimizer checkpoint was saved with master_weights=%r, this session uses %r: "
                         "its %s not loaded.", entry["mode"], self.mode.value,
@@ -324,7 +388,6 @@ class LowMemMasters(Masters):
                 for p, c in zip(params, comp):
                     if c is not None and id(p) in self.comp:
                         self.comp[id(p)].copy_(c)
-            self._note_baseline(params)
         if self.mode is MasterMode.STOCHASTIC and entry["mode"] == self.mode.value:
             self.seed = int(entry.get("seed", self.seed))
             self.rounds = int(entry.get("rounds", 0))
@@ -333,31 +396,11 @@ class LowMemMasters(Masters):
                             "rounding goes on from step 0, unbiased as before, but the resumed run will not repeat "
                             "the uninterrupted one bit for bit.")
 
-    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
-                          params: list[torch.Tensor] | None = None) -> None:
-        """After `model.load_state_dict`: the masters alias the loaded weights; a compensation
-        takes what the loaded tensor has beyond its bfloat16 rounding (zero for a bfloat16
-        checkpoint, the exact remainder for an FP32 one)."""
-        self.follow_model()
-        if self.mode is not MasterMode.KAHAN or not incoming:
-            return
-        with torch.no_grad():
-            for mp in (params if params is not None else [mp for mp, _ in self.pairs()]):
-                m, src = self.master_of.get(id(mp)), incoming.get(id(mp))
-                if m is not None and src is not None:
-                    self.comp[id(m)].copy_(src.to(mp.device, F32) - mp.float())
-                    self._note_baseline([m])
-
-    def unswap(self) -> Mapping[int, torch.Tensor]:
-        """Model params back into param_groups; returns, by model param id, the values the
-        model is restored from: weight + compensation in FP32 (kahan), each made when it is
-        asked for (not all at once beside the bfloat16 model), nothing (stochastic: the weight
-        is the value)."""
-        values: Mapping[int, torch.Tensor] = {}
-        if self.mode is MasterMode.KAHAN:
-            values = WeightPlusCompensation({id(mp): (mp, self.comp[id(m)]) for mp, m in self.pairs()})
+    def unswap(self) -> dict[int, torch.Tensor]:
+        """Model params back into param_groups; the model's records restore each weight (kahan:
+        weight + compensation, one at a time)."""
         super().unswap()
-        return values
+        return {}
 
     def footprint(self) -> tuple[int, int]:
         """(params, bytes) of what the optimizer steps: weights plus compensations."""

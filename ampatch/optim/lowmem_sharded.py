@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..config.values import MasterMode
 from .chunks import Workspace, chunk_numel, is_elementwise
-from .lowmem import SUM_BLOCK, WeightPlusCompensation, compensation_of, refuse_lbfgs, rounding_seed
+from .lowmem import COMP_KEY, SUM_BLOCK, WeightPlusCompensation, bad_compensation, compensation_of, refuse_lbfgs, rounding_seed
 from .masters import Masters, cast_state
 from .rounding import rotation
 from .scaler import distributed, overflowed
@@ -35,7 +35,6 @@ logger = logging.getLogger("ampatch")
 __all__ = ["ShardedLowMem", "COMP_KEY", "SEED_KEY", "ROUNDS_KEY", "local", "local_footprint"]
 
 F32, BF16 = torch.float32, torch.bfloat16
-COMP_KEY = "ampatch_compensation"  # kahan: a param's state entry, its compensation (a DTensor like the param)
 SEED_KEY, ROUNDS_KEY = "ampatch_seed", "ampatch_rounds"  # stochastic: param group entries
 
 
@@ -130,6 +129,7 @@ class ShardedLowMem(Masters):
         self.seed = rounding_seed(seed)
         self.rounds = 0
         self.loaded: set[int] = set()  # params whose compensation an optimizer checkpoint set (until a step)
+        self.names: dict[int, str] = {}  # id(param) -> its name in the model, for messages (`build` fills it)
         self.workspace = Workspace()
         super().__init__(optimizer, None)
         self.enabled = True
@@ -268,7 +268,8 @@ class ShardedLowMem(Masters):
                 if i is None or i >= len(params):
                     problem = problem or f"a compensation for state entry {k!r}, which no param of the optimizer has"
                     continue
-                problem = problem or _bad_compensation(c, params[i], i)
+                name = self.names.get(id(params[i]), f"param {i}")
+                problem = problem or bad_compensation(c, params[i], name, exact_dtype=True)
                 comps[i] = c
         seeds = []
         for g in state_dict["param_groups"]:
@@ -392,17 +393,6 @@ def _state_value(p: torch.Tensor, key: Any, value: Any, fused: bool, offset: int
     if cls is not None and isinstance(p, cls) and not isinstance(value, cls) and value.shape == p.shape:
         value = as_param(p, _local_part(value, p, offset).clone())
     return value.to(device=p.device, dtype=F32) if value.is_floating_point() else value.to(device=p.device)
-
-
-def _bad_compensation(c: Any, p: torch.Tensor, i: int) -> str | None:
-    what = (type(c).__name__ if not isinstance(c, torch.Tensor) else f"dtype {c.dtype}" if c.dtype != BF16
-            else f"shape {tuple(c.shape)}" if c.shape != p.shape else None)
-    if what is not None:
-        return f"the compensation of param {i} (shape {tuple(p.shape)}) is {what}, not a bfloat16 tensor of its shape"
-    if not bool(torch.isfinite(local(c)).all()):
-        return (f"the compensation of param {i} (shape {tuple(p.shape)}) holds NaN or inf (the next step would turn "
-                "its weights into NaN): the checkpoint is corrupted")
-    return None
 
 
 def _bad_count(key: str, value: Any, missing_ok: bool = False) -> str | None:

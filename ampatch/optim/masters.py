@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,13 +19,14 @@ from torch import nn
 
 from ..base.dtypes import LOW
 from ..config.values import MasterMode
+from ..model.weights import Keeps, Weight, keep_exact, note_all, settle_all
 from .scaler import distributed, overflowed, unscale_
 
 logger = logging.getLogger("ampatch")
 
 MASTERS_KEY = "ampatch_masters"  # the masters' entry in an optimizer's state_dict()
 LOWMEM_KEY = "ampatch_lowmem"  # master_weights "stochastic"/"kahan": their entry (see lowmem)
-COPY_CHUNK = 16  # model grads converted into FP32 master grads per foreach call
+COPY_NUMEL = 1 << 22  # grad elements converted into FP32 master grads per foreach call (the rest waits, half)
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (half model param, its FP32 master)
 
@@ -56,6 +57,10 @@ def scale_into(params: Sequence[torch.Tensor], grads: list[torch.Tensor], inv_sc
         torch._foreach_mul_(grads, inv_scale)
     add_grads(params, grads)
     return found_inf
+
+
+def _no_record(p: torch.Tensor) -> Weight | None:
+    return None
 
 
 def check_masters(masters: Any, params: list[torch.Tensor]) -> None:
@@ -135,6 +140,34 @@ def check_one_master_each(optimizers: Sequence[torch.optim.Optimizer], ids: set[
                         "one optimizer (give it to one of them, or use O1).")
 
 
+def _widened_in_chunks(masters: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`grads` (half) as new tensors of their masters' dtype, a `COPY_NUMEL` chunk at a time, each
+    chunk's half grads released as soon as it is copied: all the half grads and all their FP32
+    copies never exist at once (O2's peak). Sparse grads (nn.Embedding(sparse=True)) go FP32
+    and coalesced: the duplicates are summed without overflow. `grads` is emptied."""
+    new: list = [None] * len(masters)
+    i, n = 0, len(masters)
+    while i < n:
+        out, src, where, total = [], [], [], 0
+        while i < n and (total < COPY_NUMEL or not out):
+            g = grads[i]
+            grads[i] = None
+            if g.is_sparse:
+                new[i] = g.to(masters[i].dtype).coalesce()
+            else:
+                out.append(torch.empty_like(masters[i]))
+                src.append(g)
+                where.append(i)
+                total += g.numel()
+            i += 1
+        if out:
+            torch._foreach_copy_(out, src)
+            for k, o in zip(where, out):
+                new[k] = o
+        del src
+    return new
+
+
 class Masters:
     """The FP32 masters of one optimizer, in its param_groups in place of their half params.
 
@@ -151,22 +184,58 @@ class Masters:
         self.enabled = ids is not None
         self.model_of: dict[int, torch.Tensor] = {}   # id(master) -> half model param
         self.master_of: dict[int, torch.Tensor] = {}  # id(model param) -> master
+        self.record_of: dict[int, Weight] = {}        # id(master) -> the record owning both copies
+        self.lookup: Callable[[torch.Tensor], Weight | None] = _no_record  # a model param's record (`attach`)
         if ids is not None:
             for group in optimizer.param_groups:
                 group["params"] = [self.make(p) if id(p) in ids else p for p in group["params"]]
 
     def make(self, p: torch.Tensor) -> torch.Tensor:
         """The FP32 master of `p`, made on first request (optimizer state made before
-        `initialize` moves to it, in FP32)."""
+        `initialize` moves to it, in FP32): an FP32 `p` about to be cast gives its own storage
+        (no copy); a half `p` brought in later (`add_param_group`, unfreezing) the exact value
+        its record kept at `initialize`, else its values widened."""
         if id(p) in self.master_of:
             return self.master_of[id(p)]
-        master = nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
+        record = self.lookup(p)
+        if record is not None and record.keeps is Keeps.VALUE and record.exact is not None:
+            master = nn.Parameter(record.exact.to(p.device), requires_grad=p.requires_grad)
+            record.promote(master)
+            self.record_of[id(master)] = record
+        else:
+            master = nn.Parameter(keep_exact(p) if p.dtype == torch.float32 else p.detach().float(),
+                                  requires_grad=p.requires_grad)
         self.model_of[id(master)] = p
         self.master_of[id(p)] = master
         state = self.optimizer.state
         if p in state:
             state[master] = cast_state(state.pop(p), torch.float32)
         return master
+
+    def keeps(self, p: torch.Tensor) -> tuple[Keeps, torch.Tensor | None, torch.Tensor | None] | None:
+        """What the model param `p` keeps besides its half copy, asked as the model is cast
+        (`ModelHandle` records it): its FP32 master; None where `p` has none here."""
+        m = self.master_of.get(id(p))
+        return None if m is None else (Keeps.MASTER, m, None)
+
+    def attach(self, lookup: Callable[[torch.Tensor], Weight | None]) -> None:
+        """The records of the cast model (`lookup`: a model param's record): each master's
+        record, through which every sync goes."""
+        self.lookup = lookup
+        for mp, m in self.pairs():
+            record = lookup(mp)
+            if record is not None:
+                self.record_of[id(m)] = record
+
+    def records(self, pairs: Iterable[Pair]) -> list[Weight]:
+        """The records of `pairs`' masters."""
+        record_of = self.record_of
+        return [r for _, m in pairs if (r := record_of.get(id(m))) is not None]
+
+    def settle(self) -> None:
+        """A write to a half weight since the last sync reaches its master (`Weight.settle`),
+        before the optimizer or a checkpoint reads it."""
+        settle_all(self.record_of.values())
 
     def params(self) -> Iterator[torch.Tensor]:
         """What the optimizer steps: masters where they exist."""
@@ -206,39 +275,14 @@ class Masters:
         return [self.model_of.get(id(p), p) for p in self.params()]
 
     def copy_to_model(self, pairs: list[Pair] | None = None) -> None:
-        """Model params take their masters' values (rounded to half), with foreach ops."""
+        """Model params take their masters' values (rounded to half), with foreach ops; both
+        copies are then as ampatch wrote them (`Weight.note`)."""
         if pairs is None:
             pairs = list(self.pairs())
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([mp for mp, _ in pairs], [m for _, m in pairs])
-
-    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
-                          params: list[torch.Tensor] | None = None) -> None:
-        """After `model.load_state_dict`: a master takes the loaded tensor of its param (exact FP32
-        values from an FP32 checkpoint, or from an O2 `model.state_dict()`, which holds the
-        masters), unless that tensor only carries the model's half precision and the master
-        rounds to it already (a half model's weights widened, Apex's checkpoint, loaded after
-        the optimizer's masters: the masters are the better copy). A master that otherwise no
-        longer matches the model takes the model's values.
-
-        `params` limits this to those model params (a submodule's load); `incoming` holds only
-        what torch loaded (see model.cast.LoadHook)."""
-        incoming = incoming or {}
-        if params is None:
-            pairs = list(self.pairs())
-        else:
-            pairs = [(mp, self.master_of[id(mp)]) for mp in params if id(mp) in self.master_of]
-        with torch.no_grad():
-            for mp, m in pairs:
-                src = incoming.get(id(mp))
-                if src is not None:
-                    src = src.to(m.device)
-                    rounded = src.to(mp.dtype)
-                    if not (torch.equal(rounded.to(src.dtype), src) and torch.equal(rounded, m.to(mp.dtype))):
-                        m.copy_(src)
-                elif not torch.equal(mp, m.to(mp.dtype)):
-                    m.copy_(mp)
+            note_all(self.record_of.values())
 
     def agree(self, process_group: Any) -> None:
         """Under torch.distributed: if on any rank a master no longer rounds to its model param
@@ -248,9 +292,14 @@ class Masters:
         if not pairs or not distributed(process_group):
             return
         with torch.no_grad():
-            stale = any(not torch.equal(mp, m.to(mp.dtype)) for mp, m in pairs)
+            records = self.records(pairs)
+            settle_all(records)
+            stale = any(r.widened for r in records)  # DDP's broadcast wrote the half weights of this rank
+            for r in records:
+                r.widened = False
             if overflowed(torch.full((), float(stale), dtype=torch.float32, device=pairs[0][1].device), process_group):  # MAX: any rank
                 torch._foreach_copy_([m for _, m in pairs], [mp for mp, _ in pairs])
+                note_all(records)
                 logger.info("ampatch: FP32 master weights taken from the model on every rank (the ranks' "
                             "weights differed when amp.initialize made them); seed every rank alike to keep "
                             "the FP32 initial weights.")
@@ -259,46 +308,40 @@ class Masters:
                    check: bool = False) -> torch.Tensor | None:
         """Model grads -> FP32 master grads, times `inv_scale` and added to what is there;
         model grads -> None. With `check`, inf/NaN are ORed into `found_inf` (returned)."""
-        model_grads, masters = [], []
+        masters, grads, size = [], [], 0
         for mp, m in pairs:
-            if mp.grad is not None:
-                model_grads.append(mp.grad)
-                masters.append(m)
+            g = mp.grad
+            if g is not None:
                 mp.grad = None
+                masters.append(m)
+                grads.append(g)
+                size += g.numel()
         if not masters:
             return found_inf
-        new: list = [None] * len(masters)
-        dense = []
-        for i, (m, g) in enumerate(zip(masters, model_grads)):
-            if g.is_sparse:  # FP32 and coalesced: the duplicates are summed without overflow
-                new[i] = g.to(m.dtype).coalesce()
-            else:
-                dense.append(i)
-        del g
-        # Dense grads convert in chunks, each chunk's half grads released as soon as it is
-        # copied: all the half grads and all their FP32 copies never exist at once (O2's peak).
-        for start in range(0, len(dense), COPY_CHUNK):
-            chunk = dense[start:start + COPY_CHUNK]
-            out = [torch.empty_like(masters[i]) for i in chunk]
-            torch._foreach_copy_(out, [model_grads[i] for i in chunk])
-            for i, o in zip(chunk, out):
-                new[i] = o
-                model_grads[i] = None
+        if size <= COPY_NUMEL and not any(g.is_sparse for g in grads):  # the common case: one foreach call
+            new = [torch.empty_like(m) for m in masters]
+            torch._foreach_copy_(new, grads)
+            del grads
+            return scale_into(masters, new, inv_scale, found_inf, check)
+        return scale_into(masters, _widened_in_chunks(masters, grads), inv_scale, found_inf, check)
         return scale_into(masters, new, inv_scale, found_inf, check)
 
-    def saved_value(self, p: torch.Tensor) -> torch.Tensor | None:
-        """What `model.state_dict()` saves for the half model param `p`: its FP32 master, while
-        the master still rounds to `p` (None: `p` has no master here, or something changed
-        `p` since, e.g. DDP's broadcast before the first step: then `p` is the value)."""
-        m = self.master_of.get(id(p))
-        if m is None or m is p or m.device != p.device or m.shape != p.shape:
-            return None
-        with torch.no_grad():
-            return m.detach() if torch.equal(m.to(p.dtype), p) else None
-
     def checkpoint(self) -> dict[str, Any]:
-        """What `optimizer.state_dict()` carries besides torch's own entries."""
+        """What `optimizer.state_dict()` carries besides torch's own entries (the masters,
+        aliased, after a write to a half weight reached them)."""
+        self.settle()
         return {MASTERS_KEY: self.saved()}
+
+    def state_entries(self, state: dict[int, dict]) -> None:
+        """What the params' entries of `optimizer.state_dict()["state"]` carry besides torch's
+        own (FP32 masters: nothing; see `lowmem.LowMemMasters.state_entries`)."""
+
+    def take_comps(self, comps: dict[int, torch.Tensor], params: list[torch.Tensor]) -> None:
+        """Kahan compensations a checkpoint carried (`lowmem.take_state_entries`): this session
+        has no place for them."""
+        if comps:
+            logger.info("ampatch: the optimizer checkpoint was saved with master_weights='kahan'; this session keeps "
+                        "%s, so its compensations are not loaded.", "FP32 masters" if self.enabled else "no masters")
 
     def loading(self) -> contextlib.AbstractContextManager:
         """The context torch's own `load_state_dict` runs in (nothing to arrange for FP32 masters)."""

@@ -53,6 +53,18 @@ class ShardedOptimizerHandle(OptimizerHandle):
     def unscale_waits(self) -> bool:
         return self.syncs_off()
 
+    def name_params(self, names: dict[int, str]) -> None:
+        """The params' names in the model (id(param) -> name), for messages about them."""
+        if isinstance(self.masters, ShardedLowMem):
+            self.masters.names = names
+
+    def resync_from_model(self, incoming: dict[int, torch.Tensor] | None = None,
+                          params: list[torch.Tensor] | None = None) -> None:
+        """After the sharded model's `load_state_dict`: a kahan compensation takes what the loaded
+        values have beyond bfloat16 (`ShardedLowMem.resync_from_model`)."""
+        if isinstance(self.masters, ShardedLowMem):
+            self.masters.resync_from_model(incoming, params)
+
     def still_scaled_message(self) -> str:
         if not self.syncs_off():
             return super().still_scaled_message()
@@ -62,6 +74,9 @@ class ShardedOptimizerHandle(OptimizerHandle):
 
     def checkpoint_entries(self) -> dict[str, Any]:
         return {}  # the masters are the sharded params: in the model's state dict already (low-memory: a state hook)
+
+    def add_state_entries(self, state_dict: dict) -> None:
+        """Nothing here: a sharded compensation joins the state through its own hook (`ShardedLowMem`)."""
 
     def load_entries(self, state_dict: dict, inner: Callable) -> None:
         if state_dict.pop(MASTERS_KEY, None) is not None:

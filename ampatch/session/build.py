@@ -31,6 +31,8 @@ from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE,
 from ..machine import hardware
 from ..model import fp8, sharded
 from ..model.cast import ModelHandle, params_to_cast
+from ..model.weight_table import DataWatch
+from ..model.weights import Weight
 from ..model.forwards import keep_in_fp32, wrap_outputs
 from ..model.keep import Kept, kept_module_ids
 from ..optim.context import HandleContext
@@ -223,16 +225,18 @@ def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
         for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
             handles.append(OptimizerHandle(opt, first_index + i, ids[i], context, mode))
         if props.casts_model:
-            # the low-memory modes keep no FP32 values of the cast params (like O3): frozen ones included
-            mastered = {pid for h in handles for pid in h.masters.master_of} if mode is MasterMode.FP32 else None
+            def trained(p: torch.Tensor) -> Any:
+                return next((k for h in handles if (k := h.masters.keeps(p)) is not None), None)
+            watch = DataWatch()
+            watch.install(patcher)
             seen: dict[int, torch.dtype] = {}  # params cast so far, over all the models
+            tied: dict[int, Weight] = {}  # their records
             for m in models:
-                handle = ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, patcher,
-                                     mastered, seen, kept)
-                handle.on_load(lambda incoming, params: [h.resync_from_model(incoming, params) for h in handles])
-                handle.saves_from(lambda p: next((v for h in handles if (v := h.saved_value(p)) is not None), None))
-                model_handles.append(handle)
+                # the low-memory modes keep no FP32 values of the cast params (like O3): frozen ones included
+                model_handles.append(ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, patcher,
+                                                 trained, mode is MasterMode.FP32, seen, kept, watch, tied))
             for h in handles:
+                h.masters.attach(lambda p: tied.get(id(p)))
                 h.recast_state()
     except BaseException:
         undo(model_handles, handles)
@@ -264,6 +268,9 @@ def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: S
         for h in handles:
             h.unswap()
         raise
+    names = {id(p): n for m in models for n, p in m.named_parameters()}
+    for h in handles:
+        h.name_params(names)
     models_built: list[sharded.ShardedModel] = []
     if props.casts_model:
         try:
@@ -285,11 +292,15 @@ def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: S
 
 def undo(models: Sequence[Any], optimizers: Sequence[OptimizerHandle]) -> None:
     """Masters back out of the optimizers, models (`ModelHandle` or `ShardedModel`) to their
-    dtypes (from the masters), optimizer state to the params' dtypes again."""
-    # a view over each optimizer's values, not a merged copy: a kahan optimizer's are made one at a time
+    dtypes (from what each record keeps; a sharded model from the values the masters give),
+    optimizer state to the params' dtypes again."""
+    # a view over each optimizer's values, not a merged copy: a sharded kahan optimizer's are made one at a time
     masters = collections.ChainMap(*[h.unswap() for h in optimizers])
     for m in models:
-        m.restore(masters)
+        if isinstance(m, ModelHandle):
+            m.restore()
+        else:
+            m.restore(masters)
     if models:
         for h in optimizers:
             h.recast_state()

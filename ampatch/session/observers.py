@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..config.env import DIAGNOSE, MAX_STEPS, Overrides
-from ..base.exit_json import exit_report
+from ..config.env import DIAGNOSE, MAX_STEPS, REPORT, WITNESS, Overrides
+from ..base.exit_json import check_writable, exit_report
 from .witness import WeightWitness
 
 logger = logging.getLogger("ampatch")
@@ -94,6 +94,9 @@ def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides, reco
     told of each step; each is there as soon as it exists, so that `Session.close` releases it
     even when a later one fails to attach. `eps_lost`: `tips.eps_lost_in_float16`'s findings."""
     observers: list[Observer] = session.observers
+    for path, variable in ((overrides.report, REPORT), (overrides.diagnose, DIAGNOSE), (overrides.witness, WITNESS)):
+        if path:
+            check_writable(path, variable)
     if overrides.report:
         observers.append(ReportAtExit(session, overrides.report))
     if overrides.witness:  # the weights as a second witness of a run's learning (tune, compare, diagnose)

@@ -106,7 +106,7 @@ class Session:
             build.check_incoming_dtypes(models)
         if self.options.keep_fp32 is not None or self.overrides.keep_fp32:
             self.kept = keep.select(models, self.options.keep_fp32, self.overrides.keep_fp32,
-                                    props.enabled and props.casts_model, self.warn)
+                                    props.enabled and props.casts_model, self.warn, self.overrides.keep_source)
         if not props.enabled:
             return
         if levels.uses_half(props.opt_level):

@@ -425,7 +425,10 @@ def test_checkpoints_are_fp32_and_load_across_levels(level, restore_level, monke
             scaled.backward()
         opt.step()
     checkpoint = {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()}
-    assert all(v.dtype == F32 for k, v in checkpoint["model"].items() if "num_batches" not in k)
+    # exact FP32 values where they are kept (masters, buffers); at O3 the float16 params, the only copy
+    params = {n for n, _ in model.named_parameters()}
+    assert all(v.dtype == (torch.float16 if level == "O3" and k in params else F32)
+               for k, v in checkpoint["model"].items() if "num_batches" not in k)
     restored = Net()
     restored_opt = torch.optim.SGD(restored.parameters(), lr=1e-3)
     restored, restored_opt = amp.initialize(restored, restored_opt, opt_level=restore_level, num_losses=2,

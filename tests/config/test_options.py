@@ -178,3 +178,27 @@ def test_a_group_added_inside_a_scale_loss_block_is_unscaled_too():
         opt.add_param_group({"params": [extra]})
         extra.grad = torch.full((3,), 128.0)
     assert torch.equal(extra.grad, torch.ones(3))
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
+                                       ("false", False), ("off", False), ("No", False), ("none", False)])
+def test_every_environment_flag_reads_alike(value, on):
+    """One reading of a flag for every AMPATCH_* variable that is one: `false` turned timing on."""
+    assert env.read({"AMPATCH_TIME_WRAPPERS": value}).time_wrappers is on
+    assert bool(env.read({"AMPATCH_FP8": value}).fp8) is on
+
+
+def test_a_flag_that_is_none_of_those_is_refused_naming_the_variable():
+    with pytest.raises(ValueError, match=r"AMPATCH_TIME_WRAPPERS='maybe': is not a flag"):
+        env.read({"AMPATCH_TIME_WRAPPERS": "maybe"})
+
+
+@pytest.mark.parametrize("variable", ["AMPATCH_REPORT", "AMPATCH_DIAGNOSE"])
+def test_a_report_path_that_cannot_be_written_is_refused_at_initialize(variable, tmp_path, monkeypatch):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for path, why in ((tmp_path / "missing" / "r.json", "the folder .* does not exist"), (tmp_path, "it is a folder")):
+        monkeypatch.setenv(variable, str(path))
+        with pytest.raises(ValueError, match=rf"{variable}=.*cannot be written \({why}\)"):
+            amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    assert model.weight.dtype == torch.float32 and amp.report is not None

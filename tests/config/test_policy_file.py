@@ -152,3 +152,15 @@ def test_compare_adds_a_row_for_the_policy(tmp_path, capsys):
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [r["level"] for r in rows] == ["O0", "policy:O4"] and rows[1]["half_dtype"] == "bfloat16"
     assert rows[1]["max_loss_dev_vs_O0"] is not None
+
+
+def test_a_policy_files_keep_fp32_that_matches_no_module_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "p.json"
+    save(Policy("O5", "bfloat16", ("hed",), 1.0), path)
+    monkeypatch.setenv("AMPATCH_POLICY", str(path))
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=rf"AMPATCH_POLICY={path} \(keep_fp32\): no module is named 'hed'"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+    monkeypatch.setenv("AMPATCH_KEEP_FP32", "bdy")  # the variable's own name is still blamed on it
+    with pytest.raises(ValueError, match=r"AMPATCH_KEEP_FP32: no module is named 'bdy'"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)

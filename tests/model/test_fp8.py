@@ -228,3 +228,47 @@ def test_fsdp2_without_all_gather_extensions_is_refused_naming_the_alternative()
     with pytest.raises(RuntimeError, match="FP8 all-gather under FSDP2 needs FSDP2's all-gather extensions.*"
                                            "enable_fsdp_float8_all_gather=False"):
         units.check_all_gather_extensions()
+
+
+class NamedLinear(nn.Linear):
+    """A Linear subclass of the user's (no forward of its own): converted to a float8 class made
+    at run time, which must pickle as the user's class does."""
+
+    def tag(self) -> str:
+        return "mine"
+
+
+class SubclassNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = NamedLinear(32, 32)
+        self.b = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_converted_subclass_and_conv1d_pickle_and_copy():
+    import io
+    torch.manual_seed(0)
+    m = SubclassNet()
+    layers = fp8.Fp8Layers([m], fp8_choice.choose([m], ["a", "b"]), fp8.config_for("tensorwise", "cpu"))
+    assert isinstance(m.a, NamedLinear) and type(m.a) is not NamedLinear
+    x = torch.randn(4, 32)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert type(loaded.a) is type(m.a) and loaded.a.tag() == "mine" and torch.equal(loaded(x), m(x))
+    twin = copy.deepcopy(m)
+    assert type(twin.a) is type(m.a) and torch.equal(twin(x), m(x))
+    layers.restore()
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+    conv = nn.Sequential(Conv1D(48, 32), nn.Linear(48, 16))
+    layers = fp8.Fp8Layers([conv], fp8_choice.choose([conv]), fp8.config_for("tensorwise", "cpu"))
+    buf = io.BytesIO()
+    torch.save(conv, buf)
+    again = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert type(again[0]) is type(conv[0]) and isinstance(again[0], Conv1D)
+    layers.restore()
+    del transformers

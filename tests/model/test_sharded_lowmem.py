@@ -131,7 +131,7 @@ def test_resume_on_the_same_world_size_is_bit_for_bit(ranks, mode, how):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_malformed_entry_on_one_rank_is_refused_on_every_rank(ranks, mode):
-    what = ("the compensation of param 2 (shape (48, 48)) holds NaN or inf" if mode == "kahan"
+    what = ("the compensation of fc2.weight (shape (48, 48)) holds NaN or inf" if mode == "kahan"
             else "the stochastic rounding's 'rounds' must be an int >= 0, got -1")
     for r in scenario(ranks, f"malformed/{mode}"):
         assert r["error"] is not None and what in r["error"] and "nothing was loaded" in r["error"]

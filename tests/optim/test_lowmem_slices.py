@@ -240,8 +240,10 @@ def test_masters_made_at_initialize_hold_no_fp32_copy(mode):
     m = LowMemMasters(opt, {id(p) for p in net.parameters()}, MasterMode(mode))
     for mp, master in m.pairs():
         assert mp.dtype == F32 and master.untyped_storage().nbytes() <= 2
-    if mode == "kahan":  # the compensations: what bfloat16 drops of each FP32 weight
+    if mode == "kahan":  # the compensations, made as the cast reaches each weight: what bfloat16 drops of it
+        assert not m.comp
         for mp, master in m.pairs():
+            m.keeps(mp)
             torch.testing.assert_close(m.comp[id(master)].float(), (mp - mp.to(BF16).float()).to(BF16).float())
     net.to(BF16)
     m.follow_model()
