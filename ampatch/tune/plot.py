@@ -45,7 +45,8 @@ def write_plot(path: str, result: Result, title: str) -> None:
     if result.reference is not None:
         y0 = result.reference.row.train_bytes_per_param if result.objective == "memory" else 1.0
         ax.scatter([0], [y0], marker="s", color="k", zorder=3, label="O0 (reference)")
-    seen = set()
+    seen: set[str] = set()
+    labels: dict[tuple[float, float], list[tuple[str, str]]] = {}   # points that coincide share one label
     for m in result.candidates:
         y = _y(result, m)
         if y is None:
@@ -56,13 +57,16 @@ def write_plot(path: str, result: Result, title: str) -> None:
         style = STYLE[outcome]
         ax.scatter([x], [y], s=70, zorder=3, label=None if outcome in seen else outcome, **style)
         seen.add(outcome)
-        text = m.candidate.label + ("" if m.qualifies else f"\n{m.verdict_label}: {short_reason(m.reason)}")
-        ax.annotate(text, (x, y), xytext=(6, 4), textcoords="offset points", fontsize=7,
-                    color="k" if m.qualifies else style["color"])
+        text = m.candidate.label + ("" if m.qualifies else f": {m.verdict_label}, {short_reason(m.reason)}")
+        labels.setdefault((round(x, 2), round(y, 2)), []).append((text, "k" if m.qualifies else style["color"]))
         if result.chosen == m.candidate and not result.cannot_tell:
             ax.scatter([x], [y], s=400, facecolors="none", edgecolors="tab:green", lw=2, zorder=4)
-            ax.annotate("chosen", (x, y), xytext=(-12, -16), textcoords="offset points", fontsize=9,
+            ax.annotate("chosen", (x, y), xytext=(-12, -18), textcoords="offset points", fontsize=9,
                         color="tab:green", weight="bold")
+    for (x, y), texts in labels.items():
+        near_right = x > tol * 4   # far right: the label goes to the left of its point
+        ax.annotate("\n".join(t for t, _ in texts), (x, y), xytext=(-8 if near_right else 8, 4),
+                    textcoords="offset points", fontsize=7, color=texts[0][1], ha="right" if near_right else "left")
     ax.set_xscale("symlog", linthresh=max(tol, 1e-3))
     ax.set_xlim(-0.1 * tol, right * 1.3)
     ticks = [t for t in (0, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000) if t <= right * 1.3]
