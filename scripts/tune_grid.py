@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""tune's verdicts on a generated family of fine-tuning cases (issue 35): the table of
+"""tune's verdicts on a generated family of fine-tuning cases (issues 35 and 45): the table of
 docs/tune.md, "The grid", and the cells tests/commands/test_tune_grid.py checks.
 
 Each case is a wide MLP near a teacher: a network with pretrained-scale weights (std 0.1) is
@@ -12,10 +12,12 @@ model can learn. Its axes:
 - ``steps`` (20 to 200), which with the lr sets the progress: 0.1% to 20% of the level and
   more, down to none that a run's noise lets one see.
 
-Each cell runs O0, O3, O4 and O5 (bfloat16) in this process, on the same batches, and judges
-each run exactly as ``tune`` does (`ampatch.tune.search.reference_of`, then
-`ampatch.runs.verdict.judge`). What each run really did is measured beside the verdict, from
-outside the loss curve:
+Each cell runs O0, O3, O4 and O5 (bfloat16) in this process, on the same batches, and searches
+as ``tune`` does (`cell`): the grid's steps are where it starts; O0 runs longer (doubling) while
+its loss shows no progress, and the levels the loss cannot tell yet run again with O0 at twice
+the steps, within tune's default budget per cell (`ampatch.runs.longer`); each run is judged by
+`ampatch.runs.verdict.judge`, its weights witness included. What each run really did is
+measured beside the verdict, from outside the loss curve:
 
 - ``stall``: the share of the weights (as the run holds them) that never changed over the run;
   "stalled" when most did (more than half);
@@ -24,13 +26,13 @@ outside the loss curve:
   share of O0's true progress a run makes, and the largest gap from O0's at those points
   (over O0's true progress).
 
-A right verdict (`expected`): where O0 makes no detectable progress tune stops ("run more
-steps"); O3 fails wherever it stalls; a level whose learnable loss stays within half the
-tolerance of O0's qualifies; one that learns under half of what O0 learns, or strays more
-than twice the tolerance, fails; in between either verdict is right. The "old rule" column
-is the verdict before issue 35 (`old_rule`).
+A right verdict (`expected`): O3 fails wherever it stalls; a level whose learnable loss stays
+within half the tolerance of O0's qualifies; one that learns under half of what O0 learns, or
+strays more than twice the tolerance, fails; in between either verdict is right. "Cannot tell"
+is no verdict, counted apart: the cells that end in it (as tune would, exit 1) are few.
+`old_rule` is the verdict before issue 35.
 
-    python scripts/tune_grid.py                      # the whole grid: 72 cells, ~6 min on 2 cores
+    python scripts/tune_grid.py                      # the whole grid: 72 cells (the time: docs/tune.md)
     python scripts/tune_grid.py --steps 20 --noise 10 --json cells.json
     python scripts/tune_grid.py train --lr 2e-5 --noise 9 --steps 40 --opt-level O3   # one run, as a script
     ampatch tune --levels O3,O5 --steps 40 --no-repair -- python scripts/tune_grid.py train --lr 2e-5 --noise 9 --seed 7
@@ -46,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -54,10 +56,13 @@ from torch import nn
 import ampatch as amp
 from ampatch.runs.stats import RunStats
 from ampatch.config import env
-from ampatch.runs.deviation import TOLERANCE
+from ampatch.runs.deviation import TOLERANCE, Basis
+from ampatch.runs.longer import DEFAULT_BUDGET_S, Longer
 from ampatch.runs.runner import LevelRun
-from ampatch.tune.search import NoProgress, NoReference, reference_of
-from ampatch.runs.verdict import Rule, judge
+from ampatch.runs.verdict import Evidence, Outcome, Rule, Verdict, judge
+from ampatch.runs.weights import compare as compare_weights
+from ampatch.session import witness as weights_witness
+from ampatch.tune.search import NoReference, sound_reference
 
 LEVELS = ("O3", "O4", "O5")
 NOISES = (1.0, 10.0, 100.0)
@@ -127,6 +132,7 @@ class Run:
     wall_s: float
     stall: float = math.nan            # share of the weights, as the run holds them, never changed
     excess: list[float] = field(default_factory=list)   # error against the teacher at the checkpoints
+    witness: weights_witness.Witness | None = None      # its weights witness (`ampatch.session.witness`)
 
 
 def train(case: Case, level: str, log_every: int = 0) -> Run:
@@ -168,11 +174,12 @@ def train(case: Case, level: str, log_every: int = 0) -> Run:
         wall = time.perf_counter() - start
         same = sum(int((a == b).sum()) for a, b in zip(held, model.parameters()))
         stall = same / sum(p.numel() for p in held)
-        return Run(level, amp.report(), None, wall, stall, curve)
+        report = amp.report()
     except Exception as exc:  # a failing level is a row, as in tune
-        return Run(level, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - start)
-    finally:
         amp.deinitialize()
+        return Run(level, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - start)
+    amp.deinitialize()   # the witness takes its last point as the session closes
+    return Run(level, report, None, wall, stall, curve, weights_witness.latest())
 
 
 @dataclass
@@ -188,9 +195,15 @@ class Judged:
     deviation: float | None = None
     noise: float | None = None
     old: bool | None = None        # the verdict of the rule before issue 35
+    outcome: str = "fails"         # `Outcome` value: "qualifies", "fails" or "cannot tell"
+    evidence: str = "loss"         # what the verdict rests on: "loss" or "weights" (or "run")
+    steps: int = 0                 # the steps it rests on (the grid's, or more where the runs could not tell)
 
     @property
     def right(self) -> bool:
+        """A verdict given is right by the cell's truth; "cannot tell" is not wrong, it is counted apart."""
+        if self.outcome == Outcome.CANNOT_TELL.value:
+            return True
         return self.expected == "either" or (self.expected == "qualify") == self.qualifies
 
 
@@ -204,14 +217,24 @@ class Cell:
     o0_true: float                  # O0's true progress over its learnable loss at the start
     levels: list[Judged] = field(default_factory=list)
     o3_stall: float | None = None   # measured even where tune stops
+    steps: list[int] = field(default_factory=list)   # the lengths O0 ran at (doubling where the runs could not tell)
+    wall_s: float = 0.0
 
     @property
     def right(self) -> bool:
         return all(j.right for j in self.levels)
 
+    @property
+    def cannot_tell(self) -> bool:
+        """The cell ends in "cannot tell", as tune would (exit 1): O0 stopped it, or no level
+        qualifies and some level the runs could not tell."""
+        left = any(j.outcome == Outcome.CANNOT_TELL.value for j in self.levels)
+        return self.stopped is not None or (left and not any(j.qualifies for j in self.levels))
+
 
 def row_of(run: Run, base: RunStats | None) -> RunStats:
-    return RunStats.of(LevelRun(run.level, run.report is not None, run.error, 0, run.wall_s, run.report), base)
+    return RunStats.of(LevelRun(run.level, run.report is not None, run.error, 0, run.wall_s, run.report,
+                                witness=run.witness), base)
 
 
 def expected(level: str, stall: float, true_share: float, true_gap: float, tolerance: float) -> str:
@@ -249,42 +272,82 @@ def old_rule(o0: list[float], run: list[float], tolerance: float) -> bool:
 
 
 def recording() -> None:
-    """Sessions in this process record their losses, as under the ``ampatch`` command (the report
-    written at exit goes to a scratch file)."""
+    """Sessions in this process record their losses and weights witness, as under the ``ampatch``
+    command (what is written at exit goes to scratch files)."""
     if not os.environ.get(env.REPORT):
-        os.environ[env.REPORT] = os.path.join(tempfile.mkdtemp(prefix="tune-grid-"), "report.json")
+        scratch = tempfile.mkdtemp(prefix="tune-grid-")
+        os.environ[env.REPORT] = os.path.join(scratch, "report.json")
+        os.environ[env.WITNESS] = os.path.join(scratch, "witness.json")
 
 
-def cell(case: Case, levels: tuple[str, ...] = LEVELS, tolerance: float = TOLERANCE) -> Cell:
-    """One cell: O0, then each level judged as tune judges it, beside what it really did."""
-    recording()
-    o0 = train(case, "O0")
-    base = row_of(o0, None)
+def _judged(level: str, run: Run, o0: Run, base: RunStats, rule: Rule, n: int) -> Judged:
+    """`run` judged against O0's run of the same length as tune judges it, beside what it really did."""
+    row = row_of(run, base)
+    v: Verdict = judge(row, rule, base.reference(), o0_witness=base.witness)
     true_fall = o0.excess[0] - o0.excess[-1]
-    try:
-        ref = reference_of(base, case.steps)
-        stopped = None
-    except NoProgress as exc:
-        ref, stopped = base.reference(), str(exc)
-    except NoReference as exc:
-        raise RuntimeError(f"{case.label}: {exc}") from None
-    out = Cell(case, ref.progress / ref.first if ref.progress is not None and ref.first else None,
-               ref.significance, ref.needed, stopped, true_fall / o0.excess[0])
-    if stopped is not None:
+    share = (run.excess[0] - run.excess[-1]) / true_fall if run.excess else math.nan
+    gap = max(abs(a - b) for a, b in zip(run.excess, o0.excess)) / true_fall if run.excess else math.nan
+    old = old_rule(base.losses, row.losses, rule.tolerance) if row.ok and len(row.losses) == len(base.losses) else None
+    return Judged(level, v.qualifies, v.reason, run.stall, v.learned, share, gap,
+                  expected(level, run.stall, share, gap, rule.tolerance), v.deviation, v.noise, old, v.outcome.value,
+                  v.evidence.value, n)
+
+
+def cell(case: Case, levels: tuple[str, ...] = LEVELS, tolerance: float = TOLERANCE,
+         budget: float | None = DEFAULT_BUDGET_S) -> Cell:
+    """One cell, as `ampatch tune` searches it (`ampatch.tune.search`, in this process): O0 at the
+    cell's steps, run longer (doubling, within `budget` seconds) while its loss shows no progress
+    and its weights could still witness; then each level, judged as tune judges it, and the
+    levels the loss cannot tell yet (or that qualify on their weights alone) run again with O0 at
+    twice the steps while the budget fits them; beside each verdict, what the run really did."""
+    recording()
+    start = time.perf_counter()
+    rule = Rule(tolerance)
+    longer = Longer(case.steps, case.steps, None if budget is None else time.time() + budget)
+
+    def reference(n: int) -> tuple[Run, RunStats]:
+        o0 = train(replace(case, steps=n), "O0")
+        base = row_of(o0, None)
+        try:
+            sound_reference(base)
+        except NoReference as exc:
+            raise RuntimeError(f"{case.label}: {exc}") from None
+        return o0, base
+    o0, base = reference(case.steps)
+    out = Cell(case, None, None, None, None, math.nan, steps=[case.steps])
+    while base.reference().basis is not Basis.PROGRESS:
+        w = compare_weights(base.witness, base.witness, rule.confidence)
+        if w is None or not w.witnesses or longer.why_not(1 + len(levels), o0.wall_s) is not None:
+            break
+        o0, base = reference(longer.double())
+        out.steps.append(longer.steps)
+    ref = base.reference()
+    w = compare_weights(base.witness, base.witness, rule.confidence)
+    out.o0_progress = ref.progress / ref.first if ref.progress is not None and ref.first else None
+    out.o0_significance, out.o0_needed = ref.significance, ref.needed
+    out.o0_true = (o0.excess[0] - o0.excess[-1]) / o0.excess[0]
+    if ref.basis is not Basis.PROGRESS and (w is None or not w.witnesses):
+        out.stopped = ref.no_progress(longer.steps) + ("" if w is None else f" ({w.why_not})")
         if "O3" in levels:
-            out.o3_stall = train(case, "O3").stall
+            out.o3_stall = train(replace(case, steps=longer.steps), "O3").stall
+        out.wall_s = time.perf_counter() - start
         return out
-    for level in levels:
-        run = train(case, level)
-        row = row_of(run, base)
-        v = judge(row, Rule(tolerance), ref)
-        share = (run.excess[0] - run.excess[-1]) / true_fall
-        gap = max(abs(a - b) for a, b in zip(run.excess, o0.excess)) / true_fall
-        old = old_rule(base.losses, row.losses, tolerance) if row.ok and len(row.losses) == len(base.losses) else None
-        out.levels.append(Judged(level, v.qualifies, v.reason, run.stall, v.learned, share, gap,
-                                 expected(level, run.stall, share, gap, tolerance), v.deviation, v.noise, old))
-        if level == "O3":
-            out.o3_stall = run.stall
+    runs = {level: train(replace(case, steps=longer.steps), level) for level in levels}
+    judged = {level: _judged(level, run, o0, base, rule, longer.steps) for level, run in runs.items()}
+    while True:
+        left = [k for k, j in judged.items()
+                if j.outcome == Outcome.CANNOT_TELL.value or (j.qualifies and j.evidence == Evidence.WEIGHTS.value)]
+        slowest = max([o0.wall_s, *(r.wall_s for r in runs.values())])
+        if not left or longer.why_not(1 + len(left), slowest) is not None:
+            break
+        o0, base = reference(longer.double())
+        out.steps.append(longer.steps)
+        for level in left:
+            runs[level] = train(replace(case, steps=longer.steps), level)
+            judged[level] = _judged(level, runs[level], o0, base, rule, longer.steps)
+    out.levels = [judged[level] for level in levels]
+    out.o3_stall = runs["O3"].stall if "O3" in runs else None
+    out.wall_s = time.perf_counter() - start
     return out
 
 
@@ -293,12 +356,14 @@ def _pct(x: float | None, spec: str = ".1%") -> str:
 
 
 def _verdict(j: Judged) -> str:
-    return f"{'ok' if j.qualifies else 'FAIL'}{'' if j.right else ' (WRONG)'}"
+    word = {"qualifies": "ok", "fails": "FAIL", "cannot tell": "**can't tell**"}[j.outcome]
+    on = " (weights)" if j.evidence == Evidence.WEIGHTS.value and j.outcome != Outcome.CANNOT_TELL.value else ""
+    return f"{word}{on}{'' if j.right else ' (WRONG)'}"
 
 
 def table(cells: list[Cell]) -> str:
     """The grid as a Markdown table (docs/tune.md)."""
-    lines = ["| optimizer | lr | steps | noise | O0 progress / level | O0 t (needed) | O3 stall | O3 | O3, old rule | O4 "
+    lines = ["| optimizer | lr | steps | noise | steps run | O0 progress / level | O0 t (needed) | O3 stall | O3 | O4 "
              "| O5 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         k = c.case
@@ -306,42 +371,49 @@ def table(cells: list[Cell]) -> str:
                                                    else f"{c.o0_significance:.1f}")
         sig = f"{z} ({c.o0_needed:.1f})" if c.o0_needed is not None else z
         if c.stopped is not None:
-            verdicts = ["**run more steps**", "", "", ""]
+            verdicts = ["**can't tell** (O0)", "", ""]
         else:
             by = {j.level: j for j in c.levels}
 
             def text(level: str) -> str:
                 j = by.get(level)
-                return "-" if j is None else f"{_verdict(j)} {_pct(j.deviation)}, learns {_pct(j.learned, '.0%')}"
-            o3 = by.get("O3")
-            old = "-" if o3 is None or o3.old is None else ("ok" if o3.old else "FAIL")
-            if o3 is not None and o3.old and o3.stall > STALLED:
-                old += " (wrong)"
-            verdicts = [text("O3"), old, text("O4"), text("O5")]
-        lines.append(f"| {k.optimizer} | {k.lr:g} | {k.steps} | {k.noise:g}x | {_pct(c.o0_progress, '.2%')} | {sig} | "
-                     f"{_pct(c.o3_stall, '.0%')} | " + " | ".join(verdicts) + " |")
+                if j is None:
+                    return "-"
+                at = f" @{j.steps}" if j.steps != c.case.steps else ""
+                return f"{_verdict(j)}{at} {_pct(j.deviation)}, learns {_pct(j.learned, '.0%')}"
+            verdicts = [text("O3"), text("O4"), text("O5")]
+        ran = "→".join(map(str, c.steps))
+        lines.append(f"| {k.optimizer} | {k.lr:g} | {k.steps} | {k.noise:g}x | {ran} | {_pct(c.o0_progress, '.2%')} | "
+                     f"{sig} | {_pct(c.o3_stall, '.0%')} | " + " | ".join(verdicts) + " |")
     return "\n".join(lines)
 
 
 def summary(cells: list[Cell]) -> str:
     stopped = [c for c in cells if c.stopped is not None]
-    judged = [j for c in cells for j in c.levels]
+    undecided = [c for c in cells if c.cannot_tell]
+    judged = [j for c in cells for j in c.levels if j.outcome != Outcome.CANNOT_TELL.value]
+    left = [j for c in cells for j in c.levels if j.outcome == Outcome.CANNOT_TELL.value]
+    on_weights = [j for j in judged if j.evidence == Evidence.WEIGHTS.value]
     wrong = [(c, j) for c in cells for j in c.levels if not j.right]
-    o3 = [j for c in cells for j in c.levels if j.level == "O3"]
+    o3 = [j for j in judged if j.level == "O3"]
     stalled = [j for j in o3 if j.stall > STALLED]
     free = [j for j in o3 if j.stall <= STALLED]
+    longer = [c for c in cells if len(c.steps) > 1]
 
     def count(js: list[Judged], what: str) -> str:
         return f"{sum(j.expected == what for j in js)} ({sum(j.expected == what and j.right for j in js)} right)"
-    out = [f"{len(cells)} cells: {len(stopped)} stop with 'run more steps' (O0 made no detectable progress), "
-           f"{len(cells) - len(stopped)} judged ({len(judged)} verdicts).",
-           f"O3 stalled (most weights never change) in {len(stalled)} judged cells: {sum(not j.qualifies for j in stalled)} "
-           f"fail; the old rule passed {sum(bool(j.old) for j in stalled)} of them.",
-           f"O3 not stalled in {len(free)} judged cells: {sum(j.qualifies for j in free)} qualify, "
+    out = [f"{len(cells)} cells: {len(undecided)} end in 'cannot tell' ({len(stopped)} of them because O0 showed no "
+           f"progress by its loss or its weights); {len(longer)} ran longer than their steps; "
+           f"{len(judged)} verdicts given ({len(on_weights)} on the weights), {len(left)} levels the runs could not "
+           "tell.",
+           f"O3 stalled (most weights never change) in {len(stalled)} verdicts: "
+           f"{sum(not j.qualifies for j in stalled)} fail; the old rule passed {sum(bool(j.old) for j in stalled)} of "
+           "them.",
+           f"O3 not stalled in {len(free)} verdicts: {sum(j.qualifies for j in free)} qualify, "
            f"{sum(not j.qualifies for j in free)} fail.",
            f"expected to qualify (track O0 within half the tolerance): {count(judged, 'qualify')}; to fail: "
            f"{count(judged, 'fail')}; near the tolerance (either is right): {sum(j.expected == 'either' for j in judged)}.",
-           f"wrong verdicts: {len(wrong)}"]
+           f"wrong verdicts: {len(wrong)}; time {sum(c.wall_s for c in cells):.0f}s"]
     out += [f"  WRONG: {c.case.label}: {j.level} {'qualifies' if j.qualifies else 'fails'} ({j.reason}); stall "
             f"{j.stall:.0%}, true share {j.true_share:.2f}, true gap {j.true_gap:.3f}" for c, j in wrong]
     return "\n".join(out)
@@ -378,16 +450,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", nargs="*", type=int)
     p.add_argument("--noise", nargs="*", type=float)
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"seconds per cell for runs made longer, as tune's --budget (default {DEFAULT_BUDGET_S:g})")
     p.add_argument("--json", metavar="PATH", help="every cell, every verdict")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     cells = []
     start = time.perf_counter()
     for case in _grid(a):
-        c = cell(case, tolerance=a.tolerance)
+        c = cell(case, tolerance=a.tolerance, budget=a.budget)
         cells.append(c)
-        print(f"[{len(cells)}] {case.label}: " + (c.stopped[:60] if c.stopped else ", ".join(
-            f"{j.level} {'ok' if j.qualifies else 'FAIL'}{'' if j.right else ' WRONG'}" for j in c.levels))
+        print(f"[{len(cells)}] {case.label}, steps {'/'.join(map(str, c.steps))}: " + (
+            c.stopped[:80] if c.stopped else ", ".join(f"{j.level} {_verdict(j)}" for j in c.levels))
             + f" ({time.perf_counter() - start:.0f}s)", file=sys.stderr, flush=True)
     print(table(cells))
     print()

@@ -11,9 +11,9 @@ of ampatch that prints; the packages it drives (``ampatch.runs``, ``ampatch.comp
 - ``tune`` finds the fastest precision policy that still trains like FP32 and writes it to
   a policy file (``amp.initialize(..., policy=PATH)``, ``ampatch run --policy PATH``).
 
-Exit codes: the runs' (1 when a level failed or nothing could be diagnosed), 2 for a usage
-error, 130 after Ctrl-C, 128+N after signal N (SIGTERM, SIGHUP: handled as Ctrl-C is, see
-``ampatch.runs.process``); ``run`` exits with its script's status.
+Exit codes: the runs' (1 when a level failed, nothing could be diagnosed, or tune's runs cannot
+tell), 2 for a usage error, 130 after Ctrl-C, 128+N after signal N (SIGTERM, SIGHUP: handled as
+Ctrl-C is, see ``ampatch.runs.process``); ``run`` exits with its script's status.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction, dict], None]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (the command after ``--`` is split off before parsing)."""
-    parser = _Parser(prog="ampatch", description="Automatic mixed precision: compare opt "
-                     "levels, run a training script forced to one level, or diagnose where half "
-                     "precision hurts it.")
+    parser = _Parser(prog="ampatch", description="Automatic mixed precision: compare the opt levels on a "
+                     "training script (compare), run it forced to one level (run), diagnose where half precision "
+                     "hurts it (diagnose), or find the fastest precision policy that still trains like FP32 and "
+                     "write it as a policy file (tune).")
     sub = parser.add_subparsers(dest="subcommand", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for add in SUBCOMMANDS.values():
         add(sub, HALF_OPTION)

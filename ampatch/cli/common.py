@@ -15,7 +15,10 @@ from ampatch.config.values import parse_fp8, parse_loss_scale, parse_master_weig
 from ampatch.runs import UsageError
 from ampatch.runs.budget import parse_seconds
 
-__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant", "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights", "optimizer_states", "with_states", "fp8_recipe", "layer_names", "module_names", "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
+__all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant",
+           "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights",
+           "optimizer_states", "with_states", "fp8_recipe", "layer_names", "module_names", "tolerance", "KEEP_FP32_HELP",
+           "policy_path", "argument", "add_level_options"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -74,6 +77,19 @@ def threads(text: str) -> int:
 
 
 budget = argument(parse_seconds)
+
+
+def tolerance(text: str) -> float:
+    """"2%", "0.02" -> 0.02; refuses a negative, zero or unparsable tolerance."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must be above 0 (a relative deviation such as 2% or 0.02), got {text!r}")
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a relative deviation such as 2% or 0.02, got {text!r}")
+    value = float(m.group(1)) / (100 if m.group(2) else 1)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 (a relative deviation such as 2% or 0.02), got {text!r}")
+    return value
 
 
 KEEP_FP32_HELP = ("comma-separated module names, as model.named_modules() gives them ('1.head' with several "

@@ -11,17 +11,18 @@ from typing import Any, NamedTuple
 
 from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_fp8_levels, check_output_path,
                                 level_variants, module_names, optimizer_states, policy_path, positive, threads,
-                                with_states)
+                                tolerance, with_states)
 from ampatch.config import env as envvars
 from ampatch.compare.plot import write_plot
 from ampatch.runs.stats import common_steps, summarize
-from ampatch.compare.table import format_table, interrupted_note, machine_of, write_json
+from ampatch.compare.table import format_table, interrupted_note, judge_rows, machine_of, write_json
 from ampatch.runs import builtin, process, runner
 from ampatch.runs.budget import DEFAULT_BUDGET_S, TARGET_STEPS
+from ampatch.runs.deviation import TOLERANCE
 from ampatch.runs.sizing import sizes_in_words
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
-WORKLOAD_OPTIONS = ("steps", "workload", "device", "threads", "size")  # and --budget: see compare_script
+WORKLOAD_OPTIONS = ("workload", "device", "threads", "size")  # and --budget: see compare_script
 
 
 def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
@@ -35,8 +36,9 @@ def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
                           "extra): O5+fp8 (tensorwise), O5+fp8:rowwise, O5+fp8:rowwise_with_gw_hp (emulated where "
                           "the GPU has no FP8 tensor cores: numerics only, not speed)")
     cmp.add_argument("--steps", type=positive,
-                     help=f"steps per run (built-in workloads only; default {DEFAULT_STEPS[DEFAULT_WORKLOAD]}, "
-                          "within the budget)")
+                     help=f"optimizer steps per run (a built-in workload: default {DEFAULT_STEPS[DEFAULT_WORKLOAD]}, "
+                          "within the budget; a script: it stops after them, AMPATCH_MAX_STEPS, as tune's and "
+                          "diagnose's runs do; default: as many as it runs)")
     cmp.add_argument("--budget", type=budget, metavar="TIME", default=argparse.SUPPRESS,
                      help=f"time for the whole comparison, e.g. 120s or 3m, or none (built-in workloads only; "
                           f"default {DEFAULT_BUDGET_S:g}s, or none when --steps is given): each level gets a share "
@@ -54,8 +56,12 @@ def add_compare(sub: argparse._SubParsersAction, half: dict) -> None:
     cmp.add_argument("--threads", type=threads, metavar="N",
                      help=f"torch threads of the built-in workloads (default {builtin.DEFAULT_THREADS}: stable "
                           "timings on a shared machine; 0: torch's default)")
-    cmp.add_argument("--json", metavar="PATH", help="write all rows, loss curves included")
-    cmp.add_argument("--plot", metavar="PATH", help="write a PNG of loss curves and loss scale")
+    cmp.add_argument("--tolerance", type=tolerance, default=TOLERANCE,
+                     help="the tolerance of the verdict column, as tune's --tolerance (default 2%%)")
+    cmp.add_argument("--json", metavar="PATH", help="write all rows, loss curves and verdicts included")
+    cmp.add_argument("--plot", metavar="PATH", help="write a PNG: each level's deviation from O0 over the steps with "
+                                                    "its noise and the tolerance, speed-up and memory per level, and "
+                                                    "the loss scale where it moves")
     cmp.add_argument("--half-dtype", **half)
     cmp.add_argument("--keep-fp32", type=module_names, metavar="NAMES", help=KEEP_FP32_HELP)
     cmp.add_argument("--optimizer-states", type=optimizer_states, metavar="PRECISION",
@@ -87,11 +93,12 @@ def compare_script(args: argparse.Namespace) -> Compared:
     cmd = runner.resolve_command(args.command)
     check_fp8_levels(args.levels, args.half_dtype, builtin.workload_device(None))
     runs, interrupted = runner.run_all({lv: lambda cap, deadline: cmd for lv in args.levels},
-                                       args.half_dtype, sys.stderr, keep_fp32=args.keep_fp32)
+                                       args.half_dtype, sys.stderr, keep_fp32=args.keep_fp32, max_steps=args.steps)
     if args.policy and not interrupted:
-        interrupted = with_policy_row(runs, lambda: policy_run(cmd, args.policy, args.keep_fp32))
-    return Compared(runs, interrupted, None, f"ampatch compare: {' '.join(args.command)}",
-                    {"command": list(args.command)}, [], "cpu")
+        interrupted = with_policy_row(runs, lambda: policy_run(cmd, args.policy, args.keep_fp32,
+                                                               max_steps=args.steps))
+    title = f"ampatch compare: {' '.join(args.command)}" + (f", {args.steps} steps per run" if args.steps else "")
+    return Compared(runs, interrupted, None, title, {"command": list(args.command), "steps": args.steps}, [], "cpu")
 
 
 def compare_builtin(args: argparse.Namespace) -> Compared:
@@ -127,12 +134,12 @@ def with_policy_row(runs: list[runner.LevelRun], run: Any) -> int | None:
 
 
 def policy_run(cmd: list[str], policy: str, keep_fp32: str | None,
-               launch: runner.Launch = runner.popen) -> runner.LevelRun:
+               launch: runner.Launch = runner.popen, max_steps: int | None = None) -> runner.LevelRun:
     """The ``--policy`` row: ``cmd`` run with ``AMPATCH_POLICY`` (the policy's level, not a forced
-    one), labelled ``policy:LEVEL``."""
+    one), labelled ``policy:LEVEL``; a script stops after ``max_steps``."""
     print(f"[policy] running with {policy}", file=sys.stderr, flush=True)
-    env = runner.child_env(None, None, keep_fp32=keep_fp32, policy=policy)
-    done = runner.run_child(cmd, env, collect=(envvars.REPORT,), launch=launch)
+    env = runner.child_env(None, None, keep_fp32=keep_fp32, policy=policy, max_steps=max_steps)
+    done = runner.run_child(cmd, env, collect=runner.COLLECT, launch=launch)
     run = runner.level_run(done, None)
     print(f"[policy] {'ok' if run.ok else 'FAILED: ' + str(run.error)} in {run.wall_s:.1f}s", file=sys.stderr,
           flush=True)
@@ -147,18 +154,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     args.levels = with_states(args.levels, args.optimizer_states)
     done = compare_script(args) if args.command is not None else compare_builtin(args)
     rows = summarize(done.runs, done.upto)
+    verdicts = judge_rows(rows, args.tolerance, done.upto)
     machine, note = machine_of(rows, done.device)
     notes = [note or "", *done.notes, interrupted_note(rows, args.levels) if done.interrupted is not None else "",
              f"note: kept in FP32 at every level (--keep-fp32): {args.keep_fp32}" if args.keep_fp32 else ""]
-    print(format_table(rows, done.title, machine, notes), flush=True)
+    print(format_table(rows, done.title, machine, notes, verdicts, args.tolerance), flush=True)
     if args.json:
         write_json(args.json, {**done.header, "levels": args.levels, "machine": machine, "keep_fp32": args.keep_fp32,
-                               "compared_steps": done.upto, "interrupted": done.interrupted is not None}, rows)
+                               "compared_steps": done.upto, "interrupted": done.interrupted is not None,
+                               "tolerance": args.tolerance}, rows, verdicts)
     ok = rows and all(r.ok for r in rows) and len(rows) == len(args.levels) + bool(args.policy)
     code = 128 + done.interrupted if done.interrupted is not None else 0 if ok else 1
     if args.plot and rows:
         try:
-            write_plot(args.plot, rows, done.title)
+            write_plot(args.plot, rows, done.title, verdicts, args.tolerance, done.upto)
         except ImportError:
             print("ampatch: error: --plot needs matplotlib: pip install matplotlib "
                   "(or pip install ampatch[plot])", file=sys.stderr)

@@ -7,14 +7,15 @@ import argparse
 import json
 import sys
 
-from ampatch.cli.common import (CliError, add_level_options, check_fp8_levels, check_half_dtype, check_output_path,
-                                fp8_recipe, positive)
+from ampatch.cli.common import (CliError, add_level_options, budget, check_fp8_levels, check_half_dtype,
+                                check_output_path, fp8_recipe, positive)
 from ampatch.diagnose import command as diagnosis
 from ampatch.record.child import DEFAULT_STEPS as DIAGNOSE_STEPS
 from ampatch.diagnose.render import render
 from ampatch.diagnose.render import write_plot as write_diagnosis_plot
 from ampatch.config.values import parse_names
 from ampatch.runs import runner
+from ampatch.runs.longer import DEFAULT_BUDGET_S
 from ampatch.runs.builtin import workload_device
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
@@ -34,8 +35,12 @@ def add_diagnose(sub: argparse._SubParsersAction, half: dict) -> None:
                            "default), rowwise or rowwise_with_gw_hp; each converted layer is measured against "
                            "bfloat16 on its own inputs, those FP8 hurts are named and a rerun without them verifies "
                            "it (default level O5 for a built-in workload)")
+    diag.add_argument("--budget", type=budget, metavar="TIME", default=DEFAULT_BUDGET_S,
+                      help="time for verification runs made longer where the runs cannot tell yet whether the fix "
+                           "follows O0 (doubling their steps, as tune does), e.g. 5m (default 10m; none: no limit)")
     diag.add_argument("--json", metavar="PATH", help="write the diagnosis (every module) as JSON")
-    diag.add_argument("--plot", metavar="PATH", help="write a PNG of each module's error and headroom")
+    diag.add_argument("--plot", metavar="PATH", help="write a PNG of each module's local error against the line where "
+                                                     "diagnose would name it, and of its headroom (float16)")
     diag.set_defaults(func=cmd_diagnose)
 
 
@@ -67,7 +72,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if fp8 and level is not None:
         check_fp8_levels([f"{level}+fp8:{fp8}"], args.half_dtype, workload_device(None))  # CUDA if here
     kept = tuple(parse_names(args.keep_fp32 or ""))
-    req = diagnosis.Request(cmd, level, args.half_dtype, args.steps, args.apex_alias, kept, fp8)
+    req = diagnosis.Request(cmd, level, args.half_dtype, args.steps, args.apex_alias, kept, fp8, args.budget)
     try:
         result = diagnosis.diagnose(req, sys.stderr)
     except diagnosis.RunFailed as exc:

@@ -7,7 +7,8 @@ import argparse
 import re
 import sys
 
-from ampatch.cli.common import CliError, budget, check_fp8_levels, check_output_path, level_variants, positive
+from ampatch.cli.common import (CliError, budget, check_fp8_levels, check_output_path, level_variants, positive,
+                                tolerance)
 from ampatch.config.policy_file import DEFAULT_PATH
 from ampatch.runs.builtin import workload_device
 from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, TOLERANCE, WINDOW
@@ -20,25 +21,16 @@ DESCRIPTION = (
     "Find the fastest precision policy whose loss curve stays like O0's, and write it as a policy file. "
     f"The deviation of a candidate is the largest gap between its loss curve and O0's ({WINDOW}-loss means, update "
     "for update), relative to O0's progress over the run (the mean of its first losses minus the mean of its last). "
-    "O0 must make progress beyond its own noise (the scatter of its loss around its trend; a one-sided t test at "
-    f"{CONFIDENCE:.0%} confidence): when it does not, tune stops with exit 1 (run more steps). A candidate qualifies "
-    "when it is finite, skips no step after the loss scaler's first back-offs, learns between "
+    "O0 must make progress beyond its own noise (its least-squares trend against the scatter of its loss; a "
+    f"one-sided t test at {CONFIDENCE:.0%} confidence) and beyond a few ulps of its loss's dtype. A candidate "
+    "qualifies when it is finite, skips no step after the loss scaler's first back-offs, learns between "
     f"{MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} of what O0 learns at {CONFIDENCE:.0%} confidence (whatever the "
     "tolerance), and deviates by at most the tolerance beyond the noise of its own per-step differences from O0 on "
-    "the same batches (a run whose noise alone exceeds the tolerance is not judged).")
-
-
-def tolerance(text: str) -> float:
-    """"2%", "0.02" -> 0.02; refuses a negative, zero or unparsable tolerance."""
-    if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(f"must be above 0 (a relative deviation such as 2% or 0.02), got {text!r}")
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a relative deviation such as 2% or 0.02, got {text!r}")
-    value = float(m.group(1)) / (100 if m.group(2) else 1)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0 (a relative deviation such as 2% or 0.02), got {text!r}")
-    return value
+    "the same batches. Where the loss cannot tell (O0's progress not yet detectable, or a candidate's differences "
+    "too noisy for the tolerance), tune runs O0 and those candidates again with twice the steps, within --budget and "
+    "as far as the script goes, and asks the weights (a fixed random projection recorded in every run: how far a "
+    "candidate's weights went O0's way, and how close they stay). When neither can tell, it says so: exit 1, no "
+    "policy file, and --json says why and what would decide (more steps, a wider tolerance).")
 
 
 def rounds(text: str) -> int:
@@ -62,7 +54,8 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
                         "(its first losses minus its last), beyond the noise of its per-step differences from O0 "
                         "(default 2%%)")
     t.add_argument("--steps", type=positive, default=DEFAULT_STEPS,
-                   help=f"optimizer steps per run (default {DEFAULT_STEPS})")
+                   help=f"optimizer steps per run to start with (default {DEFAULT_STEPS}); runs that cannot tell yet "
+                        "are made longer, doubling, within --budget and as far as the script goes")
     t.add_argument("--budget", type=budget, metavar="TIME", default=DEFAULT_BUDGET_S,
                    help="time for the whole search, recorded repair runs included, e.g. 10m (default 10m; none: "
                         "no limit)")
@@ -74,7 +67,11 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
     t.add_argument("--half-dtype", **half)
     t.add_argument("--out", metavar="PATH", default=DEFAULT_PATH,
                    help=f"the policy file to write (default {DEFAULT_PATH})")
-    t.add_argument("--json", metavar="PATH", help="write every candidate, the measure and the choice as JSON")
+    t.add_argument("--json", metavar="PATH", help="write every candidate, the measure and the outcome (chosen, cannot "
+                                                   "tell, no reference) with its reason as JSON, whatever the outcome")
+    t.add_argument("--plot", metavar="PATH", help="write a PNG: each candidate's speed-up (or bytes per parameter) "
+                                                  "against its deviation, the tolerance, failures with their reason, "
+                                                  "the chosen one named")
     t.add_argument("--workload", choices=WORKLOADS, help=f"built-in workload (default: {DEFAULT_WORKLOAD})")
     t.add_argument("--size", choices=SIZES, help="size of the built-in workload (default: large for lm)")
     t.add_argument("--device", help="device the built-in workload trains on, or your script does: what decides the "
@@ -92,14 +89,16 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    """``ampatch tune``: 0 once a policy is chosen (O0 included), 1 when the reference run
-    fails, is unsound (the script crashes, never calls scale_loss, its O0 loss is not finite
-    or diverges) or makes no detectable progress ("run more steps"), 2 for bad input, 128+N
-    when stopped by signal N."""
+    """``ampatch tune``: 0 once a policy is chosen (O0 included), 1 when the runs cannot tell
+    (no policy file; the JSON says why and what would decide) or the reference run fails, is
+    unsound (the script crashes, never calls scale_loss, its O0 loss is not finite or
+    diverges) or makes no detectable progress ("run more steps"), 2 for bad input, 128+N when
+    stopped by signal N. ``--json`` is written for every outcome but bad input."""
     from ampatch.tune import NoReference, tune
 
     check_output_path(args.out, "--out")
     check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
     if args.command is not None and (args.workload or args.size):
         raise CliError("--workload/--size apply to the built-in workloads; give your script its own options after --")
     check_fp8_levels(args.levels, args.half_dtype, workload_device(args.device))
@@ -110,8 +109,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
                       log=sys.stderr, objective=args.objective)
     except NoReference as exc:
         print(f"ampatch tune: {exc}", file=sys.stderr)
+        if args.json and exc.result is not None:
+            exc.result.write_json(args.json)
         return 1
     print(result.render(), flush=True)
     if args.json:
         result.write_json(args.json)
-    return 128 + result.interrupted if result.interrupted is not None else 0
+    if args.plot:
+        try:
+            result.write_plot(args.plot)
+        except ImportError:
+            print("ampatch: error: --plot needs matplotlib: pip install ampatch[plot]", file=sys.stderr)
+            return 1
+    if result.interrupted is not None:
+        return 128 + result.interrupted
+    return 1 if result.cannot_tell else 0

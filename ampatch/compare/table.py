@@ -1,10 +1,12 @@
-"""The comparison table as text, the machine line above it, and the rows as JSON."""
+"""The comparison table as text, the machine line above it, and the rows as JSON, each level
+with the one verdict `tune` and `diagnose` give it (`ampatch.runs.verdict`: qualifies, fails,
+or cannot tell) and the noise its deviation is judged beside."""
 
 from __future__ import annotations
 
 import json
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,8 @@ from ampatch.machine import hardware
 from ampatch.machine.device_text import machine_line, slow_half_note
 from ampatch.model.fp8 import EMULATED
 from ampatch.runs.stats import BASELINE, FINAL_LOSS_WINDOW, WARMUP_FRACTION, RunStats
-from ampatch.runs.deviation import WINDOW
+from ampatch.runs.deviation import CONFIDENCE, WINDOW
+from ampatch.runs.verdict import Rule, Verdict, judge
 
 # (heading, RunStats attribute, format)
 COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
@@ -20,16 +23,32 @@ COLUMNS = [("level", "level", "{}"), ("half dtype", "half_dtype", "{}"),
            ("peak MiB", "peak_memory_mib", "{:.0f}"), ("B/param", "train_bytes_per_param", "{:.1f}"),
            ("first loss", "first_loss", "{:.4f}"),
            ("final loss", "final_loss", "{:.4f}"),
-           ("max dev vs O0", "max_loss_dev_vs_O0", "{:.2%}"),
+           ("max dev vs O0", "max_loss_dev_vs_O0", "{:.2%}"), ("noise", "noise", "{:.2%}"),
+           ("verdict", "verdict", "{}"),
            ("skipped", "skipped_steps", "{}"), ("loss scale", "final_loss_scale", "{:g}"),
            ("steps", "steps", "{}")]
+VERDICT_KEYS = ("noise", "verdict")   # columns read from the row's verdict, not from the row
 TEXT_COLUMNS = 2   # the first columns are text, left-aligned; numbers are right-aligned
 NOTE_WIDTH = 100
 EMULATED_MARK = "*"  # after the level of a row whose FP8 was emulated (the footnote says what it means)
 
 
-def cell(row: RunStats, key: str, fmt: str) -> str:
-    """One cell: ``-`` for a missing value; the skipped steps are counted."""
+def judge_rows(rows: Sequence[RunStats], tolerance: float, upto: int | None = None) -> dict[str, Verdict]:
+    """Each finished level's verdict against O0's row (none without an O0 row), as tune judges."""
+    base = next((r for r in rows if r.level == BASELINE and r.ok), None)
+    if base is None:
+        return {}
+    ref = base.reference(upto)
+    return {r.level: judge(r, Rule(tolerance), ref, upto, base.witness) for r in rows if r is not base}
+
+
+def cell(row: RunStats, key: str, fmt: str, verdict: Verdict | None = None) -> str:
+    """One cell: ``-`` for a missing value; the skipped steps are counted; `VERDICT_KEYS` from `verdict`."""
+    if key in VERDICT_KEYS:
+        if verdict is None:
+            return "reference" if key == "verdict" and row.level == BASELINE else "-"
+        value = verdict.label if key == "verdict" else verdict.noise
+        return "-" if value is None else fmt.format(value)
     value = getattr(row, key)
     if key == "level" and fp8_emulated(row):
         value = f"{value} {EMULATED_MARK}"
@@ -39,14 +58,17 @@ def cell(row: RunStats, key: str, fmt: str) -> str:
 
 
 def format_table(rows: Sequence[RunStats], title: str, machine: str | None = None,
-                 notes: Sequence[str] = ()) -> str:
+                 notes: Sequence[str] = (), verdicts: Mapping[str, Verdict] | None = None,
+                 tolerance: float | None = None) -> str:
     """The comparison table with its footnotes, as text: title, the machine line (device,
-    torch, half dtype native or not), the table, the footnotes, then ``notes``."""
-    ok = [[cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in rows if r.ok]
+    torch, half dtype native or not), the table, the footnotes, then ``notes``; `verdicts`
+    (`judge_rows`, at `tolerance`) fill the noise and verdict columns."""
+    verdicts = verdicts or {}
+    ok = [[cell(r, key, fmt, verdicts.get(r.level)) for _, key, fmt in COLUMNS] for r in rows if r.ok]
     widths = [max([len(h)] + [len(c[i]) for c in ok]) for i, (h, _, _) in enumerate(COLUMNS)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < TEXT_COLUMNS else c.rjust(w)
+        return "  ".join(c.ljust(w) if i < TEXT_COLUMNS or COLUMNS[i][1] == "verdict" else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths)))
 
     out = [title] + ([f"machine: {machine}"] if machine else []) + [line([h for h, _, _ in COLUMNS])]
@@ -61,9 +83,25 @@ def format_table(rows: Sequence[RunStats], title: str, machine: str | None = Non
             f"after the loss scaler's initial back-offs), {deviation_basis(rows)}; see ampatch.runs.deviation.",
             "peak MiB: CUDA max allocated when the run used CUDA, else the process's peak RSS; B/param: bytes held "
             "per trained parameter for training (weight, master copy or compensation, optimizer state)."]
+    out += [n for n in [verdict_note(verdicts, tolerance)] if n]
     out += [textwrap.fill(n, width=NOTE_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
             for n in [*fp8_notes(rows), *notes] if n]
     return "\n".join(out)
+
+
+def verdict_note(verdicts: Mapping[str, Verdict], tolerance: float | None) -> str:
+    """The footnote of the noise and verdict columns, with what would decide the levels the runs cannot tell."""
+    if not verdicts or tolerance is None:
+        return ""
+    out = (f"noise: how far the deviation strays by the noise of the level's own per-step differences from O0 "
+           f"({CONFIDENCE:.0%} confidence); verdict: as tune judges at a {tolerance:.2%} tolerance (ok, FAIL, "
+           "\"(weights)\": on how far its weights went O0's way, \"can't tell\": neither the loss nor the weights "
+           "decide); --json gives each reason.")
+    left = {k: v for k, v in verdicts.items() if not v.judged}
+    if left:
+        out += " Can't tell: " + "; ".join(f"{k}: {v.decide.describe() if v.decide else 'more steps'} would decide"
+                                           for k, v in left.items()) + "."
+    return out
 
 
 def fp8_emulated(row: RunStats) -> bool:
@@ -115,6 +153,19 @@ def machine_of(rows: Sequence[RunStats], fallback: str = "cpu") -> tuple[str, st
     return machine_line(info, dtypes), slow_half_note(info, dtypes)
 
 
-def write_json(path: str, header: dict[str, Any], rows: Sequence[RunStats]) -> None:
-    """``header`` and all rows, with loss curves, loss-scale history and the full reports."""
-    Path(path).write_text(json.dumps({**header, "rows": [r.to_dict() for r in rows]}, indent=1) + "\n")
+def verdict_dict(v: Verdict | None) -> dict[str, Any] | None:
+    """A verdict as the JSON of compare's rows writes it."""
+    if v is None:
+        return None
+    return {"outcome": v.outcome.value, "evidence": v.evidence.value, "reason": v.reason, "noise": v.noise,
+            "beyond": v.beyond, "learned": v.learned, "learned_margin": v.learned_margin, "steps": v.steps,
+            "decide": None if v.decide is None else {"steps": v.decide.steps, "tolerance": v.decide.tolerance}}
+
+
+def write_json(path: str, header: dict[str, Any], rows: Sequence[RunStats],
+               verdicts: Mapping[str, Verdict] | None = None) -> None:
+    """``header`` and all rows, with loss curves, loss-scale history, the full reports and each
+    level's verdict."""
+    verdicts = verdicts or {}
+    data = [{**r.to_dict(), "verdict": verdict_dict(verdicts.get(r.level))} for r in rows]
+    Path(path).write_text(json.dumps({**header, "rows": data}, indent=1) + "\n")

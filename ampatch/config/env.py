@@ -20,7 +20,8 @@ from .values import (StatePrecision, parse_dtype, parse_env_flag, parse_fp8, par
                      parse_names, parse_optimizer_states)
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MASTER_WEIGHTS", "MAX_STEPS", "REPORT", "PROGRESS",
-           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "OPTIMIZER_STATES", "ALL", "Overrides", "read", "without_ampatch"]
+           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "OPTIMIZER_STATES", "WITNESS", "ALL", "Overrides",
+           "read", "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)
@@ -36,9 +37,10 @@ POLICY = "AMPATCH_POLICY"                # apply this policy file (ampatch tune'
 FP8 = "AMPATCH_FP8"                      # force fp8: a recipe name, 1/true (tensorwise) or 0/off
 FP8_MODULES = "AMPATCH_FP8_MODULES"      # force fp8_modules: the layers run in FP8, comma-separated names/globs
 OPTIMIZER_STATES = "AMPATCH_OPTIMIZER_STATES"  # force optimizer_states: float32, bfloat16 or int8
+WITNESS = "AMPATCH_WITNESS"              # write a projection of the stepped weights here at exit (session.witness)
 
-ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MASTER_WEIGHTS, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE, POLICY, FP8,
-       FP8_MODULES, OPTIMIZER_STATES)
+ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MASTER_WEIGHTS, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE,
+       POLICY, FP8, FP8_MODULES, OPTIMIZER_STATES, WITNESS)
 PREFIX = "AMPATCH_"
 
 
@@ -62,6 +64,7 @@ class Overrides:
     fp8: str | bool | None = None            # AMPATCH_FP8: a recipe name, or False (forced off)
     fp8_modules: tuple[str, ...] | None = None  # AMPATCH_FP8_MODULES: layer names or globs (None: unset)
     optimizer_states: StatePrecision | None = None  # AMPATCH_OPTIMIZER_STATES
+    witness: str | None = None               # AMPATCH_WITNESS (only while recording a report)
     raw: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     # field -> how messages name where its value came from, when not its own variable (a policy file)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -77,7 +80,7 @@ class Overrides:
         "master_weights": MASTER_WEIGHTS,
         "max_steps": MAX_STEPS, "report": REPORT, "progress": PROGRESS, "time_wrappers": TIME_WRAPPERS,
         "diagnose": DIAGNOSE, "policy": POLICY, "fp8": FP8,
-        "fp8_modules": FP8_MODULES, "optimizer_states": OPTIMIZER_STATES}
+        "fp8_modules": FP8_MODULES, "optimizer_states": OPTIMIZER_STATES, "witness": WITNESS}
 
     def given(self, field_name: str) -> str:
         """"AMPATCH_X=value" for a field, as the user set it: what messages quote."""
@@ -159,6 +162,7 @@ def read(environ: Mapping[str, str] | None = None) -> Overrides:
         fp8=_checked(FP8, v[FP8], lambda s: parse_fp8(s, "") or False),
         fp8_modules=_checked(FP8_MODULES, v[FP8_MODULES], _layer_names),
         optimizer_states=_checked(OPTIMIZER_STATES, v[OPTIMIZER_STATES], parse_optimizer_states),
+        witness=v[WITNESS] if v[REPORT] else None,
         raw={name: value for name, value in v.items() if value is not None},
     )
 

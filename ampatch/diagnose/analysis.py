@@ -18,7 +18,9 @@ or its JSON) into a typed `Diagnosis` (`result.py`); `analyse` is its JSON:
   FP32 master weights against stalled updates, `stalls.py`), and notes in words;
 - `step_fault`: an optimizer step that turned finite weights inf/NaN from finite gradients (a
   float16-rounded Adam eps at O3): not a module's precision, so no module is recommended for
-  what follows from it (the next forward's inf/NaN);
+  what follows from it (the next forward's inf/NaN, a loss gone non-finite); the recommendation
+  is FP32 master weights, as for an Adam eps the session found float16 rounds to 0 (the
+  optimizer then steps FP32 copies: its eps and its updates keep their value);
 - `fp8`: with layers run in FP8, each against bfloat16, and those FP8 hurts (`fp8.judge`),
   which the recommendation leaves out of FP8.
 """
@@ -37,7 +39,8 @@ from . import fp8 as fp8_layers
 from . import stalls
 from .result import Diagnosis, FirstNonfinite, ModuleEntry, Recommendation, Settings, StepFault
 
-__all__ = ["analyse", "diagnosis", "grow", "error_floor", "OUTLIER_FACTOR", "UNDERFLOW_SHARE", "FULL_UNDERFLOW"]
+__all__ = ["analyse", "diagnosis", "grow", "error_floor", "blame_line", "OUTLIER_FACTOR", "UNDERFLOW_SHARE",
+           "FULL_UNDERFLOW"]
 
 OUTLIER_FACTOR = 10.0   # a leaf's error this many times the median leaf's stands out
 EPS_MULTIPLE = 32.0     # ... and it must exceed this many machine epsilons of the half dtype
@@ -138,13 +141,21 @@ def _first_nonfinite(steps: list[StepRecord], fault: StepFault | None,
             keep.append(name)
     if fault is not None and first is None:
         first = FirstNonfinite(fault.step, "step", fault.modules[0], "nonfinite weights")
-    if forward is None:
-        bad_loss = next((s for s in steps if not s.loss_finite), None)
+    if forward is None:  # a loss gone non-finite after a faulty step is that step's doing, not the data's
+        bad_loss = next((s for s in before if not s.loss_finite and not s.stepped_nonfinite), None)
         if bad_loss is not None:
             notes.append(f"the loss is not finite at step {bad_loss.step} while every module's output was: the "
                          "problem is in the loss computation or the data (a log or division of 0, bad labels), not "
                          "in a module.")
     return first, keep
+
+
+def blame_line(leaves: Sequence[ModuleEntry], half: str | None) -> float:
+    """The local error above which a leaf is named: `OUTLIER_FACTOR` times the median leaf's,
+    and at least `error_floor` (what `diagnose --plot` draws as its line)."""
+    finite_errors = [e.rel_error for e in leaves if e.rel_error is not None]
+    typical = statistics.median(finite_errors) if finite_errors else 0.0
+    return max(error_floor(half), OUTLIER_FACTOR * typical)
 
 
 def _outliers(leaves: list[ModuleEntry], half: str | None, keep: list[str], notes: list[str]) -> None:
@@ -153,7 +164,7 @@ def _outliers(leaves: list[ModuleEntry], half: str | None, keep: list[str], note
     if not finite_errors:
         return
     typical = statistics.median(finite_errors)
-    bar = max(error_floor(half), OUTLIER_FACTOR * typical)
+    bar = blame_line(leaves, half)
     for e in leaves:
         if e.rel_error is not None and e.rel_error > bar and not _is_within(e.name, keep):
             keep.append(e.name)
@@ -217,7 +228,11 @@ def diagnosis(doc: dict[str, Any] | Recording) -> Diagnosis:
     if not steps:
         notes.append("no optimizer step was recorded: the script never completed a step under an ampatch "
                      "session (amp.initialize, then scale_loss and optimizer.step).")
-    settings = Settings(loss_scale=loss_scale, master_weights=True if stall is not None and stall.finding else None)
+    # the optimizer's own step in the half dtype (a step fault, an Adam eps float16 rounds to 0) is kept finite by
+    # FP32 masters, as stalled updates are kept by them: the recommendation follows those findings
+    own_step = rec.master_weights == "none" and (fault is not None or bool(rec.eps_lost))
+    masters = (stall is not None and stall.finding) or own_step
+    settings = Settings(loss_scale=loss_scale, master_weights=True if masters else None)
     notes += fp8_notes
     exclude = tuple(e.name for e in fp8 if e.hurts)
     left = tuple(e.name for e in fp8 if not e.hurts) if exclude else None

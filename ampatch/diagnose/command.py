@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
@@ -36,10 +37,12 @@ from ..config import env
 from ..record.child import DEFAULT_STEPS
 from ..record.records import Recording, RecordingError
 from ..runs.deviation import TOLERANCE, Basis
+from ..runs.longer import DEFAULT_BUDGET_S, Longer
 from ..runs.verdict import Rule, judge
-from ..runs.runner import Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
+from ..runs.runner import (COLLECT, Finished, LevelRun, child_env, failure_line, level_run, run_child,
+                           with_apex_alias)
 from .analysis import diagnosis, grow
-from .result import Diagnosis, Figures, Settings, Verification
+from .result import Diagnosis, Figures, Recommendation, Settings, Verification
 
 __all__ = ["Request", "RunFailed", "diagnose", "MAX_ROUNDS"]
 
@@ -63,6 +66,7 @@ class Request:
     apex_alias: bool = False
     keep_fp32: tuple[str, ...] = ()  # kept already (the user's --keep-fp32): diagnosed with them
     fp8: str | None = None           # a recipe: the Linear layers in FP8 (AMPATCH_FP8; None: as the script says)
+    budget: float | None = DEFAULT_BUDGET_S  # seconds for verification runs made longer (None: no limit)
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,7 @@ def _run(req: Request, log: TextIO, what: str, level: str | None, keep: Sequence
     `settings`, and only `fp8_modules` in FP8 (None: the layers the run chooses; none: fp8 off)."""
     log.write(f"ampatch diagnose: {what} ...\n")
     log.flush()
-    variables = child_env(level, req.half_dtype)
-    variables[env.MAX_STEPS] = str(req.steps)
+    variables = child_env(level, req.half_dtype, max_steps=req.steps)
     for name in (env.KEEP_FP32, env.LOSS_SCALE, env.MASTER_WEIGHTS, env.DIAGNOSE, env.REPORT, env.FP8_MODULES):
         variables.pop(name, None)
     if level == "O0":
@@ -102,7 +105,7 @@ def _run(req: Request, log: TextIO, what: str, level: str | None, keep: Sequence
         variables[env.MASTER_WEIGHTS] = str(settings.master_weights)
     if req.apex_alias:
         variables = with_apex_alias(variables)
-    collect = (env.REPORT, env.DIAGNOSE) if record else (env.REPORT,)
+    collect = (*COLLECT, env.DIAGNOSE) if record else COLLECT
     done = run_child(list(req.command), variables, collect=collect)
     return _Run(done, level_run(done, level), done.outputs.get(env.DIAGNOSE))
 
@@ -121,7 +124,7 @@ def _figures(run: _Run, baseline: RunStats | None, keep: Sequence[str], settings
     dev, share = _number(row.max_loss_dev_vs_O0), row.learned_vs_O0
     follows, why = None, ""
     if baseline is not None:
-        verdict = judge(row, Rule(TOLERANCE), baseline.reference())
+        verdict = judge(row, Rule(TOLERANCE), baseline.reference(), o0_witness=baseline.witness)
         follows, why = (verdict.qualifies if verdict.judged else None), verdict.reason
     return Figures(tuple(keep), settings, row.level, finite, _number(row.final_loss), dev, share, follows,
                    len(skipped), steps, row.error, tuple(fp8_exclude), why)
@@ -161,6 +164,7 @@ def _recorded(first: _Run) -> Diagnosis:
 def diagnose(req: Request, log: TextIO = sys.stderr) -> Diagnosis:
     """The whole diagnosis (see the module docstring), verified when it recommends a change.
     Raises `RunFailed` when the diagnosed run gives nothing to analyse."""
+    started = time.time()
     where = req.level or "the script's own level"
     first = _run(req, log, f"recording {req.steps} steps at {where}", req.level, keep=req.keep_fp32)
     found = replace(_recorded(first), kept_already=tuple(req.keep_fp32), crashed=first.run.error)
@@ -172,9 +176,7 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> Diagnosis:
     keep = list(req.keep_fp32) + [k for k in rec.keep_fp32 if k not in req.keep_fp32]
     tries: list[Figures] = []
     for _ in range(MAX_ROUNDS):
-        what = ", ".join([f"keep_fp32={keep}"] * bool(keep) + [f"{rec.settings.to_dict()}"] * bool(rec.settings)
-                         + [f"{list(rec.fp8_exclude)} out of FP8"] * bool(rec.fp8_exclude))
-        run = _run(req, log, f"verifying {what}", req.level, keep=keep, settings=rec.settings,
+        run = _run(req, log, f"verifying {_what(keep, rec)}", req.level, keep=keep, settings=rec.settings,
                    fp8_modules=rec.fp8_modules)
         figures = _figures(run, baseline, keep, rec.settings, rec.fp8_exclude)
         tries.append(figures)
@@ -184,9 +186,21 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> Diagnosis:
         if grown is None:
             break
         keep = keep + [grown]
-    verified = tries[-1]
+    verified, at_first = tries[-1], baseline   # the diagnosed run is judged at its own steps
+    longer = Longer(req.steps, req.steps, None if req.budget is None else started + req.budget)
+    longer.saw(req.steps, baseline.steps)
+    while verified.finite and verified.follows_O0 is None and longer.why_not(2, run.finished.wall_s) is None:
+        steps = longer.double()  # the runs cannot tell yet: O0 and the fix again, twice as long (runs.longer)
+        at = replace(req, steps=steps)
+        baseline_run = _run(at, log, f"the O0 reference, {steps} steps", "O0", record=False)
+        baseline = RunStats.of(baseline_run.run)
+        longer.saw(steps, baseline.steps)
+        run = _run(at, log, f"verifying {_what(keep, rec)}, {steps} steps", req.level, keep=keep,
+                   settings=rec.settings, fp8_modules=rec.fp8_modules, record=False)
+        verified = _figures(run, baseline, keep, rec.settings, rec.fp8_exclude)
+        tries.append(verified)
     basis = baseline.reference()
-    verification = Verification(verified, _figures(first, baseline, req.keep_fp32, Settings()),
+    verification = Verification(verified, _figures(first, at_first, req.keep_fp32, Settings()),
                                 _figures(baseline_run, None, (), Settings()), tuple(tries), gave_up=not verified.finite,
                                 o0_progress=basis.progress if basis.basis is Basis.PROGRESS else None)
     found = replace(found, recommendation=replace(rec, keep_fp32=verified.keep_fp32), verification=verification)
@@ -197,6 +211,12 @@ def diagnose(req: Request, log: TextIO = sys.stderr) -> Diagnosis:
             + ". The cause may not be a module's precision (a learning rate, the data), or it needs FP32 "
               "for more of the model than this search tried.")
     return found
+
+
+def _what(keep: Sequence[str], rec: Recommendation) -> str:
+    """The fix a verification run tries, in words."""
+    return ", ".join([f"keep_fp32={list(keep)}"] * bool(keep) + [f"{rec.settings.to_dict()}"] * bool(rec.settings)
+                     + [f"{list(rec.fp8_exclude)} out of FP8"] * bool(rec.fp8_exclude))
 
 
 def _tail(stderr: str, lines: int = 12) -> str:

@@ -27,6 +27,8 @@ from typing import Any
 from ..runs.deviation import MIN_SHARE, TOLERANCE
 from ..model.fp8 import EMULATED
 from .fp8 import Fp8Entry
+from .analysis import blame_line
+from .stalls import STALL_SHARE
 from .result import Diagnosis, Figures, ModuleEntry, Recommendation
 
 __all__ = ["render", "write_plot", "fp8_table", "MODULE_ROWS"]
@@ -142,7 +144,11 @@ def _recommendation(result: Diagnosis) -> str:
     if rec.fp8_exclude:
         left = f"fp8_modules={list(rec.fp8_modules)}" if rec.fp8_modules else "fp8 off: no layer is left"
         what.append(f"leave {list(rec.fp8_exclude)} out of FP8 ({left})")
-    return "recommendation: " + ", ".join(what)
+    why = ""
+    if rec.settings.master_weights and result.step_fault is not None:
+        why = (" (the optimizer's own step in the half dtype made the weights non-finite: with FP32 masters it steps "
+               "FP32 copies; no module to keep in FP32 helps; bfloat16 or a larger eps would do too)")
+    return "recommendation: " + ", ".join(what) + why
 
 
 def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
@@ -176,9 +182,10 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
     out += [f"  - {n}" for n in result.recommendation.notes]
     v = result.verification
     if v is not None:
-        out += ["", f"verification ({v.verified.steps} steps each, same seed; follows O0 as tune judges a "
+        out += ["", f"verification (same seed, each run's steps in its column; follows O0 as tune judges a "
                     f"candidate: finite, learning {MIN_SHARE:.0%} to {1 / MIN_SHARE:.0%} of what O0 learns, deviation "
-                    f"within {TOLERANCE:.0%} beyond its own noise):"]
+                    f"within {TOLERANCE:.0%} beyond its own noise, or on its weights where the loss cannot tell; "
+                    "runs that cannot tell are made longer, as tune's are):"]
         label = (level or "") + (f"+fp8:{fp8.recipe}" if fp8 else "")
         out += ["  " + ln for ln in _verification(result, label)]
         if v.gave_up:
@@ -187,30 +194,61 @@ def render(result: Diagnosis, command: str, rerun: str | None = None) -> str:
             if v.verified.follows_O0 is False:
                 out.append(f"  the fixed run does not follow O0: {v.verified.verdict}.")
             elif v.verified.follows_O0 is None:
-                out.append(f"  these runs cannot tell whether the fixed run follows O0: {v.verified.verdict}. "
-                           f"Rerun with more --steps (e.g. {5 * v.verified.steps}) to judge it.")
+                out.append(f"  these runs cannot tell whether the fixed run follows O0, at {v.verified.steps} steps "
+                           f"(runs made longer as far as the budget and the script allow): {v.verified.verdict}.")
             out += ["", *_apply(result.recommendation, rerun)]
     return "\n".join(out)
 
 
 def write_plot(path: str, result: Diagnosis, title: str) -> None:
-    """Two panels over the leaf modules: local relative error, and headroom (log scales).
-    Raises ImportError without matplotlib."""
+    """Each leaf module's local error against its FP32 shadow (log scale), with the line above
+    which diagnose names a module (`analysis.blame_line`) and the recommended ones in red;
+    modules with no error to show (exactly 0, or not measured) are listed, not drawn as bars.
+    For float16, whose range can run out, a second panel of headroom to its largest value, with
+    the line at 1x (bfloat16's range is FP32's: its headroom says nothing). Raises ImportError
+    without matplotlib."""
     from matplotlib.figure import Figure  # optional dependency: ampatch[plot]
 
     leaves = [m for m in result.modules if m.leaf][:30]
     names = [m.name or "(model)" for m in leaves]
-    fig = Figure(figsize=(12, max(3.0, 0.3 * len(leaves) + 1.5)), layout="constrained")
-    ax_err, ax_head = fig.subplots(1, 2, sharey=True)
-    errors = [(m.rel_error or 0.0) if not m.rel_error_inf else 1e6 for m in leaves]
-    heads = [m.headroom or 0.0 for m in leaves]
+    float16 = result.half_dtype == "float16"
+    stalls = result.stall is not None
+    panels = 1 + float16 + stalls
+    fig = Figure(figsize=(4 + 4 * panels, max(3.0, 0.3 * len(leaves) + 1.8)), layout="constrained")
+    axes = list(fig.subplots(1, panels, sharey=True)) if panels > 1 else [fig.subplots(1, 1)]
+    ax_err = axes[0]
     kept = set(result.recommendation.keep_fp32)
     colors = ["tab:red" if m.name in kept else "tab:blue" for m in leaves]
-    ax_err.barh(names, [max(e, 1e-9) for e in errors], color=colors)
-    ax_err.set(xscale="log", title="local relative error vs FP32 shadow", xlabel="||out - shadow|| / ||shadow||")
-    ax_head.barh(names, [max(h, 1e-3) for h in heads], color=colors)
-    ax_head.axvline(1.0, color="k", lw=0.8)
-    ax_head.set(xscale="log", title="headroom to the half dtype's largest value", xlabel="times")
+    errors = [1e6 if m.rel_error_inf else m.rel_error for m in leaves]
+    drawn = [e if e else 0.0 for e in errors]
+    ax_err.barh(names, drawn, color=colors)
+    shown = [e for e in drawn if e > 0]
+    line = blame_line([m for m in result.modules if m.leaf], result.half_dtype)
+    low = min([*shown, line]) / 10
+    for y, (m, e) in enumerate(zip(leaves, errors)):
+        if not e:
+            ax_err.text(low * 1.2, y, "0 (exact)" if e == 0.0 else "not measured", va="center", fontsize=7,
+                        color="0.4")
+        elif m.rel_error_inf:
+            ax_err.text(e / 3, y, "inf", va="center", ha="right", fontsize=8, color="white")
+    ax_err.axvline(line, color="k", ls="--", lw=1, label=f"named above {line:.3g}")
+    ax_err.set(xscale="log", xlim=(low, max([*shown, line]) * 10), title="local relative error vs FP32 shadow",
+               xlabel="||out - shadow|| / ||shadow|| (red: recommended for FP32)")
+    ax_err.legend(fontsize=8, loc="lower right")
+    if float16:
+        ax_head = axes[1]
+        heads = [m.headroom if m.headroom else 0.0 for m in leaves]
+        ax_head.barh(names, [max(h, 1e-3) for h in heads], color=colors)
+        ax_head.axvline(1.0, color="k", lw=0.8)
+        ax_head.set(xscale="log", title="headroom to float16's largest value (under 1x: overflow)", xlabel="times")
+    if stalls:
+        ax_stall = axes[-1]
+        unchanged = [100 * (m.unchanged or 0.0) for m in leaves]
+        stalled = {m.name for m in result.stall.modules} if result.stall is not None else set()
+        ax_stall.barh(names, unchanged, color=["tab:red" if m.name in stalled else "tab:blue" for m in leaves])
+        ax_stall.axvline(100 * STALL_SHARE, color="k", ls="--", lw=1, label=f"stalled above {STALL_SHARE:.0%}")
+        ax_stall.set(xlim=(0, 100), title="weights each step left unchanged (%)", xlabel="% (red: stalled)")
+        ax_stall.legend(fontsize=8, loc="lower right")
     ax_err.invert_yaxis()
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=110)

@@ -39,6 +39,7 @@ class _Setup:
     master_weights: str
     notes: list[str]
     keep_fp32: list[str]
+    eps_lost: list[str]
 
 
 def _document(tracked: tuple[Recorder, _Setup]) -> dict[str, Any]:
@@ -47,7 +48,8 @@ def _document(tracked: tuple[Recorder, _Setup]) -> dict[str, Any]:
     return Recording(setup.opt_level, setup.half_dtype, setup.loss_scale, setup.master_weights, setup.notes,
                      setup.keep_fp32, complete=len(rec.steps) >= rec.steps_wanted, steps_wanted=rec.steps_wanted,
                      steps=list(rec.steps), modules=[rec.records[name] for name, _ in rec.names],
-                     params=rec.stalls.records, fp8=rec.fp8.result() if rec.fp8 is not None else []).to_dict()
+                     params=rec.stalls.records, fp8=rec.fp8.result() if rec.fp8 is not None else [],
+                     eps_lost=setup.eps_lost).to_dict()
 
 
 _output = ExitJson(_document, "diagnosis")  # the newest recording, written when it ends or at exit
@@ -79,7 +81,7 @@ def attach(session: Any, models: Sequence[nn.Module], path: str, eps_lost: Seque
         notes.append("FSDP-sharded model: no FP32 shadows (local errors are not measured); inf/NaN and "
                      "underflow are.")
     setup = _Setup(props.opt_level, props.half_name, props.loss_scale, props.master_mode.value, notes,
-                   [k.label for k in session.kept])
+                   [k.label for k in session.kept], list(eps_lost))
     tracked = (recorder, setup)
     _output.track(tracked, path)
     recorder.attach()

@@ -137,10 +137,12 @@ class Recording:
     modules: list[ModuleRecord]
     params: list[ParamRecord]
     fp8: list[Fp8LayerRecord] = field(default_factory=list)  # the layers run in FP8 (none without fp8)
+    eps_lost: list[str] = field(default_factory=list)  # the optimizer groups whose Adam eps float16 rounds to 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "opt_level": self.opt_level, "half_dtype": self.half_dtype,
                 "loss_scale": self.loss_scale, "master_weights": self.master_weights, "notes": list(self.notes),
+                "eps_lost": list(self.eps_lost),
                 "keep_fp32": list(self.keep_fp32), "complete": self.complete,
                 "recorded": {"half_dtype": self.half_dtype, "steps_wanted": self.steps_wanted,
                              "steps": [asdict(s) for s in self.steps], "modules": [asdict(m) for m in self.modules],
@@ -164,4 +166,5 @@ class Recording:
                    steps=[_build(StepRecord, s, "a recorded step") for s in raw.get("steps") or []],
                    modules=[_build(ModuleRecord, m, "a recorded module") for m in raw.get("modules") or []],
                    params=[_build(ParamRecord, p, "a recorded parameter") for p in raw.get("params") or []],
-                   fp8=[_build(Fp8LayerRecord, f, "a recorded FP8 layer") for f in raw.get("fp8") or []])
+                   fp8=[_build(Fp8LayerRecord, f, "a recorded FP8 layer") for f in raw.get("fp8") or []],
+                   eps_lost=[str(x) for x in doc.get("eps_lost") or []])

@@ -15,13 +15,15 @@ end, at least `WINDOW` losses)::
     deviation = max over steps s of |mean(L, window ending at s) - mean(R, window ending at s - k)| / P
 
 **Noise, from the run itself.** A loss is its batch's: it scatters around the curve's trend.
-That scatter is read from the curve's second differences (a smooth trend cancels in them;
-for independent noise of spread σ, ``L[s+2] - 2 L[s+1] + L[s]`` has variance 6σ²), so P has
-a standard error σ √(2 / ends). O0 *makes progress* when P exceeds that standard error by the
-one-sided Student-t quantile at `CONFIDENCE` (its degrees of freedom: the effective number of
-second differences). When it does not, nothing can be learned a share of: the deviation is
-then relative to O0's level at each step (`Basis.LEVEL`, what ``compare`` shows), and
-``tune`` stops ("run more steps").
+That scatter σ is read from the curve's second differences (`noise.noise_of`). O0 *makes
+progress* when its least-squares trend falls by more than the one-sided Student-t quantile at
+`CONFIDENCE` times that fall's standard error (`noise.trend`: every loss counts, so for a
+steady fall the test grows with the run, as a comparison of a few losses at each end does
+not), P is positive, and P is a fall the loss's own arithmetic resolves
+(`resolution.resolves`: beyond a few ulps of the dtype its values are computed in). When it
+does not, nothing can be learned a share of: the deviation is then relative to O0's level at
+each step (`Basis.LEVEL`, what ``compare`` shows), and ``tune`` runs longer or asks the
+weights (`ampatch.runs.weights`).
 
 **A candidate against O0** (`against`) is judged on the same batches: every run of a
 command draws the same data, so the paired differences ``D = L - R`` carry almost none of the
@@ -34,7 +36,9 @@ batch-to-batch noise that both losses share. From them:
 - the *noise* of the deviation: how far a window mean of D strays by D's own noise alone, at
   `CONFIDENCE` over every compared step (Bonferroni), relative to P; `beyond`: how far the
   deviation goes past that allowance (at each step, for the losses in its window). ``tune``
-  holds `beyond` to the tolerance, and refuses to judge a run whose noise alone exceeds it.
+  holds `beyond` to the tolerance, and cannot judge a run whose noise alone exceeds it.
+- `unresolved`: why the run's own loss cannot witness P (its values are computed in a dtype
+  whose rounding at that level is as large as P: a bfloat16 loss cannot show a fall of 3e-7).
 
 **The shift.** ``k`` is the number of the loss scaler's *initial back-offs* (steps skipped in
 a row from step 0 while a dynamic loss scale falls from its start to a scale that fits),
@@ -50,13 +54,17 @@ A non-finite loss makes the deviation infinite. Only the steps both curves have 
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from ampatch.runs import resolution
+from ampatch.runs import noise
+from ampatch.runs.noise import Noise, noise_of, second_differences, t_quantile, trend
 
 __all__ = ["WINDOW", "ENDS", "TOLERANCE", "CONFIDENCE", "MIN_SHARE", "DIVERGE", "Basis", "Noise", "Reference",
-           "Comparison", "initial_backoffs", "losses_per_step", "deviation", "learned", "against", "unsound",
+           "Comparison", "initial_backoffs", "losses_per_step", "deviation", "gap_curve", "learned", "against",
+           "unsound",
            "ends_window", "noise_of", "t_quantile"]
 
 WINDOW = 5          # losses averaged at each step before comparing (the compare table's final-loss window)
@@ -66,7 +74,6 @@ CONFIDENCE = 0.99   # one-sided confidence of every test here: O0's progress, a 
 MIN_SHARE = 0.5     # tune: a run must learn between this share of O0's progress and its inverse (at CONFIDENCE)
 DIVERGE = 1.0       # a positive O0 loss ending this share above where it started (doubled): the reference diverges
 TINY = 1e-12        # a reference loss this close to 0 is compared against this instead
-SECOND_DIFF_DOF = 18 / 35   # degrees of freedom per second difference of independent noise (1 / sum of rho_k^2)
 
 
 class Basis(enum.Enum):
@@ -76,72 +83,7 @@ class Basis(enum.Enum):
     LEVEL = "level"         # it does not: O0's loss at each step
 
 
-# ------------------------------------------------------------------ statistics
-def _betainc(a: float, b: float, x: float) -> float:
-    """The regularised incomplete beta function I_x(a, b) (continued fraction, modified Lentz)."""
-    if x <= 0.0 or x >= 1.0:
-        return max(0.0, min(1.0, x))
-    if x > (a + 1.0) / (a + b + 2.0):
-        return 1.0 - _betainc(b, a, 1.0 - x)
-    tiny = 1e-300
-    c, d = 1.0, 1.0 / (1.0 - (a + b) * x / (a + 1.0) or tiny)
-    h = d
-    for m in range(1, 500):
-        for aa in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 / (1.0 + aa * d or tiny)
-            c = 1.0 + aa / c or tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-14:
-            break
-    return math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) * h / a
-
-
-def _t_cdf(t: float, dof: float) -> float:
-    tail = 0.5 * _betainc(dof / 2.0, 0.5, dof / (dof + t * t))
-    return 1.0 - tail if t >= 0 else tail
-
-
-@functools.lru_cache(maxsize=4096)
-def t_quantile(p: float, dof: float) -> float:
-    """The one-sided Student-t quantile: P(T <= t) = p for `dof` degrees of freedom (real, > 0;
-    inf: the normal's); for 0.5 <= p < 1."""
-    if not 0.5 <= p < 1.0:
-        raise ValueError(f"p must be in [0.5, 1), got {p}")
-    normal = dof == math.inf or dof > 1e7
-    cdf = (lambda t: 0.5 * math.erfc(-t / math.sqrt(2))) if normal else (lambda t: _t_cdf(t, dof))
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        lo, hi = hi, hi * 2.0
-        if hi > 1e300:
-            return math.inf
-    while hi - lo > 1e-10 * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-@dataclass(frozen=True)
-class Noise:
-    """The per-loss noise of a curve (σ, from its second differences) and its degrees of freedom."""
-
-    sigma: float
-    dof: float
-
-
-def _second(values: Sequence[float]) -> list[float]:
-    return [values[i + 2] - 2.0 * values[i + 1] + values[i] for i in range(len(values) - 2)]
-
-
-def noise_of(values: Sequence[float]) -> Noise | None:
-    """The scatter of a curve around its trend: σ with E[(second difference)²] = 6σ²; None for
-    fewer than 3 values."""
-    d2 = _second(values)
-    if not d2:
-        return None
-    return Noise(math.sqrt(sum(x * x for x in d2) / (6.0 * len(d2))), len(d2) * SECOND_DIFF_DOF)
-
-
+# ------------------------------------------------------------------ statistics (`noise`)
 def ends_window(n: int, window: int = WINDOW) -> int:
     """How many losses at each end make the first and last means of a curve of `n` losses: an
     `ENDS`-th of it, at least `window`, at most half of it."""
@@ -159,8 +101,8 @@ def _ends(values: Sequence[float], window: int) -> tuple[float, float] | None:
 # ------------------------------------------------------------------ O0's curve
 @dataclass(frozen=True)
 class Reference:
-    """O0's curve read once: what it learns over the run, whether that is beyond its own noise,
-    and so what a deviation is relative to."""
+    """O0's curve read once: what it learns over the run, whether that is beyond its own noise
+    and its own rounding, and so what a deviation is relative to."""
 
     curve: Mapping[int, float]
     basis: Basis
@@ -169,9 +111,12 @@ class Reference:
     noise: float | None = None      # σ: the per-loss scatter around its trend (second differences)
     window: int = WINDOW            # the deviation's smoothing window
     ends: int | None = None         # losses in each of the first and last means
-    se: float | None = None         # standard error of the progress: σ √(2 / ends)
-    needed: float | None = None     # the t quantile the progress must reach, in standard errors
+    se: float | None = None         # standard error of the trend's fall (`noise.trend`)
+    needed: float | None = None     # the t quantile the trend's fall must reach, in standard errors
     confidence: float = CONFIDENCE
+    trend: float | None = None      # how far its least-squares line falls over the run
+    dtype: str = "float32"          # the dtype its values are computed in (`resolution.dtype_of`)
+    floor: float | None = None      # the smallest fall that dtype resolves at its level
 
     @property
     def progress(self) -> float | None:
@@ -180,31 +125,38 @@ class Reference:
 
     @property
     def significance(self) -> float | None:
-        """The progress in standard errors of its own noise (inf: a noiseless fall)."""
-        p = self.progress
-        if p is None or self.se is None:
+        """The trend's fall in standard errors of the curve's own noise (inf: a noiseless fall)."""
+        if self.trend is None or self.se is None:
             return None
         if self.se == 0:
-            return math.inf if p > 0 else (-math.inf if p < 0 else 0.0)
-        return p / self.se
+            return math.inf if self.trend > 0 else (-math.inf if self.trend < 0 else 0.0)
+        return self.trend / self.se
+
+    @property
+    def resolved(self) -> bool:
+        """Its fall is beyond the rounding of the dtype its loss is computed in."""
+        p = self.progress
+        return p is not None and self.floor is not None and p > self.floor
 
     @classmethod
     def of(cls, curve: Mapping[int, float], window: int = WINDOW, confidence: float = CONFIDENCE) -> Reference:
         """O0's curve {step: loss}: its progress, its noise, and the basis that follows (module docstring)."""
-        values = [curve[s] for s in sorted(curve)]
+        steps = sorted(curve)
+        values = [curve[s] for s in steps]
         if len(values) < 3 or not all(math.isfinite(v) for v in values):
             return cls(dict(curve), Basis.LEVEL, window=window, confidence=confidence)
         first, last = _ends(values, window)  # type: ignore[misc]
         w = ends_window(len(values), window)
         nz = noise_of(values)
-        assert nz is not None
-        se = nz.sigma * math.sqrt(2.0 / w)
-        needed = t_quantile(confidence, nz.dof)
-        ref = cls(dict(curve), Basis.LEVEL, first, last, nz.sigma, window, w, se, needed, confidence)
+        line = trend([float(s) for s in steps], values)
+        assert nz is not None and line is not None
+        dtype = resolution.dtype_of(values)
+        ref = cls(dict(curve), Basis.LEVEL, first, last, nz.sigma, window, w, nz.sigma * line.se_unit,
+                  t_quantile(confidence, nz.dof), confidence, line.fall, str(dtype).replace("torch.", ""),
+                  resolution.floor(max(abs(first), abs(last)), dtype))
         z = ref.significance
-        falls = first - last > 0 and z is not None and z >= needed
-        return cls(dict(curve), Basis.PROGRESS, first, last, nz.sigma, window, w, se, needed, confidence) \
-            if falls else ref
+        falls = first - last > 0 and z is not None and z >= ref.needed and ref.resolved  # type: ignore[operator]
+        return replace(ref, basis=Basis.PROGRESS) if falls else ref
 
     def scale(self, value: float) -> float:
         """The denominator at a step where O0's smoothed loss is `value`."""
@@ -212,42 +164,48 @@ class Reference:
             return self.progress  # type: ignore[return-value]
         return max(abs(value), TINY)
 
-    def _figures(self) -> str:
+    def _fall(self) -> str:
+        return (f"its loss falls {self.progress:.4g} over the run, from {self.first:.4g} to {self.last:.4g} "
+                f"({self.ends}-loss means)")
+
+    def _z(self) -> str:
         z = self.significance
-        zt = "a noiseless fall" if z == math.inf else f"{z:.3g} standard errors of its own noise"
-        return (f"its loss falls {self.progress:.4g} over the run, from {self.first:.4g} to {self.last:.4g}, "
-                f"{self.ends}-loss means; {zt}")
+        if z == math.inf:
+            return "a noiseless fall"
+        return f"its trend's fall is {z:.3g} standard errors ({self.se:.3g}) of its own noise"
 
     def why_not(self) -> str:
         """Why O0 made no detectable progress (for `Basis.LEVEL`)."""
-        if self.progress is None:
+        if self.progress is None or self.trend is None:
             return "too few finite losses to read a fall from"
-        z = self.significance
-        if self.progress <= 0:
+        if self.progress <= 0 or self.trend <= 0:
             return (f"its loss does not fall: {self.first:.4g} to {self.last:.4g} over the run, "
                     f"{self.ends}-loss means")
-        return (f"its loss falls {self.progress:.3g} over the run, from {self.first:.4g} to {self.last:.4g} "
-                f"({self.ends}-loss means): {z:.2g} standard errors ({self.se:.3g}) of its own noise, "
-                f"{self.needed:.2g} needed at {self.confidence:.0%} confidence")
+        if not self.resolved:
+            unit = self.floor / resolution.RESOLUTION_ULPS if self.floor else 0.0
+            return (f"{self._fall()}: within {resolution.RESOLUTION_ULPS} ulps of {self.dtype} at its level "
+                    f"({unit:.3g} each), a fall its own rounding can make, not progress it can witness")
+        return f"{self._fall()}: {self._z()}, {self.needed:.2g} needed at {self.confidence:.0%} confidence"
 
     def describe(self) -> str:
         """One line for footnotes: what the deviation is relative to, with the figures."""
         if self.basis is Basis.PROGRESS:
-            return f"relative to O0's progress ({self._figures()})"
+            return f"relative to O0's progress ({self._fall()}; {self._z()})"
         return f"relative to O0's loss level at each step (no detectable progress: {self.why_not()})"
 
     def no_progress(self, steps: int | None) -> str:
         """tune's message when O0 made no detectable progress."""
         n = "its" if steps is None else str(steps)
         return (f"run more steps: O0 made no detectable progress in {n} steps ({self.why_not()}). No candidate can "
-                "be judged against a reference that did not learn: give tune more steps (--steps), or a run whose "
-                "loss falls beyond its batch-to-batch noise.")
+                "be judged against a reference that did not learn: give tune more steps (--steps) or more time "
+                "(--budget), or a run whose loss falls beyond its batch-to-batch noise.")
 
     def to_dict(self) -> dict[str, object]:
         z = self.significance
         return {"basis": self.basis.value, "first": self.first, "last": self.last, "progress": self.progress,
                 "noise": self.noise, "se": self.se, "significance": None if z is None or not math.isfinite(z) else z,
-                "needed": self.needed, "confidence": self.confidence, "window": self.window, "ends": self.ends}
+                "needed": self.needed, "confidence": self.confidence, "window": self.window, "ends": self.ends,
+                "trend": self.trend, "dtype": self.dtype, "floor": self.floor}
 
 
 def initial_backoffs(skipped: Sequence[int]) -> int:
@@ -317,6 +275,22 @@ def _gaps(losses: Mapping[int, float], ref: Reference, skipped: Sequence[int], w
     return gaps or None
 
 
+def gap_curve(losses: Mapping[int, float], reference: Mapping[int, float] | Reference, skipped: Sequence[int] = (),
+              window: int = WINDOW, per_step: int = 1) -> list[tuple[int, float]]:
+    """(step, signed gap) at each compared step: ``(mean(L, window) - mean(R, window)) / scale``,
+    the deviation before its absolute value and maximum (what ``compare --plot`` draws); empty
+    when no step compares or a compared loss is not finite."""
+    ref = _reference(reference, window)
+    paired = _paired(losses, ref.curve, skipped, per_step)
+    if paired is None:
+        return []
+    common, k = paired
+    ours = _smoothed({s: losses[s] for s in common}, window)
+    theirs = _smoothed({s - k: ref.curve[s - k] for s in common}, window)
+    return [(s, (v - theirs[s - k]) / ref.scale(theirs[s - k])) for s, v in ours.items()
+            if math.isfinite(theirs[s - k])]
+
+
 def deviation(losses: Mapping[int, float], reference: Mapping[int, float] | Reference, skipped: Sequence[int] = (),
               window: int = WINDOW, per_step: int = 1) -> float | None:
     """The deviation of the curve `losses` ({step: loss}) from O0's `reference` (its curve or
@@ -347,6 +321,7 @@ class Comparison:
     learned_dof: float | None = None
     noise: float | None = None
     beyond: float | None = None
+    unresolved: str | None = None   # why this run's own loss cannot witness O0's progress (None: it can)
 
     def learned_margin(self, confidence: float = CONFIDENCE) -> float | None:
         """The one-sided t quantile times the share's standard error: at `confidence`, the share
@@ -373,7 +348,7 @@ def against(losses: Mapping[int, float], reference: Mapping[int, float] | Refere
     fall = e_theirs[0] - e_theirs[1]
     share = (e_ours[0] - e_ours[1]) / fall
     diff = [a - b for a, b in zip(ours, theirs)]
-    d2r, d2d = _second(theirs), _second(diff)
+    d2r, d2d = second_differences(theirs), second_differences(diff)
     if not d2r:
         return Comparison(dev, share)
     m = len(d2r)
@@ -382,12 +357,24 @@ def against(losses: Mapping[int, float], reference: Mapping[int, float] | Refere
     cov = sum(x * y for x, y in zip(d2r, d2d)) / (6.0 * m)
     w = ends_window(len(common), window)
     var_share = ((1 - share) ** 2 * var_r + var_d + 2 * (1 - share) * cov) * (2.0 / w) / fall ** 2
-    dof = m * SECOND_DIFF_DOF
+    dof = m * noise.SECOND_DIFF_DOF
     # how far a window mean of D strays by D's noise alone, at `confidence` over every compared step
     q = t_quantile(1.0 - (1.0 - confidence) / (2.0 * len(common)), dof)
     unit = q * math.sqrt(var_d) / ref.progress  # type: ignore[operator]
     beyond = max(g - unit / math.sqrt(n) for g, n in gaps)
-    return Comparison(dev, share, math.sqrt(max(var_share, 0.0)), dof, unit / math.sqrt(window), max(0.0, beyond))
+    return Comparison(dev, share, math.sqrt(max(var_share, 0.0)), dof, unit / math.sqrt(window), max(0.0, beyond),
+                      _unresolved(ours, fall))
+
+
+def _unresolved(values: Sequence[float], fall: float) -> str | None:
+    """Why a run's loss, computed in the dtype its values show, cannot witness O0's `fall` (None: it can)."""
+    dtype = resolution.dtype_of(values)
+    level = max(abs(v) for v in values)
+    if resolution.resolves(fall, level, dtype):
+        return None
+    name = str(dtype).replace("torch.", "")
+    return (f"its loss is computed in {name} ({resolution.ulp(level, dtype):.3g} apart at {level:.3g}): O0's fall "
+            f"of {fall:.3g} is within {resolution.RESOLUTION_ULPS} of its ulps")
 
 
 def unsound(reference: Mapping[int, float], per_step: int = 1, window: int = WINDOW) -> str | None:

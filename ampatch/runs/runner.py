@@ -33,6 +33,7 @@ from ampatch.runs import UsageError, process
 from ampatch.runs.budget import Budget
 from ampatch.runs.progress import Progress
 from ampatch.session.report import Report
+from ampatch.session.witness import Witness
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory that holds ampatch/
 APEX_SITE = str(Path(__file__).resolve().parent / "apex_site")  # its sitecustomize aliases apex to ampatch
@@ -40,6 +41,7 @@ POLL_S = 0.25            # how often a waiting run's progress file is read
 STOP_WAIT_S = 3.0        # each signal that stops a run (SIGINT, SIGTERM, SIGKILL) gets this long to end it
 ERROR_LINE_CHARS = 300   # a failure's line is cut to this length
 ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b")
+COLLECT = (envvars.REPORT, envvars.WITNESS)   # what a level's run writes at exit: its report, its weights witness
 
 
 def resolve_command(command: Sequence[str] | None) -> list[str]:
@@ -87,7 +89,7 @@ POLICY_DECIDES = (envvars.OPT_LEVEL, envvars.HALF_DTYPE, envvars.LOSS_SCALE, env
 
 def child_env(level: str | None, half_dtype: str | None, report: str | None = None,
               base: Mapping[str, str] | None = None, keep_fp32: str | None = None,
-              policy: str | None = None) -> dict[str, str]:
+              policy: str | None = None, max_steps: int | None = None) -> dict[str, str]:
     """The environment of a run: ``base`` (default: this process's) with the forced level
     (None: the script's own; "O5+kahan": O5 with that master_weights, "O5+fp8:rowwise": O5
     with the script's Linear layers in FP8, ``AMPATCH_FP8``; see `levels.variant`), the half
@@ -112,6 +114,8 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
             env[envvars.FP8] = "1" if forced.fp8 is True else forced.fp8
     if keep_fp32:
         env[envvars.KEEP_FP32] = keep_fp32
+    if max_steps is not None:
+        env[envvars.MAX_STEPS] = str(max_steps)
     if report:
         env[envvars.REPORT] = report
     # O0 has no half type and O4/O5 are bfloat16 by definition
@@ -271,8 +275,8 @@ def last_error_line(stderr: str) -> str | None:
 
 @dataclass(frozen=True)
 class LevelRun:
-    """One level's run: whether it worked (else why not) and its report (None: the run
-    wrote none, or an unreadable one)."""
+    """One level's run: whether it worked (else why not), its report (None: the run wrote
+    none, or an unreadable one) and its weights witness (None: it recorded none)."""
 
     level: str
     ok: bool
@@ -280,13 +284,14 @@ class LevelRun:
     returncode: int | None
     wall_s: float
     report: Report | None
+    witness: Witness | None = field(default=None, kw_only=True)
 
 
 def run_level(cmd: Sequence[str], level: str, half_dtype: str | None, progress: Progress | None = None,
-              launch: Launch = popen, keep_fp32: str | None = None) -> LevelRun:
-    """Run ``cmd`` forced to ``level`` (and ``keep_fp32``, see `child_env`); its report, or why
-    the run failed (see `run_child`)."""
-    done = run_child(cmd, child_env(level, half_dtype, keep_fp32=keep_fp32), collect=(envvars.REPORT,),
+              launch: Launch = popen, keep_fp32: str | None = None, max_steps: int | None = None) -> LevelRun:
+    """Run ``cmd`` forced to ``level`` (and ``keep_fp32``, stopped after ``max_steps``: see
+    `child_env`); its report, or why the run failed (see `run_child`)."""
+    done = run_child(cmd, child_env(level, half_dtype, keep_fp32=keep_fp32, max_steps=max_steps), collect=COLLECT,
                      progress=progress, launch=launch)
     return level_run(done, level)
 
@@ -307,7 +312,13 @@ def level_run(done: Finished, level: str | None) -> LevelRun:
     elif error is None and level is not None:
         error = _not_as_forced(report, level)
     ran_at = level or (report.opt_level if report is not None else "?")
-    return LevelRun(ran_at, error is None, error, done.returncode, round(done.wall_s, 3), report)
+    witness = None
+    if envvars.WITNESS in done.outputs:
+        try:
+            witness = Witness.from_dict(done.outputs[envvars.WITNESS])
+        except ValueError:  # a witness it cannot read is none: the loss still judges
+            witness = None
+    return LevelRun(ran_at, error is None, error, done.returncode, round(done.wall_s, 3), report, witness=witness)
 
 
 def _not_as_forced(report: Report, label: str) -> str | None:
@@ -330,11 +341,13 @@ CommandFor = Callable[[int | None, float | None], list[str]]  # (step cap, deadl
 
 def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: TextIO,
             budget: Budget | None = None, steps: int | None = None,
-            launch: Launch = popen, keep_fp32: str | None = None) -> tuple[list[LevelRun], int | None]:
+            launch: Launch = popen, keep_fp32: str | None = None,
+            max_steps: int | None = None) -> tuple[list[LevelRun], int | None]:
     """Run every level in turn: a line on ``log`` when each starts and ends, live progress in
     between. ``cmd_for`` maps a level to the function of (step cap, deadline) that gives its
     command (a user script's ignores both); ``budget`` sets them for the built-in workloads;
-    ``keep_fp32`` goes to every run (see `child_env`). Returns the finished runs and the signal
+    ``keep_fp32`` and ``max_steps`` (a script's ``AMPATCH_MAX_STEPS``) go to every run (see
+    `child_env`). Returns the finished runs and the signal
     that stopped the comparison (SIGINT: Ctrl-C; SIGTERM, SIGHUP), None when all ran."""
     runs: list[LevelRun] = []
     start, n = time.perf_counter(), len(cmd_for)
@@ -348,7 +361,7 @@ def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: Text
         with process.stopping():  # a SIGTERM between two runs stops the comparison too
             for i, (level, make) in enumerate(cmd_for.items(), 1):
                 steps_done = [r.report.steps for r in runs if r.ok and r.report is not None]
-                cap, deadline = steps, None
+                cap, deadline = steps if steps is not None else max_steps, None
                 if budget is not None:
                     cap, deadline = budget.next_run(list(cmd_for)[i - 1:], [s for s in steps_done if s])
                 total, expected = cap, False
@@ -357,7 +370,7 @@ def run_all(cmd_for: Mapping[str, CommandFor], half_dtype: str | None, log: Text
                     expected = total is not None
                 say("running", f", up to {cap} steps in {deadline - time.time():.0f}s" if deadline else "")
                 progress = Progress(level, total, deadline, stream=log, expected=expected)
-                run = run_level(make(cap, deadline), level, half_dtype, progress, launch, keep_fp32)
+                run = run_level(make(cap, deadline), level, half_dtype, progress, launch, keep_fp32, max_steps)
                 if budget is not None:
                     budget.ran(progress.start_s(), progress.exit_s(), level, progress.seconds_per_step())
                 runs.append(run)

@@ -87,7 +87,7 @@ class RunStats(LevelRun):
         share = learned(at, ref, skipped, per_step=per_step) if ref else None
         return cls(
             level=run.level, ok=run.ok, error=run.error, returncode=run.returncode, wall_s=run.wall_s,
-            report=run.report,
+            report=run.report, witness=run.witness,
             half_dtype=None if run.level == BASELINE else rep.half_dtype,
             steps=run.report.steps if run.report is not None else None,
             median_step_ms=median_ms,

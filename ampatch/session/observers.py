@@ -4,7 +4,8 @@ The session tells each observer about every loss it scales (loss id 0) and every
 its first optimizer, and closes them when it closes. `attach` makes the list from the
 environment (`env.Overrides`): the report written at exit (AMPATCH_REPORT), the diagnose
 recorder (AMPATCH_DIAGNOSE: started by the `RecorderFactory` the caller passes in, the public API's
-`ampatch.record`, which sits beside the session and is not imported here), and the end of the process after N steps
+`ampatch.record`, which sits beside the session and is not imported here), the weights witness beside the
+report (AMPATCH_WITNESS, `witness`), and the end of the process after N steps
 (AMPATCH_MAX_STEPS), last, so that the others saw the final step first.
 """
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..config.env import DIAGNOSE, MAX_STEPS, REPORT, Overrides
+from ..config.env import DIAGNOSE, MAX_STEPS, REPORT, WITNESS, Overrides
 from ..base.exit_json import check_writable, exit_report
+from .witness import WeightWitness
 
 logger = logging.getLogger("ampatch")
 
@@ -92,11 +94,13 @@ def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides, reco
     told of each step; each is there as soon as it exists, so that `Session.close` releases it
     even when a later one fails to attach. `eps_lost`: `tips.eps_lost_in_float16`'s findings."""
     observers: list[Observer] = session.observers
-    for path, variable in ((overrides.report, REPORT), (overrides.diagnose, DIAGNOSE)):
+    for path, variable in ((overrides.report, REPORT), (overrides.diagnose, DIAGNOSE), (overrides.witness, WITNESS)):
         if path:
             check_writable(path, variable)
     if overrides.report:
         observers.append(ReportAtExit(session, overrides.report))
+    if overrides.witness:  # the weights as a second witness of a run's learning (tune, compare, diagnose)
+        observers.append(WeightWitness(session, overrides.witness))
     if overrides.diagnose:  # per-module statistics for `ampatch diagnose`
         if recorder is None:
             raise RuntimeError(f"{DIAGNOSE} is set, but this session was opened without a recorder; open it through "

@@ -6,11 +6,14 @@
     result.chosen      # the policy, also written to `out`
 
 It runs the search (`search.Search`) on a user script (stopped after `steps` optimizer steps
-by ``AMPATCH_MAX_STEPS``, as `compare` runs it) or on a built-in workload, writes the chosen
-policy to `out` (unless interrupted, or `out` is None) and returns everything it measured.
-Bad arguments raise `ValueError` before anything runs; a reference O0 run that cannot be the
-reference raises `NoReference`, one whose loss made no progress beyond its own noise raises
-its subclass `NoProgress` ("run more steps"). Progress goes to `log`.
+by ``AMPATCH_MAX_STEPS``, as `compare` runs it, and run longer where the runs cannot tell yet)
+or on a built-in workload, writes the chosen policy to `out` (unless interrupted, the runs
+could not tell, or `out` is None) and returns everything it measured (`TuneResult.cannot_tell`:
+no verdict to stand by). Bad arguments raise `ValueError` before anything runs; a reference O0
+run that cannot be the reference raises `NoReference`, one that made no progress its loss or its
+weights witness in the longest run allowed raises its subclass `NoProgress` ("run more steps");
+either carries `.result`, the `TuneResult` of what was measured (its JSON says why). Progress
+goes to `log`.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from ampatch.config import levels as level_table
 from ampatch.config.policy_file import DEFAULT_PATH, Policy, save
 from ampatch.runs import builtin, runner
 from ampatch.runs.deviation import TOLERANCE
-from ampatch.tune import candidates, fp8, report, timing
+from ampatch.tune import candidates, fp8, plot, report, timing
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.measure import Job
 from ampatch.tune.search import NoProgress, NoReference, Result, Search
@@ -53,10 +56,20 @@ class TuneResult:
     policy: Policy
     out: str | None
     rerun: str
+    command: str = "python train.py"   # the user's command line, as the "apply it" lines show it
 
     @property
-    def chosen(self) -> Candidate:
+    def chosen(self) -> Candidate | None:
+        """The chosen policy; None when the runs could not tell (`cannot_tell`)."""
+        if self.search.cannot_tell:
+            return None
         return self.search.chosen or candidates.REFERENCE
+
+    @property
+    def cannot_tell(self) -> bool:
+        """No verdict to stand by: the runs could not tell, within the budget and the script's length
+        (the command exits 1, writes no policy file, and its JSON says why)."""
+        return self.search.cannot_tell
 
     @property
     def interrupted(self) -> int | None:
@@ -64,18 +77,24 @@ class TuneResult:
         return self.search.interrupted
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON of ``--json``: `tolerance`, `deviation` (the measure, O0's progress and its
-        significance), `reference`, `candidates`, `chosen`, timings and notes."""
+        """The JSON of ``--json``, for every outcome: `outcome` ("chosen", "cannot tell", "no
+        reference", "interrupted"), `reason`, `decide` (what would decide: steps, tolerance), `tolerance`,
+        `deviation` (the measure, O0's progress and its significance), `reference`,
+        `candidates`, `chosen`, timings and notes."""
         return {**report.to_json(self.search), "what": self.what, "steps": self.steps, "device": self.device,
                 "policy_file": self.out}
 
     def write_json(self, path: str) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
+    def write_plot(self, path: str) -> None:
+        """The PNG of ``--plot`` (`tune.plot`); ImportError without matplotlib."""
+        plot.write_plot(path, self.search, report.title(self.what, self.search))
+
     def render(self) -> str:
         """The table, the choice with its reason, and how to apply it."""
-        return report.render(self.search, f"ampatch tune: {self.what}, {self.steps} steps per run", self.out,
-                             self.rerun)
+        return report.render(self.search, report.title(self.what, self.search), self.out, self.rerun,
+                             self.command)
 
 
 def _check(command: Sequence[str] | None, workload: str | None, size: str | None, levels: Sequence[str],
@@ -128,7 +147,7 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
         # the device the script trains on, as far as this machine tells (what candidates are worth trying)
         dev, what = builtin.workload_device(device), " ".join(command)
         job_cmd = lambda n: list(cmd)  # noqa: E731 - AMPATCH_MAX_STEPS stops it
-        rerun = f"ampatch run --policy {{policy}} -- {what}"
+        rerun, shown = f"ampatch run --policy {{policy}} -- {what}", what
     else:
         name = workload or DEFAULT_WORKLOAD
         dev = builtin.workload_device(device)
@@ -137,7 +156,8 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
         base = [sys.executable, "-m", f"ampatch.workloads.{name}", "--device", dev, "--threads", "1",
                 "--size", size, "--seed", "0"]
         job_cmd = lambda n: base + ["--steps", str(n)]  # noqa: E731
-        rerun = f"ampatch run --policy {{policy}} -- python -m ampatch.workloads.{name} --size {size} --threads 1"
+        shown = f"python -m ampatch.workloads.{name} --size {size} --threads 1"
+        rerun = f"ampatch run --policy {{policy}} -- {shown}"
     plain, variants = fp8.split(chosen_levels)
     cands = candidates.initial(plain, dev, half, objective) + fp8.candidates(variants, dev, half)
     if not any(v.fp8 for v in variants):  # FP8 asked for by name, or by default where it runs on tensor cores
@@ -153,9 +173,16 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
     started = nullcontext(runner.popen) if script else builtin.launcher(dev, log)
     with started as launch:
         job = Job(job_cmd, steps, launch, apex_alias, script)
-        result = Search(job, cands, tolerance, budget, log, repair=repair, rounds=rounds, objective=objective).run()
-    policy = report.policy_of(result, steps, what, dev)
-    written = None if result.interrupted is not None or out is None else out
+        search = Search(job, cands, tolerance, budget, log, repair=repair, rounds=rounds, objective=objective)
+        try:
+            result = search.run()
+        except NoReference as exc:  # the JSON of --json is written for this outcome too
+            exc.result = TuneResult(search.result, what, search.job.steps, dev,
+                                    report.policy_of(search.result, search.job.steps, what, dev), None, rerun, shown)
+            raise
+    ran = search.job.steps
+    policy = report.policy_of(result, ran, what, dev)
+    written = None if result.interrupted is not None or result.cannot_tell or out is None else out
     if written is not None:
         save(policy, written)
-    return TuneResult(result, what, steps, dev, policy, written, rerun)
+    return TuneResult(result, what, ran, dev, policy, written, rerun, shown)

@@ -4,6 +4,7 @@ a run whose FP8 was emulated says so in its reason: it is never chosen for speed
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 from collections.abc import Callable
@@ -15,11 +16,12 @@ from ampatch.config import env
 from ampatch.config.levels import variant_label
 from ampatch.runs.progress import Progress
 from ampatch.runs.stats import RunStats
-from ampatch.runs.runner import Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
+from ampatch.runs.runner import COLLECT, Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
 from ampatch.config.policy_file import save
 from ampatch.tune.candidates import Candidate
 from ampatch.tune.fp8 import NOT_CHOSEN, emulated
-from ampatch.runs.verdict import Rule, judge
+from ampatch.runs.verdict import Decider, Evidence, Outcome, Rule, judge, label
+from ampatch.runs.weights import WeightComparison
 
 __all__ = ["Job", "Measured", "run_candidate", "measured"]
 
@@ -38,7 +40,9 @@ class Job:
 
 @dataclass(frozen=True)
 class Measured:
-    """A candidate's run and verdict (`reason`: why it does not qualify, or what it is)."""
+    """A candidate's run and verdict (`reason`: why it does not qualify, or what it is;
+    `outcome`: `verdict.Outcome` from `qualifies` and `undecided`, on the evidence `evidence`,
+    over `steps` steps)."""
 
     candidate: Candidate
     row: RunStats
@@ -51,6 +55,20 @@ class Measured:
     learned_margin: float | None = None   # ... at least learned - learned_margin, at the rule's confidence
     noise: float | None = None            # the deviation's noise allowance, from its paired differences with O0
     beyond: float | None = None           # how far its deviation goes beyond that allowance
+    evidence: Evidence = Evidence.LOSS
+    decide: Decider | None = None         # CANNOT_TELL: what would decide it
+    steps: int | None = None              # the steps its verdict rests on
+    weights: WeightComparison | None = None
+    undecided: bool = False               # the runs cannot tell (then `qualifies` is False)
+
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome.CANNOT_TELL if self.undecided else Outcome.QUALIFIES if self.qualifies else Outcome.FAILS
+
+    @property
+    def verdict_label(self) -> str:
+        """The table's word for the outcome (`verdict.label`)."""
+        return label(self.outcome, self.evidence)
 
     @property
     def step_ms(self) -> float | None:
@@ -67,7 +85,11 @@ class Measured:
                 "deviation": self.deviation if self.deviation is None or math.isfinite(self.deviation) else None,
                 "learned": self.learned, "learned_margin": self.learned_margin, "noise": self.noise,
                 "beyond_noise": self.beyond,
-                "finite": self.finite, "qualifies": self.qualifies, "reason": self.reason,
+                "finite": self.finite, "qualifies": self.qualifies, "outcome": self.outcome.value,
+                "evidence": self.evidence.value, "steps": self.steps, "reason": self.reason,
+                "decide": None if self.decide is None else {"steps": self.decide.steps,
+                                                             "tolerance": self.decide.tolerance},
+                "weights": None if self.weights is None else dataclasses.asdict(self.weights),
                 "peak_memory_mib": self.row.peak_memory_mib, "train_bytes_per_param": self.row.train_bytes_per_param,
                 "final_loss": self.row.final_loss,
                 "repairs": c.repairs, "step_fault": self.step_fault, "fp8": c.fp8,
@@ -81,23 +103,23 @@ class Measured:
 
 
 def environment(candidate: Candidate, job: Job, policy_path: str) -> dict[str, str]:
-    """The run's environment: the candidate's policy (AMPATCH_POLICY) and nothing forced besides."""
-    variables = child_env(None, None, policy=policy_path)
-    for name in (env.DIAGNOSE, env.REPORT):  # this run's own, set by run_candidate
+    """The run's environment: the candidate's policy (AMPATCH_POLICY) and nothing forced besides;
+    a script stops after the job's steps."""
+    variables = child_env(None, None, policy=policy_path, max_steps=job.steps if job.script else None)
+    for name in (env.DIAGNOSE, *COLLECT):  # this run's own, set by run_candidate
         variables.pop(name, None)
-    if job.script:
-        variables[env.MAX_STEPS] = str(job.steps)
     return with_apex_alias(variables) if job.apex_alias else variables
 
 
 def run_candidate(candidate: Candidate, job: Job, log: TextIO | None, record: bool = False) -> Finished:
-    """Run `candidate` once (with the diagnose recorder on: `record`)."""
+    """Run `candidate` once for the job's steps (with the diagnose recorder on: `record`)."""
+    n = job.steps
     with tempfile.TemporaryDirectory(prefix="ampatch-tune-") as tmp:
         path = str(Path(tmp, "policy.json"))
         save(candidate.policy(), path)
-        progress = Progress(candidate.label, job.steps, stream=log) if log is not None else None
-        collect = (env.REPORT, env.DIAGNOSE) if record else (env.REPORT,)
-        return run_child(job.command(job.steps), environment(candidate, job, path), collect=collect,
+        progress = Progress(candidate.label, n, stream=log) if log is not None else None
+        collect = (*COLLECT, env.DIAGNOSE) if record else COLLECT
+        return run_child(job.command(n), environment(candidate, job, path), collect=collect,
                          progress=progress, launch=job.launch)
 
 
@@ -111,8 +133,9 @@ def measured(candidate: Candidate, done: Finished, reference: RunStats | None, r
     row = RunStats.of(level_run(done, label), reference, upto)
     if reference is None:  # the reference itself
         return Measured(candidate, row, row.ok, "the reference (FP32)" if row.ok else f"run failed: {row.error}",
-                        row.ok and all(math.isfinite(x) for x in row.losses), 0.0 if row.ok else None)
-    v = judge(row, rule, reference.reference(upto), upto)
+                        row.ok and all(math.isfinite(x) for x in row.losses), 0.0 if row.ok else None,
+                        steps=row.steps)
+    v = judge(row, rule, reference.reference(upto), upto, reference.witness)
     reason = f"{v.reason}; {NOT_CHOSEN}" if emulated(row.report) else v.reason
     under = row.report.optimizer_state_underflow if row.report is not None else 0.0
     if not v.qualifies and candidate.optimizer_states == "int8" and under > 0:
@@ -120,6 +143,7 @@ def measured(candidate: Candidate, done: Finished, reference: RunStats | None, r
                    "(a block of 256 holds about 1e-5 of its largest for a first moment, 1e-10 for a second): "
                    "optimizer_states='bfloat16' keeps each element's own exponent")
     return Measured(candidate, row, v.qualifies, reason, v.finite, v.deviation, learned=v.learned,
-                    learned_margin=v.learned_margin, noise=v.noise, beyond=v.beyond)
+                    learned_margin=v.learned_margin, noise=v.noise, beyond=v.beyond, evidence=v.evidence,
+                    decide=v.decide, steps=v.steps, weights=v.weights, undecided=not v.judged)
 
 

@@ -3,9 +3,10 @@ its diagnosis suggests: its `keep_fp32` added, its settings (a dynamic loss scal
 gradient underflow; FP32 master weights against stalled updates, weights the optimizer's steps
 leave unchanged), and for an FP8 candidate the layers FP8 hurts left out of FP8
 (`fp8_modules`). A diagnosis that names a step fault (the optimizer's own arithmetic, not a
-module's precision) gives no repair: the candidate is dropped with that reason. While a
-repair still fails, the set grows as `ampatch diagnose` grows it (the new first non-finite
-module, else the parent of the last module added), within `MAX_REPAIRS` tries.
+module's precision) recommends FP32 masters, as `diagnose` does, and no module: the repair is
+the candidate with FP32 masters. While a repair still fails, the set grows as `ampatch
+diagnose` grows it (the new first non-finite module, else the parent of the last module
+added; never after a step fault), within `MAX_REPAIRS` tries.
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def suggest(candidate: Candidate, job: Job, log: TextIO | None) -> Suggestion:
     found = _record(candidate, job, log)
     if found is None:
         return Suggestion(None, "its recorded run gave nothing to diagnose")
-    if found.step_fault is not None:
-        return Suggestion(None, found.step_fault.note, step_fault=True, finding=found.step_fault.note)
+    fault = found.step_fault
+    if fault is not None and (not found.recommendation.settings.master_weights or candidate.master_weights):
+        return Suggestion(None, fault.note, step_fault=True, finding=fault.note)
     stall = found.stall if found.stall is not None and found.stall.finding else None
     finding = None if stall is None else (
         f"stalled updates: {stall.unchanged:.0%} of the weights unchanged by each optimizer step ({stall.held_in} "
@@ -70,6 +72,9 @@ def suggest(candidate: Candidate, job: Job, log: TextIO | None) -> Suggestion:
     if not keep and not new_scale and not new_masters and not exclude:
         return Suggestion(None, "the diagnosis names no module to keep in FP32, no layer to leave out of FP8 and no "
                                 "setting", finding=finding)
+    if fault is not None:
+        return Suggestion(candidate.repaired([], scale, masters), f"{fault.note.split(':')[0]}: FP32 master weights",
+                          step_fault=True, finding=fault.note)
     if stall is not None:
         why = f"{finding}: FP32 master weights"
     elif exclude and not keep and not new_scale:

@@ -14,17 +14,21 @@ from ampatch.runs.deviation import CONFIDENCE, ENDS, MIN_SHARE, WINDOW
 from ampatch.config.policy_file import Policy
 from ampatch.machine.hardware import fingerprint
 from ampatch.tune.candidates import REFERENCE, Candidate
+from ampatch.tune.choice import undecided_decider
 from ampatch.tune.search import Result
 
-__all__ = ["render", "to_json", "policy_of", "write_json", "MEASURE", "NOISE"]
+__all__ = ["render", "to_json", "policy_of", "write_json", "title", "outcome", "MEASURE", "NOISE"]
 
 MEASURE = (f"max over steps of |candidate - O0| ({WINDOW}-loss means, compared update for update after the loss "
            f"scaler's initial back-offs) / O0's progress (the mean of its first losses minus the mean of its last: "
-           f"1/{ENDS} of the run each, at least {WINDOW}). O0 must make progress beyond its own noise (one-sided t "
-           f"test at {CONFIDENCE:.0%} confidence, the noise from the second differences of its curve), else tune "
-           f"stops: run more steps. A candidate qualifies when it learns between {MIN_SHARE:.0%} and "
-           f"{1 / MIN_SHARE:.0%} of what O0 learns at {CONFIDENCE:.0%} confidence, its noise allowance is within the "
-           f"tolerance, and its deviation goes no more than the tolerance beyond that allowance.")
+           f"1/{ENDS} of the run each, at least {WINDOW}). O0 must make progress beyond its own noise (its "
+           f"least-squares trend, one-sided t test at {CONFIDENCE:.0%} confidence, the noise from the second "
+           f"differences of its curve) and beyond a few ulps of its loss's dtype, else tune runs longer, then asks the "
+           f"weights. A candidate qualifies when it learns between {MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} of what O0 "
+           f"learns at {CONFIDENCE:.0%} confidence, its noise allowance is within the tolerance, and its deviation "
+           f"goes no more than the tolerance beyond that allowance; where the loss cannot tell, on its weights (the "
+           f"same band for how far they went O0's way, the tolerance for how close they stay); else the runs cannot "
+           f"tell.")
 NOISE = ("from each run itself: O0's scatter around its trend (second differences of its curve) for its progress; "
          "for a candidate, its paired per-step differences from O0 on the same batches (batch effects cancel): the "
          "standard error of its share of O0's progress (learned_margin: the one-sided t margin at the confidence), "
@@ -46,8 +50,26 @@ def _speedup(result: Result, c: Candidate) -> float | None:
     return o0 / ms if o0 and ms else None
 
 
+def outcome(result: Result) -> str:
+    """How the search ended: "chosen", "cannot tell", "no reference" or "interrupted"."""
+    if result.interrupted is not None:
+        return "interrupted"
+    if result.no_reference:
+        return "no reference"
+    return "cannot tell" if result.cannot_tell else "chosen"
+
+
+def title(what: str, result: Result) -> str:
+    """The first line: what ran, and the steps (each length O0 ran at, when the runs grew)."""
+    steps = result.steps
+    runs = (f"{steps[-1]} steps per run" if len(steps) <= 1 else
+            f"{steps[0]} steps per run at first, then {', '.join(map(str, steps[1:]))} where the runs could not tell")
+    return f"ampatch tune: {what}, {runs}"
+
+
 def to_json(result: Result) -> dict[str, Any]:
-    """`tolerance`, `reference` (O0's step_ms, final_loss), `candidates`, `chosen`, and more."""
+    """`outcome`, `reason`, `decide`, `tolerance`, `reference` (O0's step_ms, final_loss),
+    `candidates`, `chosen`, and more."""
     o0 = result.step_ms(REFERENCE)
     ref = result.reference
     cands = []
@@ -57,7 +79,7 @@ def to_json(result: Result) -> dict[str, Any]:
         d["speedup"] = _speedup(result, m.candidate)
         cands.append(d)
     chosen = None
-    if result.chosen is not None:
+    if result.chosen is not None and not result.cannot_tell:
         c = result.chosen
         base = next((d for d in cands if d["opt_level"] == c.opt_level and d["keep_fp32"] == list(c.keep_fp32)
                      and d["half_dtype"] == c.half_dtype and d["loss_scale"] == c.loss_scale
@@ -69,11 +91,21 @@ def to_json(result: Result) -> dict[str, Any]:
                           "qualifies": True, "reason": "the reference (FP32)"}
         chosen = {**chosen, "why": result.why}
     basis = result.basis
-    return {"tolerance": result.tolerance, "objective": result.objective,
+    decide = result.decide or undecided_decider(result)
+    if result.stopped is not None:
+        reason = result.stopped
+    else:
+        reason = result.why
+    return {"outcome": outcome(result), "reason": reason,
+            "decide": None if decide is None else {"steps": decide.steps, "tolerance": decide.tolerance},
+            "steps_tried": result.steps,
+            "tolerance": result.tolerance, "objective": result.objective,
             "deviation": {"measure": MEASURE, "basis": basis.basis.value if basis else None,
                           "o0_progress": basis.progress if basis else None, "o0_first": basis.first if basis else None,
                           "o0_last": basis.last if basis else None, "o0_noise": basis.noise if basis else None,
                           "o0_progress_se": basis.se if basis else None,
+                          "o0_trend": basis.trend if basis else None, "o0_dtype": basis.dtype if basis else None,
+                          "o0_floor": basis.floor if basis else None,
                           "o0_significance": _finite(basis.significance) if basis else None,
                           "o0_needed": basis.needed if basis else None, "confidence": CONFIDENCE,
                           "window": WINDOW, "ends": basis.ends if basis else None, "min_learned": MIN_SHARE,
@@ -97,15 +129,18 @@ def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
                      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
 
 
-def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
-    """The table of every candidate, the choice with its reason, and how to apply it."""
+def render(result: Result, title: str, out_path: str | None, rerun: str, command: str = "python train.py") -> str:
+    """The table of every candidate, the choice with its reason, and how to apply it (`command`:
+    the user's command line, for the AMPATCH_POLICY line)."""
     o0 = result.step_ms(REFERENCE)
-    header = ["policy", "step ms", "speed-up", "peak MiB", "B/param", "final loss", "deviation", "learns", "verdict"]
+    header = ["policy", "step ms", "speed-up", "peak MiB", "B/param", "final loss", "deviation", "learns", "steps",
+              "verdict"]
     rows = []
     if result.reference is not None:
         r = result.reference.row
         rows.append(["O0 (reference)", _fmt(o0, ".1f"), "1.00x", _fmt(r.peak_memory_mib, ".0f"),
-                     _fmt(r.train_bytes_per_param, ".1f"), _fmt(r.final_loss, ".4f"), "-", "-", "reference"])
+                     _fmt(r.train_bytes_per_param, ".1f"), _fmt(r.final_loss, ".4f"), "-", "-", _fmt(r.steps, "d"),
+                     "reference"])
     for m in result.candidates:
         c = m.candidate
         sp = _speedup(result, c)
@@ -113,7 +148,7 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
                      _fmt(m.row.peak_memory_mib, ".0f"), _fmt(m.row.train_bytes_per_param, ".1f"),
                      _fmt(m.row.final_loss, ".4f"),
                      "inf" if m.deviation == math.inf else _fmt(m.deviation, ".2%"), _fmt(m.learned, ".0%"),
-                     ("ok: " if m.qualifies else "FAIL: ") + m.reason])
+                     _fmt(m.steps, "d"), f"{m.verdict_label}: {m.reason}"])
     widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)]
 
     def line(cells: list[str]) -> str:
@@ -134,22 +169,27 @@ def render(result: Result, title: str, out_path: str | None, rerun: str) -> str:
     out.append(f"deviation: largest gap between the loss curve and O0's ({WINDOW}-loss means, update for update "
                f"after the loss scaler's initial back-offs), {basis}; tolerance {result.tolerance:.2%} beyond the "
                f"noise of the policy's own per-step differences from O0 on the same batches ({CONFIDENCE:.0%} "
-               f"confidence; a policy whose noise alone exceeds the tolerance is not judged). learns: the share of O0's progress the policy makes over the same updates; unless it "
-               f"is between {MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} at {CONFIDENCE:.0%} confidence, it fails, "
-               "whatever the tolerance. "
+               f"confidence). learns: the share of O0's progress the policy makes over the same updates; "
+               f"unless it is between {MIN_SHARE:.0%} and {1 / MIN_SHARE:.0%} at {CONFIDENCE:.0%} confidence, it "
+               "fails, whatever the tolerance. steps: what the verdict rests on. \"can't tell\": neither the loss "
+               "(too noisy at the tolerance, or its progress too small to resolve) nor the weights decide; "
+               "\"(weights)\": decided on how far the policy's weights went O0's way and how close they stay. "
                "B/param: bytes held per trained parameter for training (weight, master copy or compensation, "
                "optimizer state)"
                + ("; the objective is memory: the fewest B/param wins, speed breaks ties." if result.objective == "memory"
                   else "."))
     out += [f"note: {n}" for n in result.notes]
-    chosen = result.chosen or REFERENCE
-    out += ["", f"chosen: {chosen.label}: {result.why}"]
+    if result.cannot_tell:
+        out += ["", f"cannot tell: {result.why}"]
+    else:
+        chosen = result.chosen or REFERENCE
+        out += ["", f"chosen: {chosen.label}: {result.why}"]
     if result.interrupted is not None:
         out.append("the policy file was not written (interrupted): run `ampatch tune` again to finish the search.")
     if out_path:
         out += [f"written to {out_path}; apply it with", f"  amp.initialize(model, optimizer, policy={out_path!r})",
                 f"  or, without editing the script: {rerun.format(policy=out_path)}",
-                f"  or: AMPATCH_POLICY={out_path} python train.py"]
+                f"  or: AMPATCH_POLICY={out_path} {command}"]
     return "\n".join(out)
 
 

@@ -1,66 +1,75 @@
-"""The search: O0 for reference, every candidate, repairs of the failed ones, interleaved
-re-timing of the fastest that qualify (each repeat judged again), and the choice, within a
-time budget.
+"""The search: O0 for reference, every candidate, runs made longer where the runs cannot tell
+yet, repairs of the failed ones, interleaved re-timing of the fastest that qualify (each repeat
+judged again), and the choice (`choice`), within a time budget.
 
-- The reference must be sound and must learn: an O0 run that fails, records no loss, has a
-  non-finite loss or diverges (`deviation.unsound`) stops the search (`NoReference`), and so
-  does one whose progress is not beyond its own noise (`NoProgress`: "run more steps"):
-  nothing can be judged against it.
+- The reference must be sound: an O0 run that fails, records no loss, has a non-finite loss or
+  diverges (`deviation.unsound`) stops the search (`NoReference`).
+- **Longer runs.** `--steps` is where the search starts. While O0's loss shows no detectable
+  progress (beyond its noise and its rounding), O0 runs again with twice the steps; and while
+  candidates are left that the runs cannot tell (too noisy at the tolerance, a share of O0's
+  progress too uncertain, a loss that cannot resolve O0's fall, and weights that cannot decide
+  either), O0 and those candidates run again with twice the steps. Each doubling happens only
+  when O0's and the candidates' runs at the new length fit the budget (the slowest run so far,
+  scaled to the steps), and only as far as the script goes (a script that ends before the steps
+  asked for cannot run longer; without a budget, at most `runs.longer.MAX_DOUBLINGS`). Every
+  verdict says the steps it rests on.
+- Where O0's loss never shows progress, the weights witness (`ampatch.runs.weights`) judges;
+  where they cannot either (O0's own weights barely moved), the search stops with
+  `NoProgress` ("run more steps").
 - There is no separate noise-floor run: a rerun of O0 with the same seed and data is
-  deterministic on a CPU and measures nothing. The noise comes from each run itself: O0's
-  scatter around its trend, and each candidate's paired differences from O0 on the same
-  batches (`deviation.against`).
+  deterministic on a CPU and measures nothing. The noise comes from each run itself.
+- Repairs are spent on candidates that fail, never on those the runs cannot tell.
 - Ctrl-C (KeyboardInterrupt) stops the run in progress; the result then holds what was
   measured and the best qualifying policy so far (`Result.interrupted`).
 - The budget stops the search before a run that would not fit: the slowest plain run so far is
   the estimate for a plain run, the slowest recorded run (the diagnose recorder's shadows make
   it slower) for a recorded one, `RECORD_FACTOR` times a plain run until one is measured.
-- The choice: the fastest finalist that qualified on every run; a tie (within the spread
-  between repeats) goes to the simpler policy. O0 is chosen when no half policy qualifies, or
-  when O0 is faster than that choice beyond the spread; a tie with O0 goes to the half policy
-  (it trains like FP32: the measurement cannot tell the two apart on speed).
 - A candidate whose FP8 was emulated (`tune.fp8`) is judged like the rest and listed with its
   fidelity, but never re-timed or chosen: emulation's step times say nothing of FP8's speed.
-- With the "memory" objective: the qualifying policy (O0 included) that holds the fewest
-  bytes per trained parameter for training (weight, master copy or compensation, optimizer
-  state: `Report.training_bytes_per_param`, counted, not timed); equal footprints go by speed
-  as above. No re-timing: one timing each breaks those ties.
 """
 from __future__ import annotations
 
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TextIO
 
 from ampatch.runs.stats import RunStats
 from ampatch.runs import process
 from ampatch.runs.deviation import Basis, Reference, unsound
-from ampatch.tune import timing
+from ampatch.runs.longer import Longer
+from ampatch.runs.weights import compare as compare_weights
+from ampatch.tune import choice, timing
 from ampatch.tune.candidates import OBJECTIVES, REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
 from ampatch.tune.repair import MAX_REPAIRS, suggest
-from ampatch.runs.verdict import Rule
+from ampatch.tune.result import Result
+from ampatch.runs.verdict import Decider, Evidence, Rule
 
-__all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "RECORD_FACTOR"]
+__all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "sound_reference", "RECORD_FACTOR"]
 
 RECORD_FACTOR = 3.0   # a recorded run's time against a plain run's, until one is measured
-SAME_BYTES = 0.1      # footprints (bytes per trained parameter) this close are the same memory
+SAME_BYTES = choice.SAME_BYTES
 
 
 class NoReference(RuntimeError):
-    """The O0 run failed, never trained under amp, or is unsound: nothing to judge the candidates against."""
+    """The O0 run failed, never trained under amp, or is unsound: nothing to judge the candidates against.
+    `result`: what the command had measured (set by `tune`, for its JSON), or None."""
+
+    result: object = None
 
 
 class NoProgress(NoReference):
-    """O0's loss did not fall beyond its own noise over the run: "run more steps"."""
+    """O0's loss did not fall beyond its own noise over the longest run the budget and the script
+    allowed, and its weights cannot witness either: "run more steps". `decide`: what would."""
+
+    decide: Decider | None = None
 
 
-def reference_of(row: RunStats, steps: int | None = None) -> Reference:
-    """O0's row as the reference every candidate is judged against; `NoReference` when it
-    cannot be one (failed, no loss, unsound), `NoProgress` when it made no detectable progress
-    (`steps`: the steps it ran, for the message)."""
+def sound_reference(row: RunStats) -> Reference:
+    """O0's row as the reference every candidate is judged against, whether or not it made
+    detectable progress; `NoReference` when it cannot be one (failed, no loss, unsound)."""
     if not row.ok:
         raise NoReference(f"the O0 reference run failed: {row.error}")
     if not row.losses:
@@ -73,51 +82,16 @@ def reference_of(row: RunStats, steps: int | None = None) -> Reference:
         raise NoReference(f"the O0 reference is unsound: {why}. No candidate can be judged against it: make the "
                           "run train at O0 first (`ampatch run --opt-level O0 -- ...`), e.g. a lower learning "
                           "rate, or check the loss and the data.")
-    ref = row.reference()
+    return row.reference()
+
+
+def reference_of(row: RunStats, steps: int | None = None) -> Reference:
+    """`sound_reference`, and `NoProgress` when its loss made no detectable progress (`steps`:
+    the steps it ran, for the message): the loss alone, without the weights."""
+    ref = sound_reference(row)
     if ref.basis is not Basis.PROGRESS:
         raise NoProgress(ref.no_progress(steps if steps is not None else row.steps))
     return ref
-
-
-@dataclass
-class Result:
-    """What the search measured and chose."""
-
-    tolerance: float
-    reference: Measured | None = None
-    candidates: list[Measured] = field(default_factory=list)
-    timings: dict[str, list[float]] = field(default_factory=dict)   # label -> each run's median step ms
-    repeats: dict[str, list[float]] = field(default_factory=dict)   # ... of the interleaved re-timing runs only
-    spread: float | None = None
-    chosen: Candidate | None = None
-    why: str = ""
-    interrupted: int | None = None   # the signal that stopped the search (SIGINT: Ctrl-C)
-    notes: list[str] = field(default_factory=list)
-    objective: str = "speed"   # "memory": the fewest bytes per trained parameter (see the module docstring)
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(self.tolerance)
-
-    @property
-    def basis(self) -> Reference | None:
-        """O0's curve as the reference: what the deviations are relative to."""
-        return self.reference.row.reference() if self.reference is not None else None
-
-    def compared(self) -> dict[str, list[float]]:
-        """The timings that compare: a re-timed policy's interleaved repeats (run side by side
-        with O0's), else its one timing."""
-        return {k: self.repeats.get(k) or v for k, v in self.timings.items()}
-
-    def step_ms(self, c: Candidate) -> float | None:
-        return timing.step_ms(self.compared()).get(c.label)
-
-    def measured_of(self, c: Candidate) -> Measured | None:
-        if c == REFERENCE:
-            return self.reference
-        return next((m for m in self.candidates if m.candidate == c), None)
-
-
 class Search:
     """One search (see the module docstring); progress lines go to `log`."""
 
@@ -131,7 +105,8 @@ class Search:
         self.result = Result(tolerance, objective=objective)
         self.objective = objective
         self.deadline = None if budget_s is None else time.time() + budget_s
-        self.last_wall = 0.0                 # the slowest plain run so far
+        self.longer = Longer(job.steps, job.steps, self.deadline)
+        self.last_wall = 0.0                 # the slowest plain run so far, at the current steps
         self.record_wall: float | None = None  # the slowest recorded run so far
         self.runs = 0
         self.retimed: list[Candidate] = []   # the candidates re-timed against O0 (the finalists)
@@ -146,9 +121,9 @@ class Search:
             return self.last_wall
         return self.record_wall if self.record_wall is not None else RECORD_FACTOR * self.last_wall
 
-    def fits(self, recorded: bool = False) -> bool:
-        """Whether another run (a recorded one: `recorded`) fits in the budget."""
-        return self.deadline is None or time.time() + self.estimate(recorded) * 1.1 < self.deadline
+    def fits(self, recorded: bool = False, runs: int = 1, scale: float = 1.0) -> bool:
+        """Whether `runs` more runs (recorded ones: `recorded`), `scale` times as long as so far, fit the budget."""
+        return self.deadline is None or time.time() + runs * scale * self.estimate(recorded) * 1.1 < self.deadline
 
     def left(self) -> str:
         return "" if self.deadline is None else f", {max(0.0, self.deadline - time.time()):.0f}s of budget left"
@@ -163,33 +138,89 @@ class Search:
             self.last_wall = max(self.last_wall, wall) if self.runs > 1 else wall
         return done
 
+    def _reference_row(self) -> RunStats | None:
+        ref = self.result.reference
+        return ref.row if ref is not None else None
+
     def measure(self, c: Candidate, why: str) -> Measured:
         self.runs += 1
-        self.say(f"[{self.runs}] {c.label}: {why}{self.left()}")
+        self.say(f"[{self.runs}] {c.label}: {why}, {self.job.steps} steps{self.left()}")
         done = self._timed(c)
-        ref = self.result.reference.row if self.result.reference is not None else None
-        m = measured(c, done, ref, self.result.rule)
+        m = measured(c, done, self._reference_row(), self.result.rule)
         if m.step_ms is not None:
             self.result.timings.setdefault(c.label, []).append(m.step_ms)
-        self.say(f"    {'qualifies' if m.qualifies else 'fails'}: {m.reason}"
-                 + (f"; {m.step_ms:.1f} ms/step" if m.step_ms else ""))
+        self.say(f"    {m.outcome.value}: {m.reason}" + (f"; {m.step_ms:.1f} ms/step" if m.step_ms else ""))
         return m
 
     def run(self) -> Result:
-        """The whole search; raises `NoReference` when O0's run cannot be the reference."""
+        """The whole search; raises `NoReference` when O0's run cannot be the reference, and
+        `NoProgress` when neither its loss nor its weights show it learning in the longest run allowed."""
         try:
             self._run()
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (process.Stopped)
             self.result.interrupted = process.signal_of(exc)
             self.result.notes.append(f"interrupted ({signal.Signals(self.result.interrupted).name}): the choice is "
                                      "the best of what was measured.")
+        except NoReference as exc:
+            self.result.stopped, self.result.no_reference = str(exc), not isinstance(exc, NoProgress)
+            raise
         self.choose()
         return self.result
 
+    # ------------------------------------------------------------------ longer runs
+    def _longer(self, runs: int) -> bool:
+        """Double the steps when `runs` runs of twice the length may be made (`runs.longer`)."""
+        why = self.longer.why_not(runs, self.last_wall)
+        if why is not None:
+            self.result.notes.append(f"{why}: the verdicts rest on at most {self.job.steps} steps.")
+            return False
+        self.job = replace(self.job, steps=self.longer.double())
+        self.last_wall *= 2.0      # until measured at the new length
+        return True
+
+    def _measure_reference(self, why: str) -> Reference:
+        ref = self.measure(REFERENCE, why)
+        ran = ref.row.steps
+        self.result.reference = self.result.references[ran or self.job.steps] = ref
+        if self.job.script and ref.row.ok:
+            self.longer.saw(self.job.steps, ran)
+        return sound_reference(ref.row)
+
+    def _no_progress(self, basis: Reference, stalled: str | None = None) -> NoProgress:
+        """The stop when O0 shows no progress: more steps would decide, or (`stalled`: why its own
+        weights barely move) no run length would."""
+        row = self.result.reference.row  # type: ignore[union-attr]
+        n = row.steps or self.job.steps
+        if stalled is not None:
+            exc = NoProgress(f"cannot tell: O0 made no detectable progress in {n} steps ({basis.why_not()}), and "
+                             f"{stalled}. No run length makes such a reference one to judge against: a larger "
+                             "learning rate would.")
+            exc.decide = Decider()
+        else:
+            exc = NoProgress(basis.no_progress(n))
+            z, need = basis.significance, basis.needed
+            grow = (need / z) ** (2 / 3) if z and need and z > 0 and z != float("inf") else 2.0
+            exc.decide = Decider(int(n * max(2.0, grow)))
+        self.result.decide = exc.decide
+        return exc
+
     def _reference(self) -> None:
-        ref = self.measure(REFERENCE, "the FP32 reference")
-        basis = reference_of(ref.row, ref.row.steps or self.job.steps)
-        self.result.reference = ref
+        """O0 at the first steps, run longer while its loss shows no progress (module docstring).
+        Where its own weights barely move (updates below FP32's resolution), no length helps: stop."""
+        basis = self._measure_reference("the FP32 reference")
+        while basis.basis is not Basis.PROGRESS:
+            row = self.result.reference.row  # type: ignore[union-attr]
+            weights = compare_weights(row.witness, row.witness, self.result.rule.confidence)
+            if weights is not None and not weights.witnesses:
+                raise self._no_progress(basis, weights.why_not)
+            if not self._longer(runs=1 + len(self.todo)):
+                if weights is None:
+                    raise self._no_progress(basis)
+                self.say(f"    O0's loss shows no progress in {row.steps} steps ({basis.why_not()}); its weights "
+                         "moved: candidates are judged on their weights where the loss cannot tell")
+                return
+            self.say(f"    O0's loss shows no progress yet ({basis.why_not()}): running longer")
+            basis = self._measure_reference("the FP32 reference, longer")
         self.say(f"    deviations are {basis.describe()}")
 
     def _run(self) -> None:
@@ -200,20 +231,42 @@ class Search:
                  f"{self.last_wall:.1f}s a run: {runs} runs, about {runs * self.last_wall / 60:.1f} min, plus "
                  f"about {self.estimate(True) + self.last_wall:.0f}s per repair (a recorded run and a rerun)"
                  + ("" if self.deadline is None else ", within the budget"))
-        failed = []
         for i, c in enumerate(self.todo, 1):
             if not self.fits():
                 r.notes.append(f"budget reached before {c.label} ran.")
                 return
-            m = self.measure(c, f"candidate {i}/{len(self.todo)}")
-            r.candidates.append(m)
-            if not m.qualifies and m.row.ok:
-                failed.append(c)
+            r.candidates.append(self.measure(c, f"candidate {i}/{len(self.todo)}"))
+        self.decide_undecided()
         if self.repair:
+            failed = [m.candidate for m in r.candidates if not m.qualifies and not m.undecided and m.row.ok]
             for c in sorted(failed, key=Candidate.simplicity):
                 self.repair_one(c)
         if self.objective == "speed":
             self.retime()
+
+    def decide_undecided(self) -> None:
+        """Run O0 and the candidates the loss cannot tell yet again, twice as long, while the budget
+        and the script allow (module docstring): those the runs cannot tell, and those that qualify
+        on their weights alone (the loss, the first witness, may yet confirm or fail them)."""
+        r = self.result
+        while True:
+            left = [m.candidate for m in r.candidates
+                    if m.undecided or (m.qualifies and m.evidence is Evidence.WEIGHTS)]
+            if not left or not self._longer(runs=1 + len(left)):
+                return
+            self.say(f"cannot tell {', '.join(c.label for c in left)} yet: running O0 and them for "
+                     f"{self.job.steps} steps")
+            self._measure_reference("the FP32 reference, longer")
+            for c in left:
+                self._amend_with(c, self.measure(c, "longer"))
+
+    def _amend_with(self, c: Candidate, m: Measured) -> None:
+        r = self.result
+        old = r.measured_of(c)
+        if old is None:
+            r.candidates.append(m)
+        else:
+            r.candidates[r.candidates.index(old)] = m
 
     def _amend(self, c: Candidate, **changes: object) -> None:
         """Replace `c`'s measurement with `changes` made (its reason, verdict, ...)."""
@@ -244,22 +297,33 @@ class Search:
                 return
             m = self.measure(s.candidate, f"repair of {c.label}: {s.why}")
             r.candidates.append(m)
-            if m.qualifies or not m.row.ok:
+            if m.qualifies or m.undecided or not m.row.ok:
                 return
             c = s.candidate
 
+    def finalists(self) -> list[Measured]:
+        """The `timing.RETIME` fastest qualifying candidates (first timings), and the fastest
+        qualifying one simpler than all of them: a tie within the spread would go to it, so it
+        is timed beside them."""
+        qual = sorted((m for m in self.result.candidates if m.qualifies and m.step_ms and not m.emulated),
+                      key=lambda m: m.step_ms)
+        top = qual[:timing.RETIME]
+        if top:
+            simplest = min(m.candidate.simplicity() for m in top)
+            simpler = [m for m in qual[timing.RETIME:] if m.candidate.simplicity() < simplest]
+            top += simpler[:1]
+        return top
+
     def retime(self) -> None:
-        """The fastest qualifying candidates and O0, interleaved; every repeat is judged again
-        (a finalist that fails on one no longer qualifies); O0's are timed only."""
+        """The finalists and O0, interleaved; every repeat is judged again (a finalist that fails
+        on one no longer qualifies); O0's are timed only."""
         r = self.result
-        qual = sorted((m for m in r.candidates if m.qualifies and m.step_ms and not m.emulated),
-                      key=lambda m: m.step_ms)[:timing.RETIME]
+        qual = self.finalists()
         if not qual or self.rounds < 1:
             return
         by_label = {REFERENCE.label: REFERENCE, **{m.candidate.label: m.candidate for m in qual}}
         plan = timing.order(REFERENCE.label, [m.candidate.label for m in qual], self.rounds)
         self.say(f"re-timing {', '.join(by_label)} interleaved ({self.rounds} round(s)); each run judged again")
-        ref_row = r.reference.row  # type: ignore[union-attr]
         for n, label in enumerate(plan):
             if not self.fits():
                 r.notes.append("budget reached during re-timing: fewer repeats than planned.")
@@ -267,98 +331,39 @@ class Search:
             c = by_label[label]
             self.runs += 1
             self.say(f"[{self.runs}] {label}: re-timing{self.left()}")
-            again = measured(c, self._timed(c), ref_row, r.rule)
+            again = measured(c, self._timed(c), self._reference_row(), r.rule)
             if c != REFERENCE:
                 self._rejudge(c, again, n // len(by_label) + 1)
             if again.step_ms is not None:
                 r.timings.setdefault(label, []).append(again.step_ms)
                 r.repeats.setdefault(label, []).append(again.step_ms)
                 self.say(f"    {again.step_ms:.1f} ms/step" + ("" if c == REFERENCE or again.qualifies
-                                                                else f"; fails: {again.reason}"))
+                                                                else f"; {again.outcome.value}: {again.reason}"))
         self.retimed = [m.candidate for m in qual]
 
     def _rejudge(self, c: Candidate, again: Measured, round_: int) -> None:
-        """A finalist's repeat: it keeps qualifying only if this run qualifies too; its deviation
-        is its worst run's."""
+        """A finalist's repeat: it keeps qualifying only if this run does not fail (a repeat the runs
+        cannot tell leaves it as it was); its deviation is its worst run's."""
         m = self.result.measured_of(c)
         if m is None:
             return
         worst = max((d for d in (m.deviation, again.deviation) if d is not None), default=None)
-        if again.qualifies:
+        if again.qualifies or again.undecided:
             self._amend(c, deviation=worst)
         elif m.qualifies:
             self._amend(c, qualifies=False, deviation=worst, finite=m.finite and again.finite,
                         reason=f"its re-timing run {round_} fails: {again.reason} (its first run: {m.reason})")
 
     def choose(self) -> None:
-        """The fastest finalist that qualified on every run; a tie among them (within the spread)
-        goes to the simpler one. O0 when none qualifies, or when O0 is faster than that choice
-        beyond the spread: a tie with O0 goes to the half policy (see the module docstring)."""
+        """The choice (`choice.choose`, or `choice.choose_memory` for the memory objective)."""
         r = self.result
         r.spread = timing.spread(r.repeats if any(len(v) > 1 for v in r.repeats.values()) else r.timings)
-        ms = timing.step_ms(r.compared())
         fp8 = [m.candidate.label for m in r.candidates if m.emulated and m.qualifies]
         if fp8:
             r.notes.append(f"{', '.join(fp8)}: trained like FP32, but on FP8 emulated by torchao here (no FP8 tensor "
                            "cores): listed for their fidelity, never chosen for speed; time them on a GPU with FP8 "
                            "tensor cores (CUDA capability 8.9+).")
         if self.objective == "memory":
-            return self.choose_memory(ms)
-        qual = [m.candidate for m in r.candidates if m.qualifies and not m.emulated and m.candidate.label in ms]
-        if self.retimed:  # the finalists: the others were slower at their first timing
-            qual = [c for c in qual if c in self.retimed]
-        if not qual:
-            r.chosen = REFERENCE
-            r.why = ("no half policy trains like FP32 within the tolerance" if r.candidates
-                     else "no candidate was measured") + ": O0 (FP32)."
-            return
-        labels = {c.label: c for c in qual}
-        best = labels[timing.simplest_of_fastest(list(labels), ms, r.spread, lambda x: labels[x].simplicity())]
-        fastest = min(labels, key=lambda x: ms[x])
-        o0 = ms.get(REFERENCE.label)
-        if o0 is not None and timing.faster(o0, ms[best.label], r.spread):
-            r.chosen = REFERENCE
-            r.why = (f"every qualifying half policy is slower than O0 beyond the {r.spread:.1%} spread between repeats "
-                     f"(best: {best.label}, {ms[best.label]:.1f} ms against {o0:.1f}).")
-            return
-        r.chosen = best
-        dev = r.measured_of(best).deviation  # type: ignore[union-attr]
-        if not o0:
-            speed = "speed unknown"
-        elif timing.faster(ms[best.label], o0, r.spread):
-            speed = f"{o0 / ms[best.label]:.2f}x O0's speed"
+            choice.choose_memory(r)
         else:
-            speed = (f"{o0 / ms[best.label]:.2f}x O0's speed, a tie with O0 within the {r.spread:.1%} spread between "
-                     "repeats, which goes to the half policy")
-        tie = "" if best.label == fastest else (f"; as fast as {fastest} within the {r.spread:.1%} spread between "
-                                                "repeats, and simpler")
-        r.why = f"the fastest policy that trains like FP32 ({speed}; deviation {dev:.2%}){tie}."
-
-    def choose_memory(self, ms: dict[str, float]) -> None:
-        """The "memory" objective: the qualifying policy, O0 included, with the fewest bytes per
-        trained parameter; footprints within `SAME_BYTES` of each other go to the faster (within
-        the spread: the simpler), as `choose` decides."""
-        r = self.result
-        held = {m.candidate.label: (m.candidate, m.row.train_bytes_per_param)
-                for m in ([r.reference] if r.reference is not None else []) + r.candidates
-                if (m.qualifies or m.candidate == REFERENCE) and not m.emulated
-                and m.row.train_bytes_per_param is not None
-                and m.candidate.label in ms}
-        if not held:
-            r.chosen = REFERENCE
-            r.why = "no policy's footprint was measured: O0 (FP32)."
-            return
-        least = min(b for _, b in held.values())
-        tied = {label: c for label, (c, b) in held.items() if b <= least + SAME_BYTES}
-        best = tied[timing.simplest_of_fastest(list(tied), ms, r.spread, lambda x: tied[x].simplicity())]
-        r.chosen = best
-        o0 = held.get(REFERENCE.label)
-        if best == REFERENCE:
-            r.why = (f"no qualifying half policy holds fewer bytes per trained parameter than O0 ({least:.1f}): "
-                     "O0 (FP32).")
-            return
-        dev = r.measured_of(best).deviation  # type: ignore[union-attr]
-        speed = f"{ms[REFERENCE.label] / ms[best.label]:.2f}x O0's speed" if ms.get(REFERENCE.label) else "speed unknown"
-        r.why = (f"the policy that trains like FP32 with the least memory: {held[best.label][1]:.1f} bytes per trained "
-                 f"parameter (weight, masters, optimizer state)"
-                 + (f" against O0's {o0[1]:.1f}" if o0 is not None else "") + f" ({speed}; deviation {dev:.2%}).")
+            choice.choose(r, self.retimed)

@@ -449,3 +449,32 @@ def test_run_forces_master_weights(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "kahan", done.stderr
     bad = ampatch("run", "--master-weights", "fp8", "--", "python", str(script), cwd=tmp_path)
     assert bad.returncode == 2 and "use True, False, 'stochastic' or 'kahan'" in bad.stderr
+
+
+LONG_SCRIPT = AMP_SCRIPT.replace("range(5)", "range(10_000)")   # far longer than a comparison needs
+
+
+@pytest.mark.slow
+def test_compare_steps_stop_a_script_as_tune_and_diagnose_do(tmp_path: Path) -> None:
+    """`compare --steps 20 -- python train.py`: each run stops after 20 optimizer steps
+    (AMPATCH_MAX_STEPS), as tune's and diagnose's runs do; the table has the verdict and noise
+    columns beside the deviation."""
+    script = write(tmp_path / "train.py", LONG_SCRIPT)
+    out = tmp_path / "out.json"
+    proc = ampatch("compare", "--steps", "20", "--levels", "O0,O4", "--json", str(out), "--", "python", str(script),
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["O0"]["steps"] == rows["O4"]["steps"] == 20 and len(rows["O4"]["losses"]) == 20
+    assert rows["O4"]["verdict"]["outcome"] in ("qualifies", "fails", "cannot tell")
+    assert rows["O0"]["verdict"] is None
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("level"))
+    assert "max dev vs O0  noise  verdict" in header and "20 steps per run" in proc.stdout
+
+
+def test_the_help_names_all_four_commands(capsys) -> None:
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    description = text.split("positional arguments")[0]
+    for name in ("compare", "run", "diagnose", "tune"):
+        assert f"({name})" in description

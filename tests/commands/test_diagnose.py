@@ -299,7 +299,9 @@ def test_one_layer_whose_gradient_underflows_whole_is_a_finding(tmp_path, monkey
 
 def test_an_optimizer_step_that_makes_weights_nan_is_a_step_fault_not_a_module(tmp_path, monkeypatch):
     """O3 float16 with Adam's eps=1e-8 (0 in float16): a weight whose gradient is 0 becomes
-    0/0 = NaN at the step. No module's precision causes it, so none is recommended."""
+    0/0 = NaN at the step. No module's precision causes it, so none is recommended: FP32 master
+    weights are (the optimizer then steps FP32 copies), as the notes say. No note blames the
+    data for the loss that goes NaN after that step."""
     torch.manual_seed(0)
     path = tmp_path / "diag.json"
     monkeypatch.setenv(env.DIAGNOSE, str(path))
@@ -321,11 +323,13 @@ def test_an_optimizer_step_that_makes_weights_nan_is_a_step_fault_not_a_module(t
     fault = result["step_fault"]
     assert fault is not None and fault["step"] == 0 and "inp" in fault["modules"]
     assert result["recommendation"]["keep_fp32"] == []
+    assert result["recommendation"]["settings"]["master_weights"] is True
     assert result["first_nonfinite"]["phase"] == "step"
-    assert any(n.startswith("step fault") for n in result["recommendation"]["notes"])
+    notes = result["recommendation"]["notes"]
+    assert any(n.startswith("step fault") for n in notes) and not any("bad labels" in n for n in notes)
     text = render(found, "test")
     assert "first non-finite: step nonfinite weights in inp at step 0" in text
-    assert "recommendation: no module to keep in FP32: the optimizer step itself" in text
+    assert "recommendation: master_weights=True (the optimizer's own step" in text
 
 
 def test_the_recorder_loads_only_for_a_diagnosis():

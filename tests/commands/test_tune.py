@@ -15,7 +15,7 @@ from ampatch.runs.runner import LevelRun
 from ampatch.tune import timing
 from ampatch.tune.candidates import REFERENCE, Candidate, initial
 from ampatch.tune.measure import Job, Measured
-from ampatch.runs.verdict import Rule, growth_probes, judge
+from ampatch.runs.verdict import Decider, Rule, growth_probes, judge
 from ampatch.tune.report import render, to_json
 from ampatch.tune.search import Search
 
@@ -328,3 +328,53 @@ def test_the_memory_objective_tries_the_low_memory_masters_and_chooses_the_fewes
     assert data["objective"] == "memory" and data["reference"]["train_bytes_per_param"] == 12.0
     assert {d["train_bytes_per_param"] for d in data["candidates"]} == {12.0, 14.0}
     assert "B/param" in render(s.result, "t", None, "x") and "the objective is memory" in render(s.result, "t", None, "x")
+
+
+def test_the_why_line_names_every_policy_that_looks_faster_than_the_one_chosen():
+    """A tie within the spread goes to the simpler policy; the line names the policies whose
+    step time is lower, with their speed-ups, so the choice never reads against the table."""
+    o2, o4, o5 = Candidate("O2", "bfloat16"), Candidate("O4", "bfloat16"), Candidate("O5", "bfloat16")
+    s = _search({REFERENCE: [100.0, 110.0], o2: [70.0, 72.0], o4: [74.0, 76.0], o5: [68.0, 71.0]},
+                {o2: 0.0, o4: 0.0, o5: 0.0})
+    s.result.repeats = {k: v for k, v in s.result.timings.items()}
+    s.choose()
+    assert s.result.chosen == o4                       # O4 is simpler than O2 and O5 (SIMPLICITY)
+    why = s.result.why
+    assert "O5 bfloat16 (1.51x), O2 bfloat16 (1.48x) show a higher speed-up" in why and "(1.40x O0" in why
+    assert "tie, which goes to the simpler policy" in why
+
+
+def test_a_simpler_policy_behind_the_fastest_three_is_re_timed_too():
+    """O1 is the simplest policy: slower at its first timing than the three fastest, but within
+    a tie it would win, so it is a finalist and re-timed beside them."""
+    o1, o2, o3, o5 = (Candidate("O1", "bfloat16"), Candidate("O2", "bfloat16"), Candidate("O3", "bfloat16"),
+                      Candidate("O5", "bfloat16"))
+    s = Search(Job(lambda n: [], 1), [], 0.02, None, io.StringIO())
+    base = _row("O0", O0_LOSSES)
+    s.result.reference = Measured(REFERENCE, base, True, "reference", True, 0.0)
+    for c, ms in ((o5, 0.06), (o3, 0.065), (o2, 0.07), (o1, 0.08)):
+        m = _measured(c, O0_LOSSES, base)
+        s.result.candidates.append(dataclasses.replace(m, row=dataclasses.replace(m.row, median_step_ms=ms)))
+    assert [m.candidate for m in s.finalists()] == [o5, o3, o2, o1]
+    s.result.candidates = s.result.candidates[:3]
+    assert [m.candidate for m in s.finalists()] == [o5, o3, o2]
+
+
+def test_cannot_tell_is_its_own_outcome_never_an_O0_policy():
+    """Candidates the runs cannot tell, none qualifying: no policy is chosen (not O0 with 'no half
+    policy trains like FP32'), the why-line says what would decide, the JSON says so."""
+    o5 = Candidate("O5", "bfloat16")
+    s = _search({REFERENCE: [100.0], o5: [80.0]}, {})
+    row = _row("O5", O0_LOSSES, s.result.reference.row)
+    s.result.candidates.append(Measured(o5, row, False, "too noisy to judge at this tolerance (2.00%): ...", True,
+                                        0.3, noise=0.25, undecided=True, steps=40,
+                                        decide=Decider(160, 0.25)))
+    s.result.timings[o5.label] = [80.0]
+    s.retimed = []
+    s.choose()
+    assert s.result.chosen is None and s.result.cannot_tell
+    assert "cannot tell whether O5 bfloat16" in s.result.why and "a tolerance of 25.00%" in s.result.why
+    data = to_json(s.result)
+    assert data["outcome"] == "cannot tell" and data["chosen"] is None
+    assert data["decide"] == {"steps": 160, "tolerance": 0.25} and data["candidates"][0]["outcome"] == "cannot tell"
+    assert "cannot tell: cannot tell whether" in render(s.result, "t", None, "x")

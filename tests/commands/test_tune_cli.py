@@ -83,20 +83,22 @@ for _ in range(20):
 """
 
 
-def test_a_step_fault_drops_the_candidate_with_its_reason(tmp_path, capsys):
+def test_a_step_fault_is_repaired_with_fp32_masters_not_modules(tmp_path, capsys):
     """O3 float16 with Adam's eps=1e-8 (0 in float16): the weights go NaN at the optimizer
-    step. No module to keep helps, so the candidate is dropped, not repaired, and O0 chosen."""
+    step. No module to keep helps; the repair is diagnose's recommendation, FP32 master weights
+    (the optimizer then steps FP32 copies), and it trains like O0."""
     script = tmp_path / "adam.py"
     script.write_text(ADAM_EPS_SCRIPT.format(labels="(x[:, 3] > 0).long()"))   # labels O0 learns in 6 steps
     js = tmp_path / "t.json"
-    code = main(["tune", "--levels", "O3", "--half-dtype", "float16", "--steps", "6", "--out", str(tmp_path / "p.json"),
-                 "--json", str(js), "--", "python", str(script)])
+    code = main(["tune", "--levels", "O3", "--half-dtype", "float16", "--steps", "6", "--rounds", "0",
+                 "--out", str(tmp_path / "p.json"), "--json", str(js), "--", "python", str(script)])
     assert code == 0, capsys.readouterr().err[-2000:]
     data = json.loads(js.read_text())
-    (o3,) = data["candidates"]
+    o3, repaired = data["candidates"]
     assert o3["opt_level"] == "O3" and not o3["qualifies"] and o3["step_fault"]
     assert "step fault" in o3["reason"] and "not a module's precision" in o3["reason"]
-    assert data["chosen"]["opt_level"] == "O0" and load(tmp_path / "p.json").opt_level == "O0"
+    assert repaired["master_weights"] is True and repaired["keep_fp32"] == [] and repaired["repairs"] == "O3 float16"
+    assert repaired["qualifies"], repaired["reason"]
 
 
 UNSOUND = """
@@ -131,14 +133,19 @@ def test_a_reference_that_diverges_or_goes_non_finite_stops_tune(tmp_path, capsy
 
 
 def test_a_reference_that_makes_no_detectable_progress_stops_tune(tmp_path, capsys):
-    """Random labels: O0's loss moves only by its batch-to-batch noise. Nothing can be judged
-    against a reference that did not learn, so tune stops before any candidate runs: exit 1,
-    "run more steps", no policy file (the O0 rerun of the same seed and data that used to be
-    the noise floor measured 0.00% on a CPU, and every candidate qualified against it)."""
+    """Random labels: O0's loss moves only by its batch-to-batch noise. Tune runs O0 longer, as
+    far as the script goes (20 steps), asks the weights where the loss cannot tell, and when
+    neither decides says so: exit 1, "cannot tell", no policy file, and a JSON that says why
+    and what would decide (the O0 rerun of the same seed and data that used to be the noise
+    floor measured 0.00% on a CPU, and every candidate qualified against it)."""
     script = tmp_path / "coin_flips.py"
     script.write_text(ADAM_EPS_SCRIPT.format(labels="torch.randint(0, 2, (16,), generator=gen)"))
-    out = tmp_path / "p.json"
-    assert main(["tune", "--levels", "O3", "--steps", "12", "--out", str(out), "--", "python", str(script)]) == 1
-    err = capsys.readouterr().err
-    assert "ampatch tune: run more steps: O0 made no detectable progress in 12 steps (" in err
-    assert "standard errors" in err and "O3 bfloat16: candidate" not in err and not out.exists()
+    out, js = tmp_path / "p.json", tmp_path / "t.json"
+    assert main(["tune", "--levels", "O3", "--steps", "12", "--out", str(out), "--json", str(js), "--", "python",
+                 str(script)]) == 1
+    captured = capsys.readouterr()
+    assert "the script ends after 20 optimizer steps" in captured.out and "cannot tell" in captured.out
+    assert "O0 made no detectable progress" in captured.out and not out.exists()
+    data = json.loads(js.read_text())
+    assert data["outcome"] == "cannot tell" and data["chosen"] is None and data["steps_tried"] == [12, 20]
+    assert data["decide"]["steps"] > 20 and "O0 made no detectable progress" in data["candidates"][0]["reason"]

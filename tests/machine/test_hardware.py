@@ -143,3 +143,22 @@ def test_real_cuda_device() -> None:
     model = torch.nn.Linear(8, 8).cuda()
     amp.initialize(model, opt_level="O1", verbosity=0)
     assert amp.report().device.info.type == "cuda" and amp.report().device.half_dtype == "float16"
+
+
+def test_float16_on_a_cpu_without_it_warns_at_the_users_line_once(monkeypatch, fresh_log) -> None:
+    """`initialize(half_dtype=torch.float16)` on a CPU without native float16: a script with no
+    logging configured still sees it (a Python warning at its own line, as for emulated
+    bfloat16), once per process; verbosity=0 silences it."""
+    import warnings
+
+    monkeypatch.setattr(hardware, "describe", lambda device: fake(bf16=True))
+    model = torch.nn.Linear(8, 8)
+    with pytest.warns(UserWarning, match="float16 has no fast path on this CPU") as seen:
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", half_dtype=torch.float16)
+    assert seen[0].filename == __file__                     # the user's line, not ampatch's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = torch.nn.Linear(8, 8)
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O3",
+                       half_dtype=torch.float16)             # once: no second warning
+    amp.deinitialize()
