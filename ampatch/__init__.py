@@ -33,10 +33,10 @@ from .o1.lists import user as _user_policy
 from .o1.plans import BFLOAT16, FLOAT, HALF, PROMOTE
 from .optim.scaler import check_loss_id as _check_loss_id
 from .session.build import outside, prepare, takes_policy
-from .session.session import current as _current
-from .session.session import set_current as _set_current
 from .session.report import Report
 from .session.session import Session
+from .session.session import current as _current
+from .session.session import set_current as _set_current
 
 __version__ = "0.1.0"
 __all__ = [

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.session.session import current
 from ampatch.base.patcher import cast_switch
+from ampatch.session.session import current
 
 N = 100_000
 

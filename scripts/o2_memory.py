@@ -27,12 +27,13 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-import ampatch as amp
 # bench's memory section measures with the same meter (exact storage bytes + peak RSS growth),
 # so the two scripts' figures stay comparable
 from bench.meter import PeakMeter, measure_each_fresh, persistent_bytes, rss_measurable
+from torch import nn
+
+import ampatch as amp
 
 MODES = ("autocast", "O2")
 

@@ -32,9 +32,9 @@ import time
 
 import torch
 from torch import nn
+from tune_grid import D_IN, pretrained  # this directory's: the tune grid's network and its start
 
 import ampatch as amp
-from tune_grid import D_IN, Net, pretrained  # this directory's: the tune grid's network and its start
 
 # label -> (level, initialize keywords); "torchao" is torchao's AdamW8bit at O0
 CONFIGS = {"O0": ("O0", {}), "O0 bfloat16": ("O0", {"optimizer_states": "bfloat16"}),

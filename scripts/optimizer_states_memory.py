@@ -31,11 +31,11 @@ import sys
 import time
 
 import torch
+from lowmem_memory import fresh_env, machine  # this directory's: the same fresh process, the same machine line
 from torch import nn
 
 import ampatch as amp
 from ampatch.session.telemetry import peak_memory_bytes
-from lowmem_memory import fresh_env, machine  # this directory's: the same fresh process, the same machine line
 
 # configuration -> initialize keywords (all at O5)
 CONFIGS = {"O5": {},

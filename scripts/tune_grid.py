@@ -54,11 +54,11 @@ import torch
 from torch import nn
 
 import ampatch as amp
-from ampatch.runs.stats import RunStats
 from ampatch.config import env
 from ampatch.runs.deviation import TOLERANCE, Basis
 from ampatch.runs.longer import DEFAULT_BUDGET_S, Longer
 from ampatch.runs.runner import LevelRun
+from ampatch.runs.stats import RunStats
 from ampatch.runs.verdict import Evidence, Outcome, Rule, Verdict, judge
 from ampatch.runs.weights import compare as compare_weights
 from ampatch.session import witness as weights_witness

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _ranks import worker_main
 from torch import nn
 
-from _ranks import worker_main
 from ampatch.compat import parallel
 
 

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from ampatch.config.env import Overrides
-from ampatch.config.options import Options, Properties, resolve
+from ampatch.config.options import Options, resolve
 
 
 def props(opt_level: Any = "O1", *, device: Any = None, overrides: Overrides | None = None,

@@ -4,8 +4,8 @@ functions raise `ArgumentTypeError`, which the parser reports as a usage error),
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

@@ -9,17 +9,29 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from ampatch.cli.common import (KEEP_FP32_HELP, LEVELS, CliError, budget, check_fp8_levels, check_output_path,
-                                level_variants, module_names, optimizer_states, policy_path, positive, threads,
-                                tolerance, with_states)
-from ampatch.config import env as envvars
+from ampatch.cli.common import (
+    KEEP_FP32_HELP,
+    LEVELS,
+    CliError,
+    budget,
+    check_fp8_levels,
+    check_output_path,
+    level_variants,
+    module_names,
+    optimizer_states,
+    policy_path,
+    positive,
+    threads,
+    tolerance,
+    with_states,
+)
 from ampatch.compare.plot import write_plot
-from ampatch.runs.stats import common_steps, summarize
 from ampatch.compare.table import format_table, interrupted_note, judge_rows, machine_of, write_json
 from ampatch.runs import builtin, process, runner
 from ampatch.runs.budget import DEFAULT_BUDGET_S, TARGET_STEPS
 from ampatch.runs.deviation import TOLERANCE
 from ampatch.runs.sizing import sizes_in_words
+from ampatch.runs.stats import common_steps, summarize
 from ampatch.workloads import DEFAULT_STEPS, DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
 WORKLOAD_OPTIONS = ("workload", "device", "threads", "size")  # and --budget: see compare_script

@@ -7,16 +7,24 @@ import argparse
 import json
 import sys
 
-from ampatch.cli.common import (CliError, add_level_options, budget, check_fp8_levels, check_half_dtype,
-                                check_output_path, fp8_recipe, positive)
+from ampatch.cli.common import (
+    CliError,
+    add_level_options,
+    budget,
+    check_fp8_levels,
+    check_half_dtype,
+    check_output_path,
+    fp8_recipe,
+    positive,
+)
+from ampatch.config.values import parse_names
 from ampatch.diagnose import command as diagnosis
-from ampatch.record.child import DEFAULT_STEPS as DIAGNOSE_STEPS
 from ampatch.diagnose.render import render
 from ampatch.diagnose.render import write_plot as write_diagnosis_plot
-from ampatch.config.values import parse_names
+from ampatch.record.child import DEFAULT_STEPS as DIAGNOSE_STEPS
 from ampatch.runs import runner
-from ampatch.runs.longer import DEFAULT_BUDGET_S
 from ampatch.runs.builtin import workload_device
+from ampatch.runs.longer import DEFAULT_BUDGET_S
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
 

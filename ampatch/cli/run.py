@@ -6,9 +6,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ampatch.cli.common import (
+    KEEP_FP32_HELP,
+    add_level_options,
+    check_half_dtype,
+    check_output_path,
+    fp8_recipe,
+    layer_names,
+    loss_scale,
+    master_weights,
+    optimizer_states,
+    policy_path,
+)
 from ampatch.config import env as envvars
-from ampatch.cli.common import (KEEP_FP32_HELP, add_level_options, check_half_dtype, check_output_path, fp8_recipe,
-                                layer_names, loss_scale, master_weights, optimizer_states, policy_path)
 from ampatch.runs import process, runner
 
 

@@ -7,13 +7,20 @@ import argparse
 import re
 import sys
 
-from ampatch.cli.common import (CliError, budget, check_fp8_levels, check_output_path, level_variants, positive,
-                                tolerance)
+from ampatch.cli.common import (
+    CliError,
+    budget,
+    check_fp8_levels,
+    check_output_path,
+    level_variants,
+    positive,
+    tolerance,
+)
 from ampatch.config.policy_file import DEFAULT_PATH
 from ampatch.runs.builtin import workload_device
 from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, TOLERANCE, WINDOW
-from ampatch.tune.command import DEFAULT_BUDGET_S, DEFAULT_LEVELS, DEFAULT_STEPS
 from ampatch.tune.candidates import OBJECTIVES
+from ampatch.tune.command import DEFAULT_BUDGET_S, DEFAULT_LEVELS, DEFAULT_STEPS
 from ampatch.tune.timing import ROUNDS
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 

@@ -13,8 +13,8 @@ from typing import Any
 from ampatch.machine import hardware
 from ampatch.machine.device_text import machine_line, slow_half_note
 from ampatch.model.fp8 import EMULATED
-from ampatch.runs.stats import BASELINE, FINAL_LOSS_WINDOW, WARMUP_FRACTION, RunStats
 from ampatch.runs.deviation import CONFIDENCE, WINDOW
+from ampatch.runs.stats import BASELINE, FINAL_LOSS_WINDOW, WARMUP_FRACTION, RunStats
 from ampatch.runs.verdict import Rule, Verdict, judge
 
 # (heading, RunStats attribute, format)

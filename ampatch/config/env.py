@@ -16,8 +16,16 @@ from typing import ClassVar
 import torch
 
 from . import levels
-from .values import (StatePrecision, parse_dtype, parse_env_flag, parse_fp8, parse_loss_scale, parse_master_weights,
-                     parse_names, parse_optimizer_states)
+from .values import (
+    StatePrecision,
+    parse_dtype,
+    parse_env_flag,
+    parse_fp8,
+    parse_loss_scale,
+    parse_master_weights,
+    parse_names,
+    parse_optimizer_states,
+)
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MASTER_WEIGHTS", "MAX_STEPS", "REPORT", "PROGRESS",
            "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "OPTIMIZER_STATES", "WITNESS", "ALL", "Overrides",

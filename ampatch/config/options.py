@@ -24,9 +24,20 @@ from ..base.notices import warn
 from . import levels
 from .env import Overrides
 from .settings import SETTINGS
-from .values import (DEFAULT_MAX_LOSS_SCALE, DYNAMIC, MasterMode, StatePrecision, check_scale_value, parse_bool,
-                     parse_dtype, parse_fp8, parse_fp8_modules, parse_loss_scale, parse_master_weights,
-                     parse_optimizer_states)
+from .values import (
+    DEFAULT_MAX_LOSS_SCALE,
+    DYNAMIC,
+    MasterMode,
+    StatePrecision,
+    check_scale_value,
+    parse_bool,
+    parse_dtype,
+    parse_fp8,
+    parse_fp8_modules,
+    parse_loss_scale,
+    parse_master_weights,
+    parse_optimizer_states,
+)
 
 __all__ = ["Options", "OverrideError", "warn_or_err", "NO_CAST", "PROPERTY_KEYWORDS", "Properties", "resolve",
            "OUTSIDE", "check_fp8", "fp8_conflict"]

@@ -44,8 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..base.dtypes import HALF_NAMES
 from ..base.notices import warn
 from . import env, levels

@@ -32,15 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
-from ..runs.stats import RunStats
 from ..config import env
 from ..record.child import DEFAULT_STEPS
 from ..record.records import Recording, RecordingError
 from ..runs.deviation import TOLERANCE, Basis
 from ..runs.longer import DEFAULT_BUDGET_S, Longer
+from ..runs.runner import COLLECT, Finished, LevelRun, child_env, failure_line, level_run, run_child, with_apex_alias
+from ..runs.stats import RunStats
 from ..runs.verdict import Rule, judge
-from ..runs.runner import (COLLECT, Finished, LevelRun, child_env, failure_line, level_run, run_child,
-                           with_apex_alias)
 from .analysis import diagnosis, grow
 from .result import Diagnosis, Figures, Recommendation, Settings, Verification
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..runs.deviation import MIN_SHARE, TOLERANCE
 from ..model.fp8 import EMULATED
-from .fp8 import Fp8Entry
+from ..runs.deviation import MIN_SHARE, TOLERANCE
 from .analysis import blame_line
-from .stalls import STALL_SHARE
+from .fp8 import Fp8Entry
 from .result import Diagnosis, Figures, ModuleEntry, Recommendation
+from .stalls import STALL_SHARE
 
 __all__ = ["render", "write_plot", "fp8_table", "MODULE_ROWS"]
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from ..base.dtypes import HALF_NAMES
 from ..record.records import ParamRecord
-from .result import StalledModule, Stall
+from .result import Stall, StalledModule
 
 __all__ = ["STALL_SHARE", "MODEL_SHARE", "ModuleStall", "by_module", "stall", "note"]
 

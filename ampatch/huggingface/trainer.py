@@ -25,10 +25,10 @@ import torch
 
 import ampatch as amp
 
-from ..frameworks.level import LevelChoice, end_session
+from ..base.patcher import Patcher
 from ..config.values import MasterMode
 from ..frameworks import scheduler_guard
-from ..base.patcher import Patcher
+from ..frameworks.level import LevelChoice, end_session
 from ..session.session import current
 from .checks import check_accelerator, check_args, check_environment
 

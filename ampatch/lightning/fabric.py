@@ -34,10 +34,9 @@ from torch import nn
 
 import ampatch as amp
 
-from . import framework
 from ..frameworks.level import end_session
+from . import framework
 from .common import Facts, PluginState, start_plugin
-
 
 __all__ = ["AmpatchFabricPrecision"]
 

@@ -38,14 +38,13 @@ from torch import nn
 
 import ampatch as amp
 
-from ..model.default_dtype import fp32_default
-from ..model.forwards import InputCast, install_forward, is_wrapped
+from ..base.patcher import Patcher
 from ..frameworks import scheduler_guard
 from ..frameworks.level import end_session
-from ..base.patcher import Patcher
+from ..model.default_dtype import fp32_default
+from ..model.forwards import InputCast, install_forward, is_wrapped
 from . import framework
 from .common import Facts, HookGrads, PluginState, pairs_of, start_plugin, sync_requires_grad
-
 
 __all__ = ["AmpatchPrecision"]
 

@@ -19,7 +19,6 @@ The wording for people (advice, the machine line, the note under a table) is `de
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import platform
 from collections.abc import Iterable, Mapping
@@ -29,10 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .device_text import half_advice, machine_line
 from ..base.dtypes import HALF_NAMES, half_key
 from ..base.notices import warn
-
+from .device_text import half_advice, machine_line
 
 __all__ = ["DeviceInfo", "SessionDevice", "Machine", "describe", "model_device", "check_half"]
 

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from ..base.dtypes import LOW
-from .default_dtype import DEFAULT_DTYPE
 from ..base.patcher import disable_casts
-from ..machine.tips import add_note, changed_model_hint, hint_dtype_error
 from ..base.tree import map_tensors
+from ..machine.tips import add_note, changed_model_hint, hint_dtype_error
+from .default_dtype import DEFAULT_DTYPE
 from .weight_table import Weights
 
 __all__ = ["CastForward", "KeepForward", "UncastForward", "EAGER_UNDER_COMPILE", "InputCast", "Replicate", "cast_tree", "wrap_outputs",

@@ -46,12 +46,9 @@ from typing import Any
 import torch
 import wrapt
 
-from . import cache
-from . import rnn
-from ..base import tree
-from ..base import patcher
+from ..base import patcher, tree
 from ..base.patcher import Patcher, disable_casts
-from . import generate, plans, proxies, signatures, wrappers
+from . import cache, generate, plans, proxies, rnn, signatures, wrappers
 from .twins import is_traced
 
 logger = logging.getLogger("ampatch")

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from . import captured, dynamo, jit
-from ..machine import tips
-from .cache import CastCache, watch_data
 from ..base.patcher import Patcher, resolve_owner
+from ..machine import tips
+from . import captured, dynamo, jit
+from .cache import CastCache, watch_data
 from .plans import BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE
 from .proxies import wrap
-from .wrappers import WrapContext
 from .rnn import patch_rnn_modules
+from .wrappers import WrapContext
 
 logger = logging.getLogger("ampatch")
 

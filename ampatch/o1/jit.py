@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import wrapt
 
-from .cache import CastCache
 from ..base.patcher import Patcher
+from .cache import CastCache
 
 logger = logging.getLogger("ampatch")
 

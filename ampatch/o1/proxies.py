@@ -32,8 +32,8 @@ from typing import Any
 
 import wrapt
 
-from .plans import plan
 from ..base.patcher import cast_switch
+from .plans import plan
 from .twins import make_traceable
 from .wrappers import WrapContext, make_function, with_dtype_hint
 

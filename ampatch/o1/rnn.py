@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from ..base.patcher import Patcher, cast_switch
+from ..base.tree import map_tensors
 from .plans import HALF, CastPlan, plan
 from .proxies import ModuleFunctionWrapper
 from .twins import traced
-from ..base.tree import map_tensors
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
 

@@ -16,16 +16,16 @@ from typing import Any
 import torch
 
 from ..base.dtypes import LOW
+from ..base.notices import warn
+from ..base.patcher import Patcher, disable_casts
 from ..config.values import MasterMode, StatePrecision
 from . import calls, state_checkpoint
 from .context import HandleContext, OptState, StepGuard
 from .lowmem import LowMemMasters, take_state_entries
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
+from .scaler import distributed, unscale_
 from .states import StateStore
 from .stepper import step_kept
-from ..base.notices import warn
-from ..base.patcher import Patcher, disable_casts
-from .scaler import distributed, unscale_
 
 logger = logging.getLogger("ampatch")
 

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.values import MasterMode
 from ..base.data_watch import raw_data, set_data
+from ..config.values import MasterMode
 from ..model.weights import Keeps, Weight, note_all, settle_all
-from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
 from .chunks import Workspace, chunk_numel, is_elementwise
+from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
 from .rounding import rotation
 from .scaler import distributed, overflowed
 from .states import StateStore

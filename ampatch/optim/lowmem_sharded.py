@@ -24,7 +24,15 @@ import torch.distributed as dist
 
 from ..config.values import MasterMode
 from .chunks import Workspace, chunk_numel, is_elementwise
-from .lowmem import COMP_KEY, SUM_BLOCK, WeightPlusCompensation, bad_compensation, compensation_of, refuse_lbfgs, rounding_seed
+from .lowmem import (
+    COMP_KEY,
+    SUM_BLOCK,
+    WeightPlusCompensation,
+    bad_compensation,
+    compensation_of,
+    refuse_lbfgs,
+    rounding_seed,
+)
 from .masters import Masters, cast_state
 from .rounding import rotation
 from .scaler import distributed, overflowed

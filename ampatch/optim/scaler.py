@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config.values import DEFAULT_MAX_LOSS_SCALE, DEFAULT_MIN_LOSS_SCALE, INITIAL_LOSS_SCALE, check_scale_value
+from ..config.values import DEFAULT_MAX_LOSS_SCALE, DEFAULT_MIN_LOSS_SCALE, INITIAL_LOSS_SCALE
 
 logger = logging.getLogger("ampatch")
 

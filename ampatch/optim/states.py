@@ -24,7 +24,7 @@ import torch
 from ..config.values import StatePrecision
 from .chunks import Workspace
 from .quant import BLOCK, MIN_NUMEL, aligned, blocks, code_dtype, dequantize_, quantize_
-from .rounding import round_with_, rotation, stream, thresholds_
+from .rounding import rotation, round_with_, stream, thresholds_
 
 logger = logging.getLogger("ampatch")
 

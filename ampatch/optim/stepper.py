@@ -24,7 +24,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .chunks import Workspace, chunk_numel, has_step_hooks, is_elementwise, narrowed, plan_chunks, plan_pieces, step_hooks_once
+from .chunks import (
+    Workspace,
+    chunk_numel,
+    has_step_hooks,
+    is_elementwise,
+    narrowed,
+    plan_chunks,
+    plan_pieces,
+    step_hooks_once,
+)
 from .rounding import round_with_, stream, thresholds_
 from .states import Piece, StateStore
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model.sharded import is_sharded
 from ..base.exit_json import ExitJson
+from ..model.sharded import is_sharded
 from .fp8_probe import probe
 from .recorder import Recorder
 from .records import FORMAT, Recording

@@ -33,9 +33,9 @@ from torch import nn
 
 from ..base.dtypes import short_name
 from ..model.keep import labelled
+from .fp8_probe import Fp8Probe
 from .records import ModuleRecord, StepRecord
 from .shadow import Masters, RandomState, is_quiet, run_shadow, upcast
-from .fp8_probe import Fp8Probe
 from .stalls import StallCounter
 from .stats import floating_tensors, magnitude, relative_error, underflow_fraction
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model.forwards import forward_casts_bypassed
 from ..base.patcher import disable_casts
 from ..base.tree import map_tensors
+from ..model.forwards import forward_casts_bypassed
 
 __all__ = ["RandomState", "upcast", "run_shadow", "quiet", "is_quiet"]
 

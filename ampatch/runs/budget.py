@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ampatch.machine import hardware
 from ampatch.config.levels import uses_half, variant
+from ampatch.machine import hardware
 from ampatch.workloads.calibrate import dtype_of_kind, step_kinds
 
 DEFAULT_BUDGET_S = 120.0  # built-in workloads: the whole compare, calibration and start-ups included

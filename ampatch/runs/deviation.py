@@ -58,8 +58,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ampatch.runs import resolution
-from ampatch.runs import noise
+from ampatch.runs import noise, resolution
 from ampatch.runs.noise import Noise, noise_of, second_differences, t_quantile, trend
 
 __all__ = ["WINDOW", "ENDS", "TOLERANCE", "CONFIDENCE", "MIN_SHARE", "DIVERGE", "Basis", "Noise", "Reference",

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ampatch import workloads
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import env as envvars
-from ampatch import workloads
 from ampatch.runs.budget import EXIT_S, MARGIN, TARGET_STEPS
 from ampatch.runs.runner import Launch, child_env, failure_line, popen, read_json, run_child
 from ampatch.workloads.calibrate import step_kinds

@@ -35,8 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ampatch.runs.deviation import (CONFIDENCE, MIN_SHARE, Basis, Comparison, Reference, against,
-                                    initial_backoffs)
+from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, Basis, Comparison, Reference, against, initial_backoffs
 from ampatch.runs.stats import RunStats, losses_by_step
 from ampatch.runs.weights import WeightComparison, compare
 from ampatch.session.witness import Witness

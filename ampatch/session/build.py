@@ -25,17 +25,16 @@ from ..base.notices import warn
 from ..base.patcher import Patcher
 from ..config import env, levels, policy_file
 from ..config.env import Overrides
-from ..config.options import Options, warn_or_err
-from ..config.options import Properties, resolve
+from ..config.options import Options, Properties, resolve, warn_or_err
 from ..config.settings import SETTINGS
 from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE, MasterMode, StatePrecision
 from ..machine import hardware
 from ..model import fp8, sharded
 from ..model.cast import ModelHandle, params_to_cast
-from ..model.weight_table import DataWatch
-from ..model.weights import Weight
 from ..model.forwards import keep_in_fp32, wrap_outputs
 from ..model.keep import Kept, kept_module_ids
+from ..model.weight_table import DataWatch
+from ..model.weights import Weight
 from ..optim.context import HandleContext
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import check_one_master_each, master_ids

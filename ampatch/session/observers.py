@@ -11,15 +11,14 @@ report (AMPATCH_WITNESS, `witness`), and the end of the process after N steps
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..config.env import DIAGNOSE, MAX_STEPS, REPORT, WITNESS, Overrides
 from ..base.exit_json import check_writable, exit_report
+from ..config.env import DIAGNOSE, MAX_STEPS, REPORT, WITNESS, Overrides
 from .witness import WeightWitness
 
 logger = logging.getLogger("ampatch")

@@ -18,13 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import build, observers
 from ..base.notices import warn
 from ..base.patcher import Patcher
 from ..config import levels
 from ..config.env import Overrides
-from ..config.options import Options
-from ..config.options import Properties
+from ..config.options import Options, Properties
 from ..machine import hardware, tips
 from ..model import fp8, keep
 from ..model.forwards import EAGER_UNDER_COMPILE
@@ -37,7 +35,7 @@ from ..optim.context import HandleContext, OptState
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import state_bytes
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
-
+from . import build, observers
 from .report import Report
 from .telemetry import Telemetry
 

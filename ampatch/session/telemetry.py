@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from ..base.counters import Counters
-from ..machine.hardware import SessionDevice
 from ..config.options import Properties
+from ..machine.hardware import SessionDevice
 from ..model.fp8 import Fp8Layers
 from ..optim.scaler import LossScaler
 from .report import Report

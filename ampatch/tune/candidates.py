@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ampatch.machine import hardware
 from ampatch.base.dtypes import HALF_NAMES, short_name
 from ampatch.config.levels import CASTING_LEVELS, fixed_half_dtype, half_dtype_conflict, uses_half
 from ampatch.config.policy_file import Policy
 from ampatch.config.values import LOW_MEMORY_MODES, StatePrecision
+from ampatch.machine import hardware
 
 __all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY", "OBJECTIVES", "low_memory_variants"]
 

@@ -14,14 +14,14 @@ from typing import Any, TextIO
 
 from ampatch.config import env
 from ampatch.config.levels import variant_label
-from ampatch.runs.progress import Progress
-from ampatch.runs.stats import RunStats
-from ampatch.runs.runner import COLLECT, Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
 from ampatch.config.policy_file import save
-from ampatch.tune.candidates import Candidate
-from ampatch.tune.fp8 import NOT_CHOSEN, emulated
+from ampatch.runs.progress import Progress
+from ampatch.runs.runner import COLLECT, Finished, Launch, child_env, level_run, popen, run_child, with_apex_alias
+from ampatch.runs.stats import RunStats
 from ampatch.runs.verdict import Decider, Evidence, Outcome, Rule, judge, label
 from ampatch.runs.weights import WeightComparison
+from ampatch.tune.candidates import Candidate
+from ampatch.tune.fp8 import NOT_CHOSEN, emulated
 
 __all__ = ["Job", "Measured", "run_candidate", "measured"]
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ampatch.runs.deviation import CONFIDENCE, ENDS, MIN_SHARE, WINDOW
 from ampatch.config.policy_file import Policy
 from ampatch.machine.hardware import fingerprint
+from ampatch.runs.deviation import CONFIDENCE, ENDS, MIN_SHARE, WINDOW
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.choice import undecided_decider
 from ampatch.tune.search import Result

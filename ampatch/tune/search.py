@@ -35,17 +35,17 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TextIO
 
-from ampatch.runs.stats import RunStats
 from ampatch.runs import process
 from ampatch.runs.deviation import Basis, Reference, unsound
 from ampatch.runs.longer import Longer
+from ampatch.runs.stats import RunStats
+from ampatch.runs.verdict import Decider, Evidence
 from ampatch.runs.weights import compare as compare_weights
 from ampatch.tune import choice, timing
 from ampatch.tune.candidates import OBJECTIVES, REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
 from ampatch.tune.repair import MAX_REPAIRS, suggest
 from ampatch.tune.result import Result
-from ampatch.runs.verdict import Decider, Evidence, Rule
 
 __all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "sound_reference", "RECORD_FACTOR"]
 

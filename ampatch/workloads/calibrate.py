@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 import ampatch as amp
+from ampatch import workloads
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import levels
 from ampatch.config.values import DEFAULT_FP8_RECIPE, parse_names
-from ampatch import workloads
 from ampatch.workloads import _common
 
 TIMED_STEPS = 2  # after one warm-up step, per size and kind

@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from ampatch.base.dtypes import short_name
 from ampatch.machine import hardware
 from ampatch.machine.device_text import machine_line as describe_machine
-from ampatch.base.dtypes import short_name
 
 # The modes every training section compares: plain FP32, torch.autocast, ampatch's levels.
 MODES = ("fp32", "autocast", "O1", "O2", "O3")

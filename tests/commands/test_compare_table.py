@@ -7,9 +7,9 @@ from pathlib import Path
 
 from _reports import report
 
-from ampatch.runs.stats import summarize
 from ampatch.compare.table import format_table, machine_of, write_json
 from ampatch.runs.runner import LevelRun
+from ampatch.runs.stats import summarize
 
 DEVICE = {"type": "cpu", "name": "Old CPU", "cores": 2, "features": ["avx2"], "lacks": ["avx512_bf16"],
           "native": {"bfloat16": False, "float16": False}, "basis": {"bfloat16": "no AVX512-BF16 or AMX"},

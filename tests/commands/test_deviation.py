@@ -8,10 +8,20 @@ import statistics
 import pytest
 from _reports import report
 
-from ampatch.runs.stats import summarize
+from ampatch.runs.deviation import (
+    Basis,
+    Reference,
+    against,
+    deviation,
+    initial_backoffs,
+    learned,
+    losses_per_step,
+    noise_of,
+    t_quantile,
+    unsound,
+)
 from ampatch.runs.runner import LevelRun
-from ampatch.runs.deviation import (Basis, Reference, against, deviation, initial_backoffs, learned, losses_per_step,
-                                    noise_of, t_quantile, unsound)
+from ampatch.runs.stats import summarize
 
 
 def _curve(n: int, start: float = 10.0) -> list[float]:

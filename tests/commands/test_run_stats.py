@@ -8,11 +8,9 @@ import math
 import pytest
 from _reports import REQUIRED, report
 
-from ampatch.runs.stats import RunStats, common_steps, summarize
 from ampatch.runs.runner import LevelRun
+from ampatch.runs.stats import RunStats, common_steps, summarize
 from ampatch.session.report import Report
-
-
 
 
 def run(level: str, fields: dict | None, ok: bool = True, error: str | None = None) -> LevelRun:

@@ -64,6 +64,7 @@ def test_a_level_may_use_what_the_later_ones_do_not_need_for_the_target() -> Non
 def test_progress_keeps_the_time_of_the_first_step() -> None:
     """A run's start-up is launch to first step, also after the speed window slid past it."""
     import io
+
     from ampatch.runs.progress import SPEED_WINDOW, Progress
     p = Progress("O1", stream=io.StringIO())
     p.update(1, 1.0)

@@ -19,7 +19,6 @@ from ampatch.config import env as envvars
 from ampatch.runs import UsageError, runner
 from ampatch.runs.progress import Progress
 
-
 # what every report has (a child here writes it without ampatch); a script adds its figures
 
 

@@ -8,14 +8,14 @@ import io
 import pytest
 from _reports import report
 
-from ampatch.machine import hardware
 from ampatch.cli.tune import tolerance
-from ampatch.runs.stats import RunStats
+from ampatch.machine import hardware
 from ampatch.runs.runner import LevelRun
+from ampatch.runs.stats import RunStats
+from ampatch.runs.verdict import Decider, Rule, growth_probes, judge
 from ampatch.tune import timing
 from ampatch.tune.candidates import REFERENCE, Candidate, initial
 from ampatch.tune.measure import Job, Measured
-from ampatch.runs.verdict import Decider, Rule, growth_probes, judge
 from ampatch.tune.report import render, to_json
 from ampatch.tune.search import Search
 

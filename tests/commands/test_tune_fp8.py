@@ -20,12 +20,12 @@ from _reports import report
 from ampatch.config import levels
 from ampatch.runs.runner import LevelRun
 from ampatch.runs.stats import RunStats
+from ampatch.runs.verdict import Rule, judge
 from ampatch.tune import fp8, repair
 from ampatch.tune.candidates import REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured
 from ampatch.tune.report import render, to_json
 from ampatch.tune.search import Search
-from ampatch.runs.verdict import Rule, judge
 
 ROOT = Path(__file__).resolve().parents[2]
 O0_LOSSES = [3.0 - 0.1 * i for i in range(10)]
@@ -118,6 +118,7 @@ def test_the_memory_objective_is_not_decided_by_an_emulated_fp8_candidate():
 
 def test_a_failing_fp8_candidate_is_repaired_without_the_layers_fp8_hurts(monkeypatch):
     from test_diagnose_fp8 import record  # noqa: the synthetic FP8 records of diagnose's tests
+
     from ampatch.diagnose.analysis import diagnosis
     from ampatch.record.records import Recording, StepRecord
     rec = Recording("O5", "bfloat16", 1.0, "fp32", [], [], True, 2, [StepRecord(i, 2.0, True, 1.0, False)

@@ -97,13 +97,14 @@ def test_install_and_uninstall_in_process() -> None:
     assert compat.install_apex_alias() is True  # idempotent: the same alias
     assert sys.modules["apex"] is apex_module and compat.apex_alias_installed()
 
-    from apex import amp as amp1
     import apex.amp as amp2
+    from apex import amp as amp1
     from apex.amp import _amp_state, init, scale_loss
     assert amp1 is ampatch and amp2 is ampatch and scale_loss is ampatch.scale_loss
     assert _amp_state is ampatch._amp_state and init is ampatch.init
     assert importlib.import_module("apex.amp") is ampatch
-    from apex.amp._amp_state import _amp_state as state2, master_params
+    from apex.amp._amp_state import _amp_state as state2
+    from apex.amp._amp_state import master_params
     assert state2 is ampatch._amp_state and master_params is ampatch.master_params
 
     from apex import optimizers, parallel
@@ -112,9 +113,9 @@ def test_install_and_uninstall_in_process() -> None:
     assert parallel is importlib.import_module("ampatch.compat.parallel")
     assert optimizers.FusedAdam is compat.optimizers.FusedAdam and LARC is compat.parallel.LARC.LARC
     assert callable(skipIfRocm)
-    from apex.optimizers.fused_adam import FusedAdam
-    from apex.normalization.fused_layer_norm import FusedLayerNorm
     import apex.parallel.distributed
+    from apex.normalization.fused_layer_norm import FusedLayerNorm
+    from apex.optimizers.fused_adam import FusedAdam
     assert FusedAdam is optimizers.FusedAdam and FusedLayerNorm is compat.normalization.FusedLayerNorm
     assert apex.parallel.distributed.DistributedDataParallel is parallel.DistributedDataParallel
 

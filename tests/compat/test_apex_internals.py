@@ -17,7 +17,8 @@ from torch import nn
 
 import ampatch as amp
 from ampatch.compat import optimizers
-from ampatch.compat.extensions import amp_C as amp_c, apex_C as apex_c
+from ampatch.compat.extensions import amp_C as amp_c
+from ampatch.compat.extensions import apex_C as apex_c
 
 F32, F16 = torch.float32, torch.float16
 

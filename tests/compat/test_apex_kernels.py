@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from ampatch import compat
-from ampatch.compat.extensions import amp_C as amp_c, apex_C as apex_c, kernels
-from ampatch.compat.multi_tensor_apply import MultiTensorApply, multi_tensor_applier as applier
+from ampatch.compat.extensions import amp_C as amp_c
+from ampatch.compat.extensions import apex_C as apex_c
+from ampatch.compat.extensions import kernels
+from ampatch.compat.multi_tensor_apply import MultiTensorApply
+from ampatch.compat.multi_tensor_apply import multi_tensor_applier as applier
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -120,7 +120,6 @@ def test_the_rule_maps_apex_names_to_compat_files(apex_alias) -> None:
 
 
 def test_amp_submodules_are_attributes_of_apex_amp_but_never_set_on_ampatch(apex_alias) -> None:
-    import apex.amp.frontend
     from apex.amp import frontend, lists, wrap
     assert lists is sys.modules["apex.amp.lists"] and wrap is sys.modules["apex.amp.wrap"]
     assert frontend is sys.modules["apex.amp.frontend"]

@@ -4,12 +4,9 @@ and the keywords that change how Apex's DDP reduced: `allreduce_always_fp32`,
 `gradient_predivide_factor`, `gradient_average=False`."""
 from __future__ import annotations
 
-import math
-
+import _apex_flat_worker as worker
 import pytest
 import torch
-
-import _apex_flat_worker as worker
 from _ranks import run_ranks
 
 pytestmark = pytest.mark.distributed

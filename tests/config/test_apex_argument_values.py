@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _config import props
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import env, levels, options
-from _config import props
+from ampatch.config import env, options
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")

@@ -13,10 +13,10 @@ import json
 
 import pytest
 import torch
+from _config import props
 from torch import nn
 
 import ampatch as amp
-from _config import props
 from ampatch.config import env, policy_file
 
 

@@ -15,8 +15,8 @@ import json
 
 import pytest
 import torch
-
 from _config import props
+
 from ampatch.config import env, policy_file
 from ampatch.config.options import Options
 from ampatch.config.values import parse_fp8, parse_fp8_modules

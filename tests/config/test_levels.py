@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
+from _config import props
 from torch import nn
 
 import ampatch as amp
 from ampatch.config import levels
-from _config import props
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")

@@ -12,16 +12,16 @@ import types
 
 import pytest
 import torch
+from _config import props
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import env, levels
-from ampatch.session import observers
 from ampatch.base import tree
-from ampatch.session.session import current
-from ampatch.optim.masters import Masters
+from ampatch.config import env, levels
 from ampatch.config.options import NO_CAST, Options
-from _config import props
+from ampatch.optim.masters import Masters
+from ampatch.session import observers
+from ampatch.session.session import current
 
 F16, BF16 = torch.float16, torch.bfloat16
 

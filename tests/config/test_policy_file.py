@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
+from _config import props
 from torch import nn
 
 import ampatch as amp
-from ampatch.config import env
 from ampatch.cli import main
-from ampatch.machine.hardware import Machine, fingerprint, policy_warning
+from ampatch.config import env
 from ampatch.config.policy_file import Policy, PolicyError, from_outside, load, save
-from _config import props
+from ampatch.machine.hardware import Machine, fingerprint, policy_warning
 
 
 def _model():

@@ -6,11 +6,11 @@ import logging
 
 import pytest
 import torch
+from _config import props
 from torch import nn
 from torch.nn import functional as F
 
 from ampatch.machine import tips
-from _config import props
 
 
 class Net(nn.Module):
@@ -244,7 +244,6 @@ def test_cast_model_hint_names_what_helps_there_not_registrations(level: str) ->
 
 
 def amp_half_for(level: str) -> torch.dtype:
-    from ampatch.config import levels
     return props(level).half_dtype
 
 

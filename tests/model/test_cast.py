@@ -441,8 +441,8 @@ def test_data_parallel_replicas_run_their_own_weights():
     amp.initialize(model, opt_level="O2")
     replica = model._replicate_for_data_parallel()
     child = model[0]._replicate_for_data_parallel()
-    setattr(child, "weight", torch.zeros(2, 3, dtype=BF16))
-    setattr(child, "bias", torch.ones(2, dtype=BF16))
+    child.weight = torch.zeros(2, 3, dtype=BF16)
+    child.bias = torch.ones(2, dtype=BF16)
     replica._modules["0"] = child
     x = torch.randn(4, 3)
     out = replica(x)  # FP32 input: still cast to half by the replica's wrapper

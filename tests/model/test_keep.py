@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
-from ampatch.session.session import current as live_session
 from ampatch.config import env
 from ampatch.model import keep
 from ampatch.model.forwards import forward_casts_bypassed
+from ampatch.session.session import current as live_session
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]

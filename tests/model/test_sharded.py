@@ -27,12 +27,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _fsdp_worker as worker
 import pytest
 import torch
+from _ranks import run_ranks
 from torch import nn
 
-import _fsdp_worker as worker
-from _ranks import run_ranks
 import ampatch as amp
 from ampatch.config.levels import LEVELS
 

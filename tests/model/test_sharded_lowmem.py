@@ -22,11 +22,11 @@ tests/_fsdp_lowmem_worker.py once for the module; the tests compare what the ran
 """
 from __future__ import annotations
 
+import _fsdp_lowmem_worker as worker
 import pytest
 import torch
-
-import _fsdp_lowmem_worker as worker
 from _ranks import run_ranks
+
 from ampatch.runs.deviation import TOLERANCE
 
 pytestmark = pytest.mark.distributed

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampatch as amp
+from ampatch.base.counters import Counters
 from ampatch.o1 import generate, lists
 from ampatch.o1.install import find
 from ampatch.o1.plans import HALF
 from ampatch.o1.proxies import is_patch, wrap
 from ampatch.o1.signatures import FALLBACK_POSITIONS, layout_of
 from ampatch.o1.wrappers import WrapContext
-from ampatch.base.counters import Counters
 
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
+from ampatch.base.counters import Counters
+from ampatch.base.tree import map_tensors
 from ampatch.o1 import install as o1
 from ampatch.o1.plans import BANNED, BFLOAT16, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Action, Kind, plan
 from ampatch.o1.proxies import CastFunctionWrapper, ModuleFunctionWrapper, check_builtin_binding, is_patch, wrap
 from ampatch.o1.twins import is_traced, traced
 from ampatch.o1.wrappers import WrapContext
-from ampatch.base.counters import Counters
-from ampatch.base.tree import map_tensors
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 

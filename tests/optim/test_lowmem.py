@@ -14,9 +14,9 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 import io
 import logging
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest

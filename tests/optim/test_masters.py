@@ -540,9 +540,9 @@ def test_lr_scheduler_works_and_deinitialize_is_quiet(level, caplog):
 def _standalone(model: nn.Module, opt: torch.optim.Optimizer, **context):
     """What Apex's FP16_Optimizer builds: masters for the model's params, made from its FP32
     weights before the model goes to half; the optimizer patched; no Session anywhere."""
+    from ampatch.base.patcher import Patcher
     from ampatch.optim.context import HandleContext
     from ampatch.optim.handle import OptimizerHandle
-    from ampatch.base.patcher import Patcher
     handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
                              context=HandleContext(**context))
     model.half()

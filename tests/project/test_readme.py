@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ampatch.config import env
 from ampatch.cli import build_parser
+from ampatch.config import env
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -25,10 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _dist_worker as worker
 import pytest
 import torch
-
-import _dist_worker as worker
 from _ranks import run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -10,10 +10,9 @@ Two real processes (gloo on loopback) run every scenario of tests/_fp8_worker.py
 """
 from __future__ import annotations
 
+import _fp8_worker as worker
 import pytest
 import torch
-
-import _fp8_worker as worker
 from _ranks import run_ranks
 
 pytest.importorskip("torchao")

@@ -5,7 +5,6 @@ without the fix. Models are tiny; float16 runs where a dynamic scale is the poin
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import warnings

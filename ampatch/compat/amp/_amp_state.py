@@ -18,12 +18,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ...config.values import DEFAULT_MAX_LOSS_SCALE
-from ...session.session import current
 from ...base.notices import set_verbosity
+from ...config.settings import SETTINGS, Settings
+from ...config.values import DEFAULT_MAX_LOSS_SCALE
 from ...optim.handle import OptimizerHandle
 from ...optim.scaler import LossScaler
-from ...config.settings import SETTINGS, Settings
+from ...session.session import current
 from .scaler import LossScalerView
 
 logger = logging.getLogger("ampatch")

@@ -4,9 +4,8 @@ Apex's description of the opt levels: `Properties` (a session's resolved propert
 `brief` and the `options` it sets), covering ampatch's O0-O5."""
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
+from typing import Any
 
 from ...config import levels, options
 

@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
+from ...optim import scaler as core
 from ...optim.context import OptState
 from ...optim.handle import OptimizerHandle
-from ...optim import scaler as core
 from ..extensions.kernels import has_inf_or_nan
 
 logger = logging.getLogger("ampatch")

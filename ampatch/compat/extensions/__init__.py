@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import amp_C, apex_C
 from ..missing import NotProvidedError, not_provided_message
+from . import amp_C, apex_C
 
 __all__ = ["amp_C", "apex_C"]
 __path__: list[str] = []  # a package, so `import apex.extensions.syncbn` reaches the alias's finder

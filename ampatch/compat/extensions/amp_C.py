@@ -11,8 +11,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .kernels import (multi_tensor_axpby, multi_tensor_l2norm, multi_tensor_l2norm_mp, multi_tensor_l2norm_scale, multi_tensor_scale, multi_tensor_unscale_l2norm, update_scale_hysteresis)
-from .optim_kernels import (multi_tensor_adagrad, multi_tensor_adam, multi_tensor_adam_capturable, multi_tensor_adam_capturable_master, multi_tensor_lamb, multi_tensor_lamb_mp, multi_tensor_lamb_stage1_cuda, multi_tensor_lamb_stage2_cuda, multi_tensor_novograd, multi_tensor_sgd)
+from .kernels import (
+    multi_tensor_axpby,
+    multi_tensor_l2norm,
+    multi_tensor_l2norm_mp,
+    multi_tensor_l2norm_scale,
+    multi_tensor_scale,
+    multi_tensor_unscale_l2norm,
+    update_scale_hysteresis,
+)
+from .optim_kernels import (
+    multi_tensor_adagrad,
+    multi_tensor_adam,
+    multi_tensor_adam_capturable,
+    multi_tensor_adam_capturable_master,
+    multi_tensor_lamb,
+    multi_tensor_lamb_mp,
+    multi_tensor_lamb_stage1_cuda,
+    multi_tensor_lamb_stage2_cuda,
+    multi_tensor_novograd,
+    multi_tensor_sgd,
+)
 
 __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_mp",
            "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm", "update_scale_hysteresis",

@@ -10,7 +10,23 @@ master weights and loss scaler. `Fused_Weight_Norm` (a CUDA kernel) is not provi
 from __future__ import annotations
 
 from .fp16_optimizer import FP16_Optimizer
-from .fp16util import (BN_convert_float, FP16_Module, FP16Model, Fused_Weight_Norm, clip_grad_norm, convert_module, convert_network, fp16_to_fp32, fp32_to_fp16, master_params_to_model_params, model_grads_to_master_grads, network_to_half, prep_param_lists, to_python_float, tofp16)
+from .fp16util import (
+           BN_convert_float,
+           FP16_Module,
+           FP16Model,
+           Fused_Weight_Norm,
+           clip_grad_norm,
+           convert_module,
+           convert_network,
+           fp16_to_fp32,
+           fp32_to_fp16,
+           master_params_to_model_params,
+           model_grads_to_master_grads,
+           network_to_half,
+           prep_param_lists,
+           to_python_float,
+           tofp16,
+)
 from .loss_scaler import DynamicLossScaler, LossScaler
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",

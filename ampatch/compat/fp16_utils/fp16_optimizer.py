@@ -17,9 +17,9 @@ import torch
 from ...config.values import DEFAULT_MAX_LOSS_SCALE, check_scale_value
 from ...optim.context import OptState
 from ...optim.scaler import LossScaler, StateDictKeyError
-from .master_wrapper import MasterWeightOptimizer, WrapperOwner
 from ..amp.scaler import LossScalerView
 from .loss_scaler import apex_scaler
+from .master_wrapper import MasterWeightOptimizer, WrapperOwner
 
 logger = logging.getLogger("ampatch")
 

@@ -7,11 +7,12 @@ down to 1, multiplied by it after `scale_window` (1000) clean iterations, withou
 from __future__ import annotations
 
 from collections.abc import Iterable
+
 import torch
 from torch import nn
 
-from ...optim import scaler as core
 from ...config.values import USABLE_RANGE, check_scale_value
+from ...optim import scaler as core
 from ..extensions.kernels import has_inf_or_nan, nonfinite
 from .fp16util import to_python_float
 

@@ -20,12 +20,12 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from ...base.dtypes import LOW
-from ...optim.masters import MASTERS_KEY
-from ...optim.context import HandleContext, OptState
-from ...optim import calls
-from ...optim.handle import OptimizerHandle
 from ...base.patcher import Patcher
 from ...config.values import check_scale_value
+from ...optim import calls
+from ...optim.context import HandleContext, OptState
+from ...optim.handle import OptimizerHandle
+from ...optim.masters import MASTERS_KEY
 from ...optim.scaler import LossScaler, Verdict
 from ...session.session import current as current_session
 from ..amp.stash import AmpStash

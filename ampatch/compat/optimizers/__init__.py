@@ -8,7 +8,6 @@ wrapper for the pre-2019 FusedAdam), over what they share (`base`). Each keeps i
 works under `amp.initialize` at every level (at O2 the FP32 masters are the params it sees).
 """
 from __future__ import annotations
-from __future__ import annotations
 
 from .fp16_optimizer import FP16_Optimizer
 from .fused_adagrad import FusedAdagrad

@@ -23,7 +23,19 @@ import torch.distributed as dist
 from torch import nn
 
 from . import LARC  # noqa: N812 - in Apex, apex.parallel.LARC is a module
-from .distributed import (ApexAllreduce, DistributedDataParallel, Reducer, apex_allreduce_hook, apply_flat_dist_call, extract_tensors, flat_dist_call, flatten, split_by_type, split_half_float_double, unflatten)
+from .distributed import (
+    ApexAllreduce,
+    DistributedDataParallel,
+    Reducer,
+    apex_allreduce_hook,
+    apply_flat_dist_call,
+    extract_tensors,
+    flat_dist_call,
+    flatten,
+    split_by_type,
+    split_half_float_double,
+    unflatten,
+)
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DistributedDataParallel", "Reducer", "SyncBatchNorm", "convert_syncbn_model",
