@@ -12,8 +12,7 @@ import torch
 
 L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import EMAWeightAveraging  # noqa: E402
-
-from tests.integrations.test_lightning_trainer import MLP, data, trainer  # noqa: E402
+from test_lightning_trainer import MLP, data, trainer  # noqa: E402
 
 STEPS = 40
 
