@@ -100,8 +100,7 @@ def _recorder(session: Session, models: Sequence[torch.nn.Module], path: str, ep
     return attach(session, models, path, eps_lost)
 
 
-# What `initialize` returns, by the shape of what it got: the same objects, a list for a list
-# (or tuple), only the models when no optimizers are given.
+# What `initialize` returns: the same objects in the shape given (a list for a list or tuple); no optimizers: the models
 @overload
 def initialize(models: ModelT, optimizers: None = None, **kw: Unpack[Keywords]) -> ModelT: ...
 @overload
@@ -130,15 +129,16 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
                policy: types.Policy = None) -> Any:
     """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
 
-    Every keyword is checked, with the environment's overrides (``AMPATCH_*``), before
-    anything changes: a call rejected there leaves the previous session as it was. Calling
-    it again first undoes the previous session. The property keywords (`cast_model_type`
-    to `loss_scale`) override the level's defaults where not None (DESIGN.md's table).
+    Every keyword is checked, with the environment's overrides (``AMPATCH_*``), before anything
+    changes; a call that passes them first undoes the previous session. The property keywords
+    (`cast_model_type` to `loss_scale`) override the level's defaults (the README's table).
 
     Args:
         models: an `nn.Module` or a list (or tuple) of them, bare: not yet wrapped in DDP.
-        optimizers: a `torch.optim.Optimizer`, a list of them, or None (models only). Default: None.
-        enabled: False: ampatch changes nothing (no casts; `scale_loss` yields the loss as is). Default: True.
+        optimizers: a `torch.optim.Optimizer`, a list of them, or None (only the models come
+            back). Default: None.
+        enabled: False: ampatch changes nothing (no casts; `scale_loss` yields the loss as
+            is). Default: True.
         opt_level: "O0" FP32, "O1" patched casts, "O2" half model + FP32 masters, "O3" pure
             half, "O4"/"O5" = O1/O2 in bfloat16 (any case). Default: "O1".
         cast_model_type: the dtype the model is cast to (a dtype or its name), or False (leave
@@ -151,16 +151,15 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
             "stochastic" / "kahan" (no FP32 copy; docs/lowmem.md). Default: None (the level's).
         loss_scale: a number between 2**-126 and 2**126, a numeric string, or "dynamic".
             Default: None (the level's: "dynamic" at O1/O2 in float16, else 1.0).
-        cast_model_outputs: the dtype the cast model's floating outputs are cast to.
-            Default: None (FP32).
-        num_losses: how many losses get their own loss scaler (`scale_loss(loss_id=)`). Default: 1.
+        cast_model_outputs: the dtype of the cast model's floating outputs. Default: None (FP32).
+        num_losses: how many losses get their own loss scaler (`scale_loss(loss_id=)`).
+            Default: 1.
         verbosity: 0 silences the "ampatch" logger and warnings, 1 info, 2 debug. Default: 1.
         min_loss_scale: the floor of a dynamic loss scale. Default: None (2**-16).
         max_loss_scale: the ceiling of a dynamic loss scale. Default: 2**24.
         half_dtype: the half dtype, torch.float16 or torch.bfloat16 (or their names).
             Default: None (float16 on CUDA, bfloat16 elsewhere; O4/O5 always bfloat16).
-        allow_banned: let the functions O1 bans in float16 (binary_cross_entropy) run, in
-            FP32. Default: False.
+        allow_banned: run the functions O1 bans in float16 (binary_cross_entropy) in FP32. Default: False.
         patch_torch_functions_type: ROCm Apex's name for `half_dtype`. Default: None.
         process_group: the `torch.distributed` group whose ranks skip a step together on
             overflow. Default: None (the world).
@@ -187,7 +186,8 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     Raises:
         ValueError: a keyword's value, or a combination the level refuses (the message names
             the fix; Apex's refused overrides are also RuntimeErrors).
-        TypeError: a keyword of the wrong type, or models/optimizers that are not modules/optimizers.
+        TypeError: a keyword of the wrong type, or models (optimizers) that are not modules
+            (optimizers).
         RuntimeError: a model already wrapped in DistributedDataParallel or DataParallel.
 
     Example::
@@ -211,9 +211,8 @@ def scale_loss(loss: torch.Tensor, optimizers: torch.optim.Optimizer | Sequence[
                delay_overflow_check: bool = False) -> contextlib.AbstractContextManager[torch.Tensor]:
     """Context manager around `backward()` yielding the scaled loss `loss.float() * scale`.
 
-    On exit the grads are unscaled (into the FP32 masters where there are some) and checked
-    for inf/NaN; on overflow each optimizer's next `step()` is skipped and a dynamic scale
-    backs off.
+    On exit the grads are unscaled (into the FP32 masters, if any) and checked for inf/NaN;
+    on overflow each optimizer's next `step()` is skipped and a dynamic scale backs off.
 
     Args:
         loss: the loss tensor (any float dtype).
@@ -231,7 +230,8 @@ def scale_loss(loss: torch.Tensor, optimizers: torch.optim.Optimizer | Sequence[
     Raises:
         RuntimeError: no session (before `initialize` or after `deinitialize`), or an
             optimizer `initialize` was not given.
-        TypeError: `loss` is not a tensor. ValueError: `loss_id` out of range.
+        TypeError: `loss` is not a tensor.
+        ValueError: `loss_id` out of range.
 
     Example::
 
@@ -294,8 +294,8 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
 
     Raises:
         RuntimeError: no session (before `initialize` or after `deinitialize`).
-        KeyError: keys that are not `loss_scalerN`, or none for this session's `num_losses`
-            (also a ValueError). TypeError: not a dict, or an entry that is not one.
+        KeyError: keys other than `loss_scalerN`, or none of this session's (also a ValueError).
+        TypeError: not a dict, or an entry that is not one.
 
     Example::
 
@@ -314,7 +314,8 @@ def loss_scale(loss_id: int = 0) -> float:
         The scale as a Python float (1.0 where the level does not scale).
 
     Raises:
-        RuntimeError: no session. ValueError: `loss_id` out of range (TypeError: not an int).
+        RuntimeError: no session (before `initialize` or after `deinitialize`).
+        ValueError: `loss_id` out of range (also a TypeError when it is not an int).
 
     Example::
 
@@ -366,8 +367,7 @@ def deinitialize() -> None:
 def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
          allow_banned: bool = False, patch_type: Any = None) -> Any:
     """Apex's older O1-only entry point (`initialize` is the API to use): patch torch, with no
-    models or optimizers, and return a handle with `scale_loss(loss, optimizer)`,
-    `wrap_optimizer`, `disable_casts`, `is_active` and `_deactivate`.
+    models or optimizers, and return a handle with `scale_loss(loss, optimizer)` & co.
 
     Args:
         enabled: False: nothing is patched and the handle does nothing. Default: True.
@@ -389,8 +389,8 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
 
 
 def report() -> Report:
-    """What the session did: casts per op, cache hits, loss scales, skipped steps, the master
-    mode and optimizer state with their bytes per parameter, `fp8`'s layers, time in ampatch.
+    """What the session did: casts per op, cache hits, loss scales, skipped steps, bytes per
+    parameter, `fp8`'s layers, time in ampatch (docs/reference.md, "report()").
 
     Returns:
         A `Report`: `print()` it for a table, `.to_dict()` for JSON.
