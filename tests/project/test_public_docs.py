@@ -122,7 +122,7 @@ def _written(default: object) -> str:
     return f'"{default}"' if isinstance(default, str) else repr(default)
 
 
-def test_help_lists_every_parameter_with_its_default() -> None:
+def test_help_shows_every_parameter_in_the_signature_and_in_args() -> None:
     text = inspect.getdoc(amp.initialize) or ""
     signature = str(inspect.signature(amp.initialize))
     for p in inspect.signature(amp.initialize).parameters.values():
