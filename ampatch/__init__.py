@@ -16,27 +16,42 @@ first used; no framework is imported here either.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import wrapt
 
+from . import types
 from .base.notices import set_verbosity
-from .base.patcher import disable_casts as _disable_casts
 from .config.options import Options
 from .config.values import DEFAULT_MAX_LOSS_SCALE
-from .o1.lists import user as _user_policy
-from .o1.plans import BFLOAT16, FLOAT, HALF, PROMOTE
 from .optim.scaler import check_loss_id as _check_loss_id
 from .session.build import outside, prepare, takes_policy
 from .session.report import Report
 from .session.session import Session
 from .session.session import current as _current
 from .session.session import set_current as _set_current
+from .session.user_casts import (
+    bfloat16_function,
+    disable_casts,
+    float_function,
+    half_function,
+    promote_function,
+    register_bfloat16_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+
+if TYPE_CHECKING:  # names only a type checker needs
+    from torch.distributed import ProcessGroup
+    from typing_extensions import Unpack
+
+    from .types import InitializeKeywords as Keywords
+    from .types import ModelT, OptimizerT, Several
 
 __version__ = "0.1.0"
 __all__ = [
@@ -85,32 +100,101 @@ def _recorder(session: Session, models: Sequence[torch.nn.Module], path: str, ep
     return attach(session, models, path, eps_lost)
 
 
+# What `initialize` returns: the same objects in the shape given (a list for a list or tuple); no optimizers: the models
+@overload
+def initialize(models: ModelT, optimizers: None = None, **kw: Unpack[Keywords]) -> ModelT: ...
+@overload
+def initialize(models: Several[ModelT], optimizers: None = None, **kw: Unpack[Keywords]) -> list[ModelT]: ...
+@overload
+def initialize(models: ModelT, optimizers: OptimizerT, **kw: Unpack[Keywords]) -> tuple[ModelT, OptimizerT]: ...
+@overload
+def initialize(models: ModelT, optimizers: Several[OptimizerT],
+               **kw: Unpack[Keywords]) -> tuple[ModelT, list[OptimizerT]]: ...
+@overload
+def initialize(models: Several[ModelT], optimizers: OptimizerT,
+               **kw: Unpack[Keywords]) -> tuple[list[ModelT], OptimizerT]: ...
+@overload
+def initialize(models: Several[ModelT], optimizers: Several[OptimizerT],
+               **kw: Unpack[Keywords]) -> tuple[list[ModelT], list[OptimizerT]]: ...
 @takes_policy  # policy=: its fields set the keywords the call does not give
-def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_level: str = "O1",
-               cast_model_type: Any = None, patch_torch_functions: Any = None, keep_batchnorm_fp32: Any = None,
-               master_weights: Any = None, loss_scale: Any = None, cast_model_outputs: Any = None,
+def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_level: types.OptLevel = "O1",
+               cast_model_type: types.CastModelType = None, patch_torch_functions: types.Flag = None,
+               keep_batchnorm_fp32: types.Flag = None, master_weights: types.MasterWeights = None,
+               loss_scale: types.LossScale = None, cast_model_outputs: types.DTypeLike | None = None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
-               max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE, half_dtype: Any = None, allow_banned: bool = False,
-               patch_torch_functions_type: Any = None, process_group: Any = None, keep_fp32: Any = None,
-               fp8: Any = None, fp8_modules: Any = None, optimizer_states: Any = "float32", policy: Any = None) -> Any:
+               max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE, half_dtype: types.DTypeLike | None = None,
+               allow_banned: bool = False, patch_torch_functions_type: types.DTypeLike | None = None,
+               process_group: ProcessGroup | None = None, keep_fp32: types.KeepFP32 = None, fp8: types.FP8 = None,
+               fp8_modules: types.FP8Modules = None, optimizer_states: types.OptimizerStates = "float32",
+               policy: types.Policy = None) -> Any:
     """Set up mixed precision for `models` and `optimizers` at `opt_level` (O0-O5).
 
-    Returns the models and optimizers in the shape they came in (only the models when no
-    optimizers are given). Calling it again first undoes the previous session. Every keyword
-    is checked, with the environment's overrides, before anything changes: a call rejected
-    there leaves the previous session and the "ampatch" logger as they were.
-    `keep_fp32` names modules (names as `named_modules()` gives them, "1.head" with several
-    models; classes; callables `(name, module) -> bool`) that run in FP32 with everything
-    inside them, at any level. `policy`: a policy file `ampatch tune` wrote (a path, or a
-    dict): its fields set the keywords this call does not give (see `ampatch.config.policy_file`).
-    `fp8`: torchao's float8 training (the `fp8` extra) on the model's Linear layers: True
-    (= "tensorwise"), a recipe name ("rowwise", "rowwise_with_gw_hp") or a torchao
-    `Float8LinearConfig`; `fp8_modules` picks the layers (names, globs, or a callable
-    `(module, fqn) -> bool`; default: every Linear with dims multiples of 16 but the output
-    head). Converted in place, put back by `deinitialize` (docs/fp8.md).
-    `optimizer_states`: what the optimizers' state is stored in between steps, "float32" (the
-    optimizer's own), "bfloat16" (rounded stochastically) or "int8" (block-wise codes), for
-    any elementwise torch.optim optimizer at any level (docs/optimizer_states.md).
+    Every keyword is checked, with the environment's overrides (``AMPATCH_*``), before anything
+    changes; a call that passes them first undoes the previous session. The property keywords
+    (`cast_model_type` to `loss_scale`) override the level's defaults (the README's table).
+
+    Args:
+        models: an `nn.Module` or a list (or tuple) of them, bare: not yet wrapped in DDP.
+        optimizers: a `torch.optim.Optimizer`, a list of them, or None (only the models come
+            back). Default: None.
+        enabled: False: ampatch changes nothing (no casts; `scale_loss` yields the loss as
+            is). Default: True.
+        opt_level: "O0" FP32, "O1" patched casts, "O2" half model + FP32 masters, "O3" pure
+            half, "O4"/"O5" = O1/O2 in bfloat16 (any case). Default: "O1".
+        cast_model_type: the dtype the model is cast to (a dtype or its name), or False (leave
+            the model as it is). Default: None (the level's).
+        patch_torch_functions: True/False (or "True"/"False"): patch torch's functions (O1/O4
+            only). Default: None (the level's).
+        keep_batchnorm_fp32: True/False (or "True"/"False"): batch norms stay FP32 in a cast
+            model. Default: None (the level's).
+        master_weights: True (FP32 masters), False (none), or for a bfloat16 model (O2/O3/O5)
+            "stochastic" / "kahan" (no FP32 copy; docs/lowmem.md). Default: None (the level's).
+        loss_scale: a number between 2**-126 and 2**126, a numeric string, or "dynamic".
+            Default: None (the level's: "dynamic" at O1/O2 in float16, else 1.0).
+        cast_model_outputs: the dtype of the cast model's floating outputs. Default: None (FP32).
+        num_losses: how many losses get their own loss scaler (`scale_loss(loss_id=)`).
+            Default: 1.
+        verbosity: 0 silences the "ampatch" logger and warnings, 1 info, 2 debug. Default: 1.
+        min_loss_scale: the floor of a dynamic loss scale. Default: None (2**-16).
+        max_loss_scale: the ceiling of a dynamic loss scale. Default: 2**24.
+        half_dtype: the half dtype, torch.float16 or torch.bfloat16 (or their names).
+            Default: None (float16 on CUDA, bfloat16 elsewhere; O4/O5 always bfloat16).
+        allow_banned: run the functions O1 bans in float16 (binary_cross_entropy) in FP32. Default: False.
+        patch_torch_functions_type: ROCm Apex's name for `half_dtype`. Default: None.
+        process_group: the `torch.distributed` group whose ranks skip a step together on
+            overflow. Default: None (the world).
+        keep_fp32: modules that run in FP32 at any level, with everything inside them: names
+            as `named_modules()` gives them ("1.head" with several models), `nn.Module`
+            classes, callables `(name, module) -> bool`, or a list of these. Default: None.
+        fp8: torchao's float8 training on the Linear layers (the `fp8` extra; O4, O5, or
+            bfloat16/FP32 levels): True (= "tensorwise"), "rowwise", "rowwise_with_gw_hp", a
+            torchao `Float8LinearConfig`, or None/False (off; docs/fp8.md). Default: None.
+        fp8_modules: with `fp8`, the layers: names, globs ("blocks.*.mlp.*") or a callable
+            `(module, fqn) -> bool`. Default: None (every Linear with dims multiples of 16
+            but the output head).
+        optimizer_states: what the optimizers' state is stored in between steps: "float32"
+            (the optimizer's own), "bfloat16" (rounded stochastically) or "int8" (block-wise
+            codes), or that torch dtype (docs/optimizer_states.md). Default: "float32".
+        policy: a policy file `ampatch tune` wrote (its path, or its dict): its fields set the
+            keywords this call does not give. Default: None.
+
+    Returns:
+        The models and optimizers in the shape they came in, the same objects: `model`,
+        `[models]`, `(model, optimizer)`, `(model, [optimizers])`, ... (lists come back as
+        lists); only the models when `optimizers` is None.
+
+    Raises:
+        ValueError: a keyword's value, or a combination the level refuses (the message names
+            the fix; Apex's refused overrides are also RuntimeErrors).
+        TypeError: a keyword of the wrong type, or models (optimizers) that are not modules
+            (optimizers).
+        RuntimeError: a model already wrapped in DistributedDataParallel or DataParallel.
+
+    Example::
+
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> models, optimizers = amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O5",
+        ...                                     num_losses=2, keep_fp32=["1.head"])
     """
     keywords = dict(locals())
     options = Options(**{k: v for k, v in keywords.items() if k not in ("models", "optimizers", "policy")})
@@ -122,24 +206,79 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     return prepared.returned()
 
 
-def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
-               delay_unscale: bool = False, delay_overflow_check: bool = False):
-    """Context manager yielding `loss.float() * scale`; on exit grads are unscaled and checked,
-    and on overflow the optimizers' next `step()` is skipped."""
+def scale_loss(loss: torch.Tensor, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+               loss_id: int = 0, model: Any = None, delay_unscale: bool = False,
+               delay_overflow_check: bool = False) -> contextlib.AbstractContextManager[torch.Tensor]:
+    """Context manager around `backward()` yielding the scaled loss `loss.float() * scale`.
+
+    On exit the grads are unscaled (into the FP32 masters, if any) and checked for inf/NaN;
+    on overflow each optimizer's next `step()` is skipped and a dynamic scale backs off.
+
+    Args:
+        loss: the loss tensor (any float dtype).
+        optimizers: the optimizer, or a list of them, that steps these grads (`initialize`'s).
+        loss_id: which loss scaler, 0 to `num_losses - 1`. Default: 0.
+        model: ignored (Apex's argument). Default: None.
+        delay_unscale: leave the grads scaled and unchecked, to accumulate another loss first
+            (Apex's; the last `scale_loss` before `step()` must not delay). Default: False.
+        delay_overflow_check: decide the overflow at `step()` instead of here (no host sync
+            at the end of backward). Default: False.
+
+    Returns:
+        A context manager whose value is the scaled FP32 loss to call `backward()` on.
+
+    Raises:
+        RuntimeError: no session (before `initialize` or after `deinitialize`), or an
+            optimizer `initialize` was not given.
+        TypeError: `loss` is not a tensor.
+        ValueError: `loss_id` out of range.
+
+    Example::
+
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()  # skipped after an overflow
+    """
     return _session("scale_loss").scale_loss(loss, optimizers, loss_id, model, delay_unscale,
                                              delay_overflow_check)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """The params `optimizer` steps: clip these. FP32 masters under O2/O5; with
-    `master_weights="stochastic"`/`"kahan"` the bfloat16 weights themselves (their grads
-    bfloat16); the model's own params where there are no masters."""
+    """The params `optimizer` steps, with the grads it steps them by: clip these. The FP32
+    masters under O2/O5; with `master_weights="stochastic"`/`"kahan"` the bfloat16 weights
+    themselves (their grads bfloat16); the model's own params where there are no masters.
+
+    Args:
+        optimizer: an optimizer `initialize` returned (any other yields its own params).
+
+    Returns:
+        An iterator over the tensors in `optimizer.param_groups`, group by group.
+
+    Example::
+
+        >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
+    """
     for group in optimizer.param_groups:
         yield from group["params"]
 
 
-def state_dict(destination: dict | None = None) -> dict[str, dict[str, float | int]]:
-    """Loss-scaler state in Apex's format, plain Python numbers."""
+def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The loss scalers' state in Apex's format, plain Python numbers (a checkpoint loads
+    with `torch.load(path, weights_only=True)`).
+
+    Args:
+        destination: a dict to update with the state and return. Default: None (a new dict).
+
+    Returns:
+        `{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}`, one entry per loss.
+
+    Raises:
+        RuntimeError: no session (before `initialize` or after `deinitialize`).
+
+    Example::
+
+        >>> torch.save({"model": model.state_dict(), "amp": amp.state_dict()}, path)
+    """
     sd = _session("state_dict").state_dict()
     if destination is not None:
         destination.update(sd)
@@ -147,13 +286,41 @@ def state_dict(destination: dict | None = None) -> dict[str, dict[str, float | i
     return sd
 
 
-def load_state_dict(state_dict: dict) -> None:
-    """Restore the loss-scaler state saved by `state_dict()`."""
+def load_state_dict(state_dict: dict[str, Any]) -> None:
+    """Restore the loss scalers' state that `state_dict()` saved (Apex's checkpoints too).
+
+    Args:
+        state_dict: what `amp.state_dict()` returned.
+
+    Raises:
+        RuntimeError: no session (before `initialize` or after `deinitialize`).
+        KeyError: keys other than `loss_scalerN`, or none of this session's (also a ValueError).
+        TypeError: not a dict, or an entry that is not one.
+
+    Example::
+
+        >>> amp.load_state_dict(torch.load(path, weights_only=True)["amp"])
+    """
     _session("load_state_dict").load_state_dict(state_dict)
 
 
 def loss_scale(loss_id: int = 0) -> float:
-    """The current loss scale of `loss_id` (for gradient-penalty recipes)."""
+    """The current loss scale of `loss_id` (for gradient-penalty recipes, which unscale by hand).
+
+    Args:
+        loss_id: which loss scaler, 0 to `num_losses - 1`. Default: 0.
+
+    Returns:
+        The scale as a Python float (1.0 where the level does not scale).
+
+    Raises:
+        RuntimeError: no session (before `initialize` or after `deinitialize`).
+        ValueError: `loss_id` out of range (also a TypeError when it is not an int).
+
+    Example::
+
+        >>> penalty = sum(g.div(amp.loss_scale()).pow(2).sum() for g in scaled_grads)
+    """
     s = _session("loss_scale")
     _check_loss_id(loss_id, len(s.scalers), "amp.loss_scale(loss_id)")
     s.resolve_pending()
@@ -162,7 +329,21 @@ def loss_scale(loss_id: int = 0) -> float:
 
 def last_step_skipped(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer`'s last `step()` was skipped (its grads overflowed): for a driver
-    that must not advance an LR scheduler past a step that did not happen."""
+    that must not advance an LR scheduler past a step that did not happen.
+
+    Args:
+        optimizer: an optimizer `initialize` returned.
+
+    Returns:
+        True after a skipped step; False after one that ran, and always when `enabled=False`.
+
+    Raises:
+        RuntimeError: no session, or an optimizer this session does not hold.
+
+    Example::
+
+        >>> if not amp.last_step_skipped(optimizer): scheduler.step()
+    """
     s = _session("last_step_skipped")
     if not s.properties.enabled:  # nothing patched (enabled=False): no step is ever skipped
         return False
@@ -171,7 +352,13 @@ def last_step_skipped(optimizer: torch.optim.Optimizer) -> bool:
 
 def deinitialize() -> None:
     """Undo the session: torch's attributes back to the very same objects, models to their
-    original dtypes, optimizers to their own params and methods."""
+    original dtypes (from the exact values where masters were kept), optimizers to their own
+    params and methods, `fp8` layers to plain Linear ones. Without a session, nothing.
+
+    Example::
+
+        >>> amp.deinitialize(); torch.save(model.state_dict(), path)  # the FP32 model
+    """
     session = _set_current(None)
     if session is not None:
         session.close()
@@ -179,51 +366,43 @@ def deinitialize() -> None:
 
 def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
          allow_banned: bool = False, patch_type: Any = None) -> Any:
-    """Apex's older O1-only entry point: patch torch (no models or optimizers yet) and return
-    a handle with `scale_loss(loss, optimizer)`, `wrap_optimizer`, `disable_casts`,
-    `is_active` and `_deactivate`. `initialize` is the API to use."""
+    """Apex's older O1-only entry point (`initialize` is the API to use): patch torch, with no
+    models or optimizers, and return a handle with `scale_loss(loss, optimizer)` & co.
+
+    Args:
+        enabled: False: nothing is patched and the handle does nothing. Default: True.
+        loss_scale: a number, a numeric string or "dynamic". Default: "dynamic".
+        enable_caching: accepted; the cast cache stays on (same results). Default: True.
+        verbose: debug logging (`initialize`'s `verbosity=2`). Default: False.
+        allow_banned: as `initialize`'s. Default: False.
+        patch_type: the half dtype (torch.bfloat16: O4). Default: None (the device's).
+
+    Returns:
+        Apex's handle over that session (`ampatch.compat`).
+
+    Example::
+
+        >>> handle = amp.init()
+    """
     from .compat import init as apex_init
     return apex_init(enabled, loss_scale, enable_caching, verbose, allow_banned, patch_type)
 
 
 def report() -> Report:
-    """What the session did: casts per op, cache hits, loss scales, skipped steps, time."""
+    """What the session did: casts per op, cache hits, loss scales, skipped steps, bytes per
+    parameter, `fp8`'s layers, time in ampatch (docs/reference.md, "report()").
+
+    Returns:
+        A `Report`: `print()` it for a table, `.to_dict()` for JSON.
+
+    Raises:
+        RuntimeError: no session (the plugins keep theirs: `last_report`, `ampatch_report`).
+
+    Example::
+
+        >>> print(amp.report())
+    """
     return _session("report").report()
-
-
-@contextlib.contextmanager
-def disable_casts() -> Iterator[None]:
-    """No ampatch casting inside the block (this thread only)."""
-    with _disable_casts():
-        yield
-
-
-# ------------------------------------------------------------------ registration
-def _register(module: Any, name: str, kind: str) -> None:
-    _user_policy.register(module, name, kind)
-    s = _current()
-    if s is not None:
-        s.register_now(module, name, kind)
-
-
-def register_half_function(module: Any, name: str) -> None:
-    """Cast the floating args of module.name to the half dtype under O1/O4."""
-    _register(module, name, HALF)
-
-
-def register_float_function(module: Any, name: str) -> None:
-    """Run module.name in FP32 under O1/O4."""
-    _register(module, name, FLOAT)
-
-
-def register_promote_function(module: Any, name: str) -> None:
-    """Cast the args of module.name to their widest floating dtype under O1/O4."""
-    _register(module, name, PROMOTE)
-
-
-def register_bfloat16_function(module: Any, name: str) -> None:
-    """Cast the floating args of module.name to bfloat16 under O1/O4."""
-    _register(module, name, BFLOAT16)
 
 
 def __getattr__(name: str) -> Any:
@@ -237,25 +416,3 @@ def __getattr__(name: str) -> Any:
         state = globals()["_amp_state"] = compat.AmpState(_current)
         return state
     return compat.legacy_attribute(name)
-
-
-def _decorator(kind: str) -> Callable[[Callable], Callable]:
-    def decorate(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            s = _current()
-            if s is None or not s.properties.patches_torch:
-                return fn(*args, **kwargs)
-            return s.decorated(kind, fn)(*args, **kwargs)
-        return wrapper
-    return decorate
-
-
-half_function = _decorator(HALF)
-half_function.__doc__ = "Decorator: under O1/O4 the function's floating args are cast to half."
-float_function = _decorator(FLOAT)
-float_function.__doc__ = "Decorator: under O1/O4 the function runs in FP32."
-promote_function = _decorator(PROMOTE)
-promote_function.__doc__ = "Decorator: under O1/O4 the function's args are promoted to the widest type."
-bfloat16_function = _decorator(BFLOAT16)
-bfloat16_function.__doc__ = "Decorator: under O1/O4 the function's floating args are cast to bfloat16."

@@ -14,12 +14,15 @@ session's `Properties`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
 from ..base.dtypes import short_name
 from .values import DYNAMIC, FP8_RECIPES, LOW_MEMORY_MODES, STATE_PRECISIONS, parse_dtype
+
+if TYPE_CHECKING:
+    from ..types import OptLevel
 
 __all__ = ["HALF", "Level", "LEVELS", "BFLOAT16_LEVELS", "PATCHING_LEVELS", "FP32_LEVEL", "normalize",
            "fixed_half_dtype", "half_dtype_conflict", "default_half_dtype", "half_dtype_for", "uses_half",
@@ -57,7 +60,7 @@ DESCRIPTION = ("O0 FP32, O1 patched casts, O2 half model + FP32 masters, O3 pure
                "bfloat16")
 
 
-def normalize(text: Any, what: str = "opt_level") -> str:
+def normalize(text: Any, what: str = "opt_level") -> OptLevel:
     """The level `text` names ("o2 " -> "O2"): the one reading of a level wherever it is
     written. A non-string raises TypeError; an unknown level ValueError listing the levels."""
     if not isinstance(text, str):
@@ -65,7 +68,7 @@ def normalize(text: Any, what: str = "opt_level") -> str:
     level = text.strip().upper()
     if level not in LEVELS:
         raise ValueError(f"Unknown {what} {text!r}; valid levels are {', '.join(LEVELS)} ({DESCRIPTION}).")
-    return level
+    return cast("OptLevel", level)  # one of LEVELS' keys, checked above
 
 
 def uses_half(level: str) -> bool:
@@ -133,7 +136,7 @@ class Variant(NamedTuple):
     `tune`, each recipe) or a recipe name ("+fp8:rowwise"), and the optimizer state's
     precision ("+int8": optimizer_states="int8"; None: the script's own)."""
 
-    level: str
+    level: OptLevel
     master_weights: str | None = None
     fp8: str | bool | None = None
     optimizer_states: str | None = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,13 +52,37 @@ def _bare(optimizer: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-class AmpatchTrainerMixin:
-    """ampatch inside a `transformers.Trainer` class, placed before it:
-    `class MySeq2SeqTrainer(AmpatchTrainerMixin, Seq2SeqTrainer)`.
+if TYPE_CHECKING:  # to a type checker the mixin is the Trainer it goes before: its attributes, super()'s methods
+    _TrainerBase = transformers.Trainer
+else:  # at run time a plain mixin, placed before any Trainer class
+    _TrainerBase = object
 
-    Three keywords besides the Trainer's: `opt_level` (O0-O5; None: the policy's level, else
-    O2), `policy` (the file `ampatch tune` writes) and `initialize_kwargs` (any other
-    `amp.initialize` keyword: `half_dtype`, `loss_scale`, `keep_fp32`, ...)."""
+
+class AmpatchTrainerMixin(_TrainerBase):
+    """ampatch inside a `transformers.Trainer` class, placed before it in the bases.
+
+    `amp.initialize` runs on the model and the Trainer's optimizer when the Trainer makes it,
+    the accelerator's backward inside `amp.scale_loss`; `train()` undoes the session when it
+    returns (the module's docstring lists each hook). The Trainer's own arguments go through.
+
+    Args:
+        opt_level: "O0" to "O5", as `amp.initialize`'s. Default: None (the policy's level
+            when `policy` is given, else "O2").
+        policy: a policy file `ampatch tune` wrote (its path, or its dict). Default: None.
+        initialize_kwargs: a dict of `amp.initialize`'s other keywords (`half_dtype`,
+            `loss_scale`, `keep_fp32`, ...). Default: None.
+
+    Raises:
+        TypeError: the mixin placed after the Trainer class, or mixed into a class that is
+            no Trainer; `opt_level` not a string.
+        ValueError: the Trainer's own `fp16`/`bf16`, or mixed precision, DeepSpeed or FSDP
+            switched on through Accelerate (two AMPs at once; `checks`).
+
+    Example::
+
+        >>> class AmpatchSeq2SeqTrainer(AmpatchTrainerMixin, Seq2SeqTrainer): ...
+        >>> trainer = AmpatchSeq2SeqTrainer(model=model, args=args, train_dataset=ds, opt_level="O5")
+    """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Placed after a Trainer in the bases, the Trainer's methods would win and the mixin
@@ -93,6 +117,8 @@ class AmpatchTrainerMixin:
         if self._amp_optimizer is not None:
             return optimizer
         bare = _bare(optimizer)
+        if self.model is None:
+            raise TypeError(f"{type(self).__name__} has no model to initialize: pass model= (or model_init=) to it.")
         initialized, bare = amp.initialize(self.model, bare, **self.choice.keywords())
         if initialized is not self.model:
             raise RuntimeError("amp.initialize returned another model object; AmpatchTrainer needs it in place.")
@@ -166,9 +192,10 @@ class AmpatchTrainerMixin:
         are the half values widened, from before, gets its exact masters from there)."""
         super()._load_best_model()
         session = current()
-        if self._amp_optimizer is None or session is None or session.properties.master_mode is MasterMode.NONE:
-            return
         best = self.state.best_model_checkpoint
+        if (self._amp_optimizer is None or session is None or session.properties.master_mode is MasterMode.NONE
+                or best is None):
+            return
         path = os.path.join(best, OPTIMIZER_NAME)
         if not os.path.isfile(path):  # save_only_model=True: the weights file alone is exact
             return
@@ -176,5 +203,21 @@ class AmpatchTrainerMixin:
 
 
 class AmpatchTrainer(AmpatchTrainerMixin, transformers.Trainer):
-    """`transformers.Trainer` at an ampatch `opt_level` (O0-O5): the Trainer's arguments, plus
-    `opt_level` (None: the policy's level, else O2), `policy` and `initialize_kwargs`."""
+    """`transformers.Trainer` at an ampatch `opt_level` (O0-O5): `AmpatchTrainerMixin` on the
+    Trainer itself. After `train()`, the session's `report()` is in `trainer.ampatch_report`.
+
+    Args:
+        opt_level: "O0" to "O5", as `amp.initialize`'s. Default: None (the policy's level
+            when `policy` is given, else "O2").
+        policy: a policy file `ampatch tune` wrote (its path, or its dict). Default: None.
+        initialize_kwargs: a dict of `amp.initialize`'s other keywords. Default: None.
+
+    Raises:
+        ValueError: the Trainer's own `fp16`/`bf16`, or mixed precision, DeepSpeed or FSDP
+            switched on through Accelerate (two AMPs at once).
+
+    Example::
+
+        >>> trainer = AmpatchTrainer(model=model, args=args, train_dataset=ds, opt_level="O2")
+        >>> trainer.train(); print(trainer.ampatch_report)
+    """

@@ -18,13 +18,14 @@ from .. import load_state_dict, state_dict
 from ..frameworks.level import DEFAULT_LEVEL, LevelChoice
 from ..model.default_dtype import default_dtype
 from ..model.forwards import cast_tree
+from ..session.report import Report
 from ..session.session import current
-from .framework import set_compute_dtype
+from .framework import PrecisionName, set_compute_dtype, set_precision
 
 logger = logging.getLogger("ampatch")
 
 __all__ = ["DEFAULT_LEVEL", "PluginState", "LevelChoice", "Facts", "pairs_of", "HookGrads", "sync_requires_grad",
-           "ScalerCheckpoint", "start_plugin"]
+           "ScalerCheckpoint", "PluginAttributes", "start_plugin"]
 
 
 class PluginState(Enum):
@@ -55,7 +56,7 @@ class Facts:
         return cls(props.opt_level, cast, half)
 
     @property
-    def precision(self) -> str:
+    def precision(self) -> PrecisionName:
         """Lightning's name for what the weights are: "bf16-true"/"16-true" where the models are
         cast, else "32-true" (what ModelSummary sizes the model by)."""
         if self.cast_dtype is None:
@@ -117,8 +118,8 @@ class HookGrads:
             for model_param, master, copy, version in lent:
                 grad = model_param.grad
                 if grad is not copy or copy._version != version:
-                    if grad is None:
-                        master.grad = None
+                    if grad is None or master.grad is None:  # dropped here, or the master's meanwhile
+                        master.grad = None if grad is None else grad.to(master.dtype)
                     else:
                         master.grad.copy_(grad)
                 model_param.grad = None
@@ -176,7 +177,20 @@ class ScalerCheckpoint:
         load_state_dict(entry["loss_scalers"])
 
 
-def start_plugin(plugin: Any, who: str, opt_level: str | None, policy: Any, initialize_kwargs: dict[str, Any]) -> None:
+class PluginAttributes:
+    """What `start_plugin` sets on both plugins, declared once for readers and type checkers."""
+
+    choice: LevelChoice
+    opt_level: str | None
+    facts: Facts
+    state: PluginState
+    optimizers: list[torch.optim.Optimizer]
+    checkpoint: ScalerCheckpoint
+    last_report: Report | None  # the session's report(), kept when teardown ends the session
+
+
+def start_plugin(plugin: PluginAttributes, who: str, opt_level: str | None, policy: Any,
+                 initialize_kwargs: dict[str, Any]) -> None:
     """What both plugins' `__init__` sets (not their Lightning base's `__init__`: the dtype
     is known once the session resolved it): the level choice, the session's facts, the state,
     the optimizers, the scaler's checkpoint entry, the last report; the compute dtype FP32 until then."""
@@ -186,5 +200,6 @@ def start_plugin(plugin: Any, who: str, opt_level: str | None, policy: Any, init
     plugin.state = PluginState.IDLE
     plugin.optimizers = []
     plugin.checkpoint = ScalerCheckpoint(who)
-    plugin.last_report = None  # the session's report(), kept when teardown ends the session
+    plugin.last_report = None
+    set_precision(plugin, "32-true")  # until a session casts the model
     set_compute_dtype(plugin, torch.float32)

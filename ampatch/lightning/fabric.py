@@ -36,21 +36,36 @@ import ampatch as amp
 
 from ..frameworks.level import end_session
 from . import framework
-from .common import Facts, PluginState, start_plugin
+from .common import Facts, PluginAttributes, PluginState, start_plugin
 
 __all__ = ["AmpatchFabricPrecision"]
 
 
-class AmpatchFabricPrecision(framework.FabricHalfPrecision):
-    """ampatch at `opt_level` (O0-O5) for Lightning Fabric: `Fabric(plugins=[AmpatchFabricPrecision("O2")])`.
+class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
+    """ampatch at `opt_level` (O0-O5) as the precision plugin of Lightning Fabric.
 
-    Keywords as `AmpatchPrecision`: `policy=` (its level when `opt_level` is not given; O2 when
-    neither is) and any other `amp.initialize` keyword. Set models up with their optimizers
-    in one call, `fabric.setup(model, optimizer)`: the masters are made from the FP32 weights
-    then. A `HalfPrecision` to Fabric only so that its throughput utilities ask it the compute
-    dtype."""
+    Set each model up with its optimizers in one call, `fabric.setup(model, optimizer)`: the
+    FP32 masters are made from the FP32 weights then. `fabric.backward(loss)` scales the loss
+    for all the plugin's optimizers; `fabric.clip_gradients` clips the masters. A
+    `HalfPrecision` to Fabric only so that its throughput utilities ask it the compute dtype.
 
-    precision = "32-true"
+    Args:
+        opt_level: "O0" to "O5", as `amp.initialize`'s. Default: None (the policy's level
+            when `policy` is given, else "O2").
+        policy: a policy file `ampatch tune` wrote (its path, or its dict). Default: None.
+        initialize_kwargs: any other keyword of `amp.initialize` (`half_dtype`, `loss_scale`,
+            `keep_fp32`, ...), passed on as given; not `models`, `optimizers`, `opt_level` or
+            `policy`.
+
+    Raises:
+        TypeError: `opt_level` not a string, or a reserved keyword among `initialize_kwargs`.
+
+    Example::
+
+        >>> fabric = lightning.Fabric(plugins=[AmpatchFabricPrecision("O2")])
+        >>> model, optimizer = fabric.setup(model, optimizer)
+        >>> fabric.backward(loss); optimizer.step()
+    """
 
     def __init__(self, opt_level: str | None = None, policy: Any = None, **initialize_kwargs: Any) -> None:
         start_plugin(self, "AmpatchFabricPrecision", opt_level, policy, initialize_kwargs)
@@ -92,10 +107,11 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
             returned = amp.initialize(models, **keywords)
         returned = returned if isinstance(returned, list) else [returned]
         if len(returned) != len(self.models) or any(a is not b for a, b in zip(returned, self.models)):
-            raise RuntimeError("amp.initialize returned other model objects; AmpatchFabricPrecision needs them in place.")
+            raise RuntimeError("amp.initialize returned other model objects; AmpatchFabricPrecision needs them in "
+                               "place.")
         self.state = PluginState.CONNECTED
         self.facts = Facts.of_session()
-        self.precision = self.facts.precision
+        framework.set_precision(self, self.facts.precision)
         framework.set_compute_dtype(self, self.facts.compute_dtype)
         if self.optimizers:
             self.checkpoint.resume(self.facts, carried=scalers)
@@ -137,7 +153,8 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
                             "the loss scale cannot reach; call fabric.backward(loss), then optimizer.step().")
         return optimizer.step(**kwargs)
 
-    def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    # Lightning annotates Parameters; an optimizer's param_groups hold tensors (the masters are Parameters)
+    def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The params the optimizer steps: the FP32 masters at O2/O5 (what clipping acts on)."""
         return amp.master_params(framework.raw_optimizer(optimizer))
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-try:
+if TYPE_CHECKING:  # a type checker reads the `lightning` package's names (the fallback below is the same code)
     from lightning.fabric import Fabric
     from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
     from lightning.pytorch.callbacks import Callback
@@ -20,22 +21,31 @@ try:
     from lightning.pytorch.plugins.precision import HalfPrecision as TrainerHalfPrecision
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.model_helpers import is_overridden
-except ImportError:  # the standalone package names
+else:
     try:
-        from lightning_fabric import Fabric
-        from lightning_fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
-        from pytorch_lightning.callbacks import Callback
-        from pytorch_lightning.core import LightningModule
-        from pytorch_lightning.plugins.precision import HalfPrecision as TrainerHalfPrecision
-        from pytorch_lightning.trainer.states import TrainerFn
-        from pytorch_lightning.utilities.model_helpers import is_overridden
-    except ImportError as exc:
-        raise ImportError("ampatch.lightning needs Lightning 2.x: pip install 'ampatch[integrations]' "
-                          "(or pip install lightning).") from exc
+        from lightning.fabric import Fabric
+        from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+        from lightning.pytorch.callbacks import Callback
+        from lightning.pytorch.core import LightningModule
+        from lightning.pytorch.plugins.precision import HalfPrecision as TrainerHalfPrecision
+        from lightning.pytorch.trainer.states import TrainerFn
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+    except ImportError:  # the standalone package names
+        try:
+            from lightning_fabric import Fabric
+            from lightning_fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+            from pytorch_lightning.callbacks import Callback
+            from pytorch_lightning.core import LightningModule
+            from pytorch_lightning.plugins.precision import HalfPrecision as TrainerHalfPrecision
+            from pytorch_lightning.trainer.states import TrainerFn
+            from pytorch_lightning.utilities.model_helpers import is_overridden
+        except ImportError as exc:
+            raise ImportError("ampatch.lightning needs Lightning 2.x: pip install 'ampatch[integrations]' "
+                              "(or pip install lightning).") from exc
 
 __all__ = ["Fabric", "FabricHalfPrecision", "TrainerHalfPrecision", "LightningModule", "TrainerFn", "Callback",
-           "is_overridden", "set_compute_dtype", "refuse_strategy", "FabricSetup", "fabric_setup_call",
-           "raw_optimizer"]
+           "is_overridden", "set_compute_dtype", "set_precision", "PrecisionName", "refuse_strategy", "FabricSetup",
+           "fabric_setup_call", "raw_optimizer"]
 
 # Strategies that own the optimizer step, the sharding or the precision themselves: ampatch
 # cannot sit beside them (why, in the error).
@@ -68,6 +78,17 @@ def set_compute_dtype(plugin: Any, dtype: torch.dtype) -> None:
     plugin._desired_input_dtype = dtype
 
 
+# What `precision` says of the weights: half where the session casts the model, else FP32.
+PrecisionName = Literal["bf16-true", "16-true", "32-true"]
+
+
+def set_precision(plugin: Any, name: PrecisionName) -> None:
+    """Set the plugin's `precision` (what ModelSummary sizes the weights by). A plugin is a
+    `HalfPrecision` only for `set_compute_dtype`'s sake, whose annotation allows the two half
+    names; the plugins say "32-true" too, before a session casts the model and at O0/O1/O4."""
+    plugin.precision = name
+
+
 def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer behind a LightningOptimizer or a Fabric optimizer (their public
     `optimizer` property), or the optimizer itself."""
@@ -94,9 +115,8 @@ def fabric_setup_call(max_depth: int = 6) -> FabricSetup | None:
     they are read from the frame of `Fabric.setup` (its arguments `self`, `optimizers`,
     `move_to_device`, as in Lightning 2.x), recognized by its code object, never guessed."""
     codes = {Fabric.setup.__code__: True, Fabric.setup_module.__code__: False}
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1).f_back  # from our caller's caller up
     for _ in range(max_depth):
-        frame = frame.f_back
         if frame is None:
             return None
         takes_optimizers = codes.get(frame.f_code)
@@ -104,4 +124,5 @@ def fabric_setup_call(max_depth: int = 6) -> FabricSetup | None:
             names = frame.f_locals
             return FabricSetup(names["self"], tuple(names["optimizers"]) if takes_optimizers else (),
                                bool(names.get("move_to_device", True)))
+        frame = frame.f_back
     return None

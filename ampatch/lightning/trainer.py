@@ -44,7 +44,7 @@ from ..frameworks.level import end_session
 from ..model.default_dtype import fp32_default
 from ..model.forwards import InputCast, install_forward, is_wrapped
 from . import framework
-from .common import Facts, HookGrads, PluginState, pairs_of, start_plugin, sync_requires_grad
+from .common import Facts, HookGrads, PluginAttributes, PluginState, pairs_of, start_plugin, sync_requires_grad
 
 __all__ = ["AmpatchPrecision"]
 
@@ -63,27 +63,50 @@ def _rewrap(ddp: nn.parallel.DistributedDataParallel, module: nn.Module) -> nn.p
                                                process_group=ddp.process_group, **settings)
 
 
+def _trainer(module: nn.Module) -> Any:
+    """The Trainer attached to `module`, or None (not a LightningModule, or none attached)."""
+    if not isinstance(module, framework.LightningModule):
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:  # "is not attached to a `Trainer`"
+        return None
+
+
 def _fitting(module: nn.Module) -> bool:
     """Whether the Trainer attached to `module` is fitting (else: validate, test, predict)."""
-    try:
-        return module.trainer.state.fn == framework.TrainerFn.FITTING
-    except (AttributeError, RuntimeError):  # not a LightningModule, or no Trainer attached
-        return True
+    trainer = _trainer(module)
+    return trainer is None or trainer.state.fn == framework.TrainerFn.FITTING
 
 
-class AmpatchPrecision(framework.TrainerHalfPrecision):
-    """ampatch at `opt_level` (O0-O5) for a Lightning `Trainer`: `plugins=[AmpatchPrecision("O2")]`.
+class AmpatchPrecision(PluginAttributes, framework.TrainerHalfPrecision):
+    """ampatch at `opt_level` (O0-O5) as the precision plugin of a Lightning `Trainer`.
 
-    `policy` (the file `ampatch tune` writes) and any other `amp.initialize` keyword
-    (`half_dtype`, `loss_scale`, `keep_fp32`, ...) are passed on to `amp.initialize`. With
-    `policy=` and no `opt_level`, the policy's level runs; with neither, O2. One plugin runs
-    one ampatch session at a time (ampatch has one current session).
+    The plugin runs `amp.initialize` when the Trainer has made the optimizers, `amp.scale_loss`
+    around each backward, and `amp.deinitialize` at teardown (the module's docstring lists
+    each hook). One plugin runs one ampatch session at a time (ampatch has one current
+    session). A `HalfPrecision` to Lightning only so that its ThroughputMonitor asks it the
+    compute dtype; `precision` says what the weights are once the session runs ("32-true"
+    before).
 
-    A `HalfPrecision` to Lightning only so that its ThroughputMonitor asks it the compute
-    dtype; `precision` says what the weights are once the session runs ("32-true" before).
+    Args:
+        opt_level: "O0" to "O5", as `amp.initialize`'s. Default: None (the policy's level
+            when `policy` is given, else "O2").
+        policy: a policy file `ampatch tune` wrote (its path, or its dict). Default: None.
+        initialize_kwargs: any other keyword of `amp.initialize` (`half_dtype`, `loss_scale`,
+            `keep_fp32`, `master_weights`, ...), passed on as given; not `models`,
+            `optimizers`, `opt_level` or `policy`.
+
+    Raises:
+        TypeError: `opt_level` not a string, or a reserved keyword among `initialize_kwargs`
+            (a bad value of a keyword is `amp.initialize`'s error, at `connect`).
+
+    Example::
+
+        >>> trainer = lightning.Trainer(plugins=[AmpatchPrecision("O2", keep_fp32=["head"])])
+        >>> trainer.fit(model)
+        >>> print(trainer.precision_plugin.last_report)  # the session's report(), after teardown
     """
-
-    precision = "32-true"
 
     def __init__(self, opt_level: str | None = None, policy: Any = None, **initialize_kwargs: Any) -> None:
         start_plugin(self, "AmpatchPrecision", opt_level, policy, initialize_kwargs)
@@ -95,12 +118,9 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Nothing yet (the cast happens in `connect`, with the optimizers); refuses the
         strategies ampatch cannot run beside."""
-        try:
-            strategy = module.trainer.strategy
-        except (AttributeError, RuntimeError):
-            strategy = None
-        if strategy is not None:
-            framework.refuse_strategy(strategy, "AmpatchPrecision")
+        trainer = _trainer(module)
+        if trainer is not None:
+            framework.refuse_strategy(trainer.strategy, "AmpatchPrecision")
         return module
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
@@ -132,7 +152,7 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         self.optimizers = list(opts)
         self.state = PluginState.CONNECTED
         self.facts = Facts.of_session()
-        self.precision = self.facts.precision
+        framework.set_precision(self, self.facts.precision)
         framework.set_compute_dtype(self, self.facts.compute_dtype)
         self.checkpoint.resume(self.facts)
         self._cast_child_inputs(bare)
@@ -162,7 +182,8 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         for config in configs:
             scheduler = getattr(config, "scheduler", config)
             optimizer = getattr(scheduler, "optimizer", None)
-            if not any(optimizer is o for o in self.optimizers) or (scheduler, "step") in self._patches:
+            if (optimizer is None or not any(optimizer is o for o in self.optimizers)
+                    or (scheduler, "step") in self._patches):
                 continue
             if manual or getattr(config, "interval", "step") == "step":
                 scheduler_guard.hold_on_skip(scheduler, functools.partial(self._skipped, optimizer), self._patches)
@@ -191,10 +212,8 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         backward and step (only then are the masters' grads lent to the model)."""
         if not pairs_of(self.optimizers):
             return False
-        try:
-            callbacks = list(module.trainer.callbacks)
-        except (AttributeError, RuntimeError):
-            callbacks = []
+        trainer = _trainer(module)
+        callbacks = list(trainer.callbacks) if trainer is not None else []
         return (any(framework.is_overridden(h, module, parent=framework.LightningModule) for h in GRAD_HOOKS)
                 or any(framework.is_overridden(h, c, parent=framework.Callback) for c in callbacks
                        for h in GRAD_HOOKS[:2]))
@@ -204,9 +223,11 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         """The batch's floats in the half dtype where the model is cast (O2/O3/O5)."""
         return self.facts.convert_input(data)
 
-    def forward_context(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
         """Around each step: tensors made inside are half where the model is cast."""
-        return self.facts.step_context()
+        with self.facts.step_context():
+            yield
 
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """Lightning's backward inside `amp.scale_loss` for `optimizer` (all of the plugin's
@@ -223,7 +244,8 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
         with self._grads_for_hooks():
             return super().post_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(  # type: ignore[override]  # Lightning's own Precision.optimizer_step: same signature, same ignore
+            self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Run the closure (forward and scaled backward), the hooks and Lightning's clipping on
         the masters, then the step (skipped by ampatch after an overflow). The closure cannot
         go into `step(closure)`: its backward would bypass the loss scale."""
@@ -254,7 +276,8 @@ class AmpatchPrecision(framework.TrainerHalfPrecision):
             self._lent.close()
         super().clip_gradients(optimizer, *args, **kwargs)
 
-    def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    # Lightning annotates Parameters; an optimizer's param_groups hold tensors (the masters are Parameters)
+    def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         """The params the optimizer steps: the FP32 masters at O2/O5 (clip these)."""
         return amp.master_params(framework.raw_optimizer(optimizer))
 

@@ -5,5 +5,7 @@
 - `build`: the build step (the call checked, the level built on plain or FSDP2-sharded
   models, the guard that the model still holds what each optimizer steps, the undo);
 - `observers`: what watches the session from outside (report at exit, diagnose, step limit);
-- `telemetry` / `report`: counters while it runs, and `report()`.
+- `telemetry` / `report`: counters while it runs, and `report()`;
+- `user_casts`: the user's own cast rules (`amp.register_*_function`, the decorators,
+  `amp.disable_casts`), remembered for later sessions and applied to the live one.
 """

@@ -37,7 +37,8 @@ NOT_CHOSEN = f"{EMULATED}: listed for its fidelity, never chosen for speed"
 
 def split(labels: Sequence[str]) -> tuple[list[str], list[level_table.Variant]]:
     """`--levels` as given: the plain levels (normalized), and the variants with a '+' part."""
-    plain, variants = [], []
+    plain: list[str] = []
+    variants: list[level_table.Variant] = []
     for label in labels:
         v = level_table.variant(label, "opt_level")
         if v.fp8 is None and v.master_weights is None:

@@ -7,13 +7,16 @@ yet; it returns a `handle.Handle` over that session.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...config import values
 from ...session.session import current as _current
 from .handle import Handle
+
+if TYPE_CHECKING:
+    from ...types import OptLevel
 
 logger = logging.getLogger("ampatch")
 
@@ -36,7 +39,7 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
         logger.info("ampatch: amp.init(enable_caching=False): the cast cache stays on (it never serves a stale "
                     "or no_grad cast); results are the same as without it.")
     half = values.parse_dtype(patch_type, "patch_type")
-    level = "O4" if half == torch.bfloat16 else "O1"
+    level: OptLevel = "O4" if half == torch.bfloat16 else "O1"
     from ... import initialize  # the public API, above this module
     initialize([], opt_level=level, loss_scale=loss_scale, allow_banned=allow_banned,
                        half_dtype=half if level == "O1" else None, verbosity=2 if verbose else 1)
