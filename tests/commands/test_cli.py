@@ -187,12 +187,29 @@ def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
     pytest.param(["compare", "--device", "cuda"], "--device cuda: ",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
-def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str],
-                                            message: str) -> None:
-    proc = ampatch(*args, cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("ampatch: error:") and message in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capfd: pytest.CaptureFixture, args: list[str], message: str) -> None:
+    """In this process (`cli.main`, what ``python -m ampatch`` runs; capfd reads file descriptor 2, as
+    a terminal would): each usage error is refused before anything runs. The real process's exit
+    status and stderr: test_a_bad_argument_from_the_real_command."""
+    monkeypatch.chdir(tmp_path)
+    for name in [k for k in os.environ if k.startswith("AMPATCH_")]:
+        monkeypatch.delenv(name)
+    assert cli.main(list(args)) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("ampatch: error:") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_bad_argument_from_the_real_command(tmp_path: Path) -> None:
+    """``python -m ampatch`` itself: exit status 2 and the one line, for an argparse error and
+    for one of ampatch's own checks."""
+    for args, message in ((["compare", "--size", "enormous"], "argument --size: invalid choice: 'enormous'"),
+                          (["compare", "--levels", "O0,O9"], "unknown opt level 'O9'")):
+        proc = ampatch(*args, cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2
+        assert proc.stderr.startswith("ampatch: error:") and message in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 def test_table_without_matplotlib_still_prints_then_fails(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ampatch.cli import main
 from ampatch.config import env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +56,9 @@ def test_the_example_goes_nan_in_float16_and_the_fix_is_verified_finite(tmp_path
     assert "can't tell" in done.stdout
     # the verification shows the deviation as compare and tune do: relative, in percent
     assert f"{v['max_dev_vs_O0']:.2%}" in done.stdout
-    assert "encoder.attn.scores" in done.stdout and "ampatch run --half-dtype float16 --keep-fp32 encoder.attn.scores -- python examples/diagnose.py" in done.stdout
+    assert "encoder.attn.scores" in done.stdout
+    assert ("ampatch run --half-dtype float16 --keep-fp32 encoder.attn.scores -- python examples/diagnose.py"
+            in done.stdout)
 
 
 UNDERFLOW = """
@@ -124,15 +127,16 @@ def test_nothing_to_diagnose_is_a_clear_message_and_exit_1(tmp_path, body, messa
     assert message in done.stderr and "nothing to diagnose" in done.stderr
 
 
-def test_bad_options_are_usage_errors(tmp_path):
+def test_bad_options_are_usage_errors(tmp_path, capfd):
+    """The first from the real command, the others through `cli.main` in this process (what
+    ``python -m ampatch`` runs: one interpreter start instead of four)."""
     done = _ampatch("diagnose", "--steps", "0")
     assert done.returncode == 2 and "positive integer" in done.stderr
-    done = _ampatch("diagnose", "--workload", "lm", "--", "python", "x.py")
-    assert done.returncode == 2 and "exclude each other" in done.stderr
-    done = _ampatch("diagnose", "--json", str(tmp_path / "no" / "d.json"))
-    assert done.returncode == 2 and "does not exist" in done.stderr
-    done = _ampatch("diagnose", "--opt-level", "O5", "--half-dtype", "float16")
-    assert done.returncode == 2 and "O5 is the bfloat16 variant of O2" in done.stderr
+    for args, words in ((["--workload", "lm", "--", "python", "x.py"], "exclude each other"),
+                        (["--json", str(tmp_path / "no" / "d.json")], "does not exist"),
+                        (["--opt-level", "O5", "--half-dtype", "float16"], "O5 is the bfloat16 variant of O2")):
+        assert main(["diagnose", *args]) == 2, args
+        assert words in capfd.readouterr().err
 
 
 def test_max_steps_ends_the_run_after_that_many_steps_with_its_report(tmp_path):

@@ -5,7 +5,9 @@ masters' exact values (kahan: the bfloat16 weights, with each compensation in th
 state entry of its param), aliased, so the model's weights carry them whatever the
 optimizer's `load_state_dict` keeps.
 
-Run as a script, this file is the resuming process: `python THIS ORDER CONFIG CKPT OUT`.
+Run as a script, this file is the resuming process: `python THIS DIR OUT ORDER:CONFIG...` resumes
+each config from DIR/CONFIG.pt in each order given, one after the other (one fresh process for
+all of them: an interpreter and torch start once, not once per case), and saves what each gave.
 """
 from __future__ import annotations
 
@@ -92,13 +94,25 @@ def resume(order: str, config: str, path: str):
     return model, opt
 
 
-def _resume_in_this_process(order: str, config: str, path: str, out: str) -> None:
+def _resume_in_this_process(root: str, out: str, cases: list[str]) -> None:
+    """Each ORDER:CONFIG case resumed from ROOT/CONFIG.pt, its losses, weights and masters (or
+    its traceback) saved in OUT under that key; the session ends between cases."""
+    import traceback
     torch.set_num_threads(1)  # as the test process (tests/conftest.py): the same reduction order
-    torch.manual_seed(99)  # a resumed process draws other numbers before it loads
-    model, opt = resume(order, config, path)
-    losses = [step(model, opt, x, y) for x, y in batches()[SAVE_AFTER:]]
-    torch.save({"losses": losses, "weights": weights(model),
-                "masters": [m.detach().clone() for m in amp.master_params(opt)]}, out)
+    results: dict[str, object] = {}
+    for case in cases:
+        order, config = case.split(":")
+        torch.manual_seed(99)  # a resumed process draws other numbers before it loads
+        try:
+            model, opt = resume(order, config, str(Path(root) / f"{config}.pt"))
+            losses = [step(model, opt, x, y) for x, y in batches()[SAVE_AFTER:]]
+            results[case] = {"losses": losses, "weights": weights(model),
+                             "masters": [m.detach().clone() for m in amp.master_params(opt)]}
+        except Exception:  # reported by the test of this case
+            results[case] = {"error": traceback.format_exc()}
+        finally:
+            amp.deinitialize()
+    torch.save(results, out)
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +135,26 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_resume_in_a_fresh_process_is_bit_for_bit(config, order, runs, tmp_path):
-    path, losses, final, masters = runs[config]
-    out = tmp_path / "resumed.pt"
+@pytest.fixture(scope="module")
+def resumed(runs, tmp_path_factory) -> dict[str, dict]:
+    """Every config resumed in every order, in one fresh process (not the one that saved)."""
+    root = next(iter(runs.values()))[0].parent
+    out = tmp_path_factory.mktemp("resumed") / "resumed.pt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(amp.__file__).parents[1]),
                                                         os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, order, config, str(path), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    cases = [f"{order}:{config}" for config in CONFIGS for order in ORDERS]
+    proc = subprocess.run([sys.executable, __file__, str(root), str(out), *cases], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = torch.load(out, weights_only=True)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_resume_in_a_fresh_process_is_bit_for_bit(config, order, runs, resumed):
+    _, losses, final, masters = runs[config]
+    got = resumed[f"{order}:{config}"]
+    assert "error" not in got, got.get("error")
     assert got["losses"] == losses[SAVE_AFTER:]  # floats: bit for bit
     assert got["weights"].keys() == final.keys()
     for k in final:
@@ -281,4 +304,4 @@ def _kahan_compensations(opt) -> dict[int, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    _resume_in_this_process(*sys.argv[1:5])
+    _resume_in_this_process(sys.argv[1], sys.argv[2], sys.argv[3:])
