@@ -29,6 +29,7 @@ from .base.notices import set_verbosity
 from .base.patcher import disable_casts as _disable_casts
 from .config.options import Options
 from .config.values import DEFAULT_MAX_LOSS_SCALE
+from .errors import OrderError
 from .o1.lists import user as _user_policy
 from .o1.plans import BFLOAT16, FLOAT, HALF, PROMOTE
 from .optim.scaler import check_loss_id as _check_loss_id
@@ -71,11 +72,9 @@ def _apex_attributes(handle: Any) -> dict[str, Any]:
 def _session(what: str) -> Session:
     s = _current()
     if s is None:
-        raise RuntimeError(f"amp.{what}() was called with no ampatch session: before amp.initialize() or after "
-                           "amp.deinitialize(); call `model, optimizer = amp.initialize(model, optimizer, "
-                           "opt_level=...)` first. (Lightning's teardown and the Transformers Trainer's train() end "
-                           "the session; the plugin's `last_report` and the Trainer's `ampatch_report` keep its "
-                           "report().)")
+        raise OrderError(f"amp.{what}() was called with no ampatch session (before amp.initialize() or after "
+                         "amp.deinitialize()): call `amp.initialize(model, optimizer, opt_level=...)` first; "
+                         "see docs/integrations.md for the report a framework's session keeps.")
     return s
 
 

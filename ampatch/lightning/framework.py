@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ampatch.errors import ConfigError, MissingDependencyError
+
 try:
     from lightning.fabric import Fabric
     from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
@@ -30,7 +32,7 @@ except ImportError:  # the standalone package names
         from pytorch_lightning.trainer.states import TrainerFn
         from pytorch_lightning.utilities.model_helpers import is_overridden
     except ImportError as exc:
-        raise ImportError("ampatch.lightning needs Lightning 2.x: pip install 'ampatch[integrations]' "
+        raise MissingDependencyError("ampatch.lightning needs Lightning 2.x: pip install 'ampatch[integrations]' "
                           "(or pip install lightning).") from exc
 
 __all__ = ["Fabric", "FabricHalfPrecision", "TrainerHalfPrecision", "LightningModule", "TrainerFn", "Callback",
@@ -56,7 +58,7 @@ def refuse_strategy(strategy: Any, who: str) -> None:
     for cls in type(strategy).__mro__:
         reason = REFUSED.get(cls.__name__)
         if reason is not None and cls.__module__.startswith(("lightning", "pytorch_lightning", "lightning_fabric")):
-            raise ValueError(f"{who} cannot run with {type(strategy).__name__}: {reason}. ampatch runs with the "
+            raise ConfigError(f"{who} cannot run with {type(strategy).__name__}: {reason}. ampatch runs with the "
                              "single-device, DDP and DataParallel strategies.")
 
 

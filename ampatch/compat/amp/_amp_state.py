@@ -21,6 +21,7 @@ from typing import Any
 from ...base.notices import set_verbosity
 from ...config.settings import SETTINGS, Settings
 from ...config.values import DEFAULT_MAX_LOSS_SCALE
+from ...errors import ConfigTypeError, OrderError, OverrideError, ReadOnlyError
 from ...optim.handle import OptimizerHandle
 from ...optim.scaler import LossScaler
 from ...session.session import current
@@ -46,7 +47,7 @@ class SessionOwner:
     def _get(self) -> Any:
         s = self._session()
         if s is None or s.closed:
-            raise RuntimeError("_amp_state.loss_scalers[i]: this loss scaler's amp session has ended (amp.initialize "
+            raise OrderError("_amp_state.loss_scalers[i]: this loss scaler's amp session has ended (amp.initialize "
                                "was called again, or amp.deinitialize()); take amp._amp_state.loss_scalers[i] again.")
         return s
 
@@ -66,7 +67,7 @@ class SessionOwner:
         """Validated like `amp.load_state_dict`: a static scale stays, a dynamic one is clamped
         into its range; either way a write that does not take says so."""
         if isinstance(value, bool):  # float(True) would pass the state check
-            raise TypeError(f"_loss_scale must be a number, got {value!r}.")
+            raise ConfigTypeError(f"_loss_scale must be a number, got {value!r}.")
         asked = scaler.load_state_dict({**scaler.state_dict(), "loss_scale": value})
         if asked is None:
             return
@@ -99,7 +100,7 @@ class PropertiesView:
         raise AttributeError(f"'Properties' object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"opt_properties.{name} is read-only here: pass {name}=... to amp.initialize.")
+        raise ReadOnlyError(f"opt_properties.{name} is read-only here: pass {name}=... to amp.initialize.")
 
     def __repr__(self) -> str:
         return "Properties(" + ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + ")"
@@ -172,17 +173,17 @@ class AmpState:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _SETTABLE:
-            raise AttributeError(f"_amp_state.{name} cannot be set; the settable flags are {', '.join(_SETTABLE)}. "
+            raise ReadOnlyError(f"_amp_state.{name} cannot be set; the settable flags are {', '.join(_SETTABLE)}. "
                                  "A loss scale is set through _amp_state.loss_scalers[i]._loss_scale.")
         if name == "verbosity":
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"verbosity must be an int, got {value!r}.")
+                raise ConfigTypeError(f"verbosity must be an int, got {value!r}.")
             s = self._current()
             if s is not None:  # what initialize(verbosity=...) sets: the session's and the logger's
                 s.verbosity = value
                 set_verbosity(value)
         elif not isinstance(value, bool):
-            raise TypeError(f"_amp_state.{name} must be True or False, got {value!r}.")
+            raise ConfigTypeError(f"_amp_state.{name} must be True or False, got {value!r}.")
         setattr(self._settings, name, value)
 
     def __repr__(self) -> str:
@@ -197,7 +198,7 @@ def warn_or_err(msg: str) -> None:
     if SETTINGS.hard_override:
         logger.warning("Warning: %s", msg)
     else:
-        raise RuntimeError(msg)
+        raise OverrideError(msg)
 
 
 def maybe_print(msg: str, rank0: bool = False) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ...config import values
+from ...errors import ConfigTypeError
 from ...session.session import current as _current
 from .handle import Handle
 
@@ -29,7 +30,7 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     Apex's keyword) with no models or optimizers, and return a handle over that session."""
     for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("verbose", verbose)):
         if not isinstance(value, bool):
-            raise TypeError(f"amp.init({name}=...) must be True or False, got {value!r}.")
+            raise ConfigTypeError(f"amp.init({name}=...) must be True or False, got {value!r}.")
     if not enabled:
         return Handle(None)
     if not enable_caching:

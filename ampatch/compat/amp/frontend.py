@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from ...config import levels, options
+from ...errors import NotSupportedError
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "Properties", "OptLevel", "opt_levels",
            "O0", "O1", "O2", "O3", "O4", "O5"]
@@ -37,7 +38,7 @@ class OptLevel:
 
     def __call__(self, properties: Any) -> Any:
         """Apex applied a level to a Properties object; ampatch resolves levels in `initialize`."""
-        raise NotImplementedError(f"apex.amp.frontend.{self.name}(properties) is not provided: ampatch resolves the "
+        raise NotSupportedError(f"apex.amp.frontend.{self.name}(properties) is not provided: ampatch resolves the "
                                   f"level in amp.initialize(model, optimizer, opt_level={self.name!r}, ...); "
                                   "_amp_state.opt_properties shows the result.")
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...base.dtypes import LOW
+from ...errors import ReadOnlyError
 from ...optim.context import OptState
 from ...optim.handle import OptimizerHandle
 from .scaler import device_of
@@ -104,7 +105,7 @@ class AmpStash:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._VIEWS:
-            raise AttributeError(f"optimizer._amp_stash.{name} is a view of the optimizer's params under ampatch and "
+            raise ReadOnlyError(f"optimizer._amp_stash.{name} is a view of the optimizer's params under ampatch and "
                                  "cannot be replaced; change the optimizer's param_groups instead.")
         object.__setattr__(self, name, value)
 

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ampatch.errors import ConfigTypeError, InvalidCallError
+
 __all__ = ["check_lists", "skipped", "raise_flag", "has_inf_or_nan", "nonfinite", "upcast", "store", "norms", "total_norm",
            "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_mp",
            "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm", "update_scale_hysteresis"]
@@ -36,18 +38,18 @@ def check_lists(name: str, tensor_lists: TensorLists, depth: int | tuple[int, ..
     depths = depth if isinstance(depth, tuple) else (depth,)
     lists = [list(lst) for lst in tensor_lists]
     if len(lists) not in depths:
-        raise RuntimeError(f"{name}: tensor_lists.size() != depth (got {len(lists)} lists, expected "
+        raise InvalidCallError(f"{name}: tensor_lists.size() != depth (got {len(lists)} lists, expected "
                            f"{' or '.join(map(str, depths))})")
     if not lists[0]:
-        raise RuntimeError(f"{name}: tensor_lists[0].size() is not > 0")
+        raise InvalidCallError(f"{name}: tensor_lists[0].size() is not > 0")
     for lst in lists:
         if len(lst) != len(lists[0]):
-            raise RuntimeError(f"{name}: Size mismatch among tensor lists")
+            raise InvalidCallError(f"{name}: Size mismatch among tensor lists")
         for t, first in zip(lst, lists[0]):
             if not isinstance(t, Tensor):
-                raise TypeError(f"{name}: tensor_lists must hold tensors, got {type(t).__name__}")
+                raise ConfigTypeError(f"{name}: tensor_lists must hold tensors, got {type(t).__name__}")
             if t.numel() != first.numel():
-                raise RuntimeError(f"{name}: Size mismatch (a tensor of {t.numel()} elements next to one of "
+                raise InvalidCallError(f"{name}: Size mismatch (a tensor of {t.numel()} elements next to one of "
                                    f"{first.numel()})")
     return lists
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...errors import ConfigError, InvalidCallError
 from ..extensions import optim_kernels as K
 from ..extensions.kernels import norms, store, total_norm, upcast
 from .base import HALF_AND_FLOAT, ApexOptimizer
@@ -52,12 +53,12 @@ class FusedAdam(ApexOptimizer):
                  capturable: bool = False, master_weights: bool = False, *, eps_inside_sqrt: bool | None = None,
                  max_grad_norm: float | None = None) -> None:
         if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+            raise InvalidCallError("FusedAdam does not support the AMSGrad variant.")
         if master_weights and not capturable:
-            raise RuntimeError("Master weights is currently only supported with the capturable version.")
+            raise InvalidCallError("Master weights is currently only supported with the capturable version.")
         self.legacy = eps_inside_sqrt is not None or max_grad_norm is not None
         if self.legacy and (capturable or master_weights):
-            raise ValueError("FusedAdam: eps_inside_sqrt/max_grad_norm belong to the pre-2019 FusedAdam, which had "
+            raise ConfigError("FusedAdam: eps_inside_sqrt/max_grad_norm belong to the pre-2019 FusedAdam, which had "
                              "no capturable or master_weights; drop one or the other.")
         defaults = dict(lr=torch.tensor(lr, dtype=torch.float32) if capturable else lr,
                         bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -96,7 +97,7 @@ class FusedAdam(ApexOptimizer):
              scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
         """One Adam step for every group (see the class docstring); returns the closure's loss."""
         if not self.legacy and any(a is not None for a in (grads, output_params, scale, grad_norms)):
-            raise RuntimeError(_UPDATED)
+            raise InvalidCallError(_UPDATED)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -162,7 +163,7 @@ class FusedAdam(ApexOptimizer):
             if not chosen:
                 continue
             if any(g.is_sparse for _, g, _ in chosen):
-                raise RuntimeError("FusedAdam does not support sparse gradients, please consider SparseAdam instead")
+                raise InvalidCallError("FusedAdam does not support sparse gradients, please consider SparseAdam instead")
             combined = scale
             if group["max_grad_norm"] > 0:
                 if grad_norm is None:  # Apex's FP16_Optimizer passed it; compute it when nobody does

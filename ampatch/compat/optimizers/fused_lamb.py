@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...errors import InvalidCallError
 from ..extensions import optim_kernels as K
 from ..extensions.kernels import multi_tensor_l2norm
 from .base import ApexOptimizer
@@ -38,7 +39,7 @@ class FusedLAMB(ApexOptimizer):
                  amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  set_grad_none: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False) -> None:
         if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+            raise InvalidCallError("FusedLAMB does not support the AMSGrad variant.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, set_grad_none)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...errors import InvalidCallError
 from ..extensions import optim_kernels as K
 from ..extensions.kernels import multi_tensor_l2norm_mp
 from .base import ApexOptimizer
@@ -31,7 +32,7 @@ class FusedMixedPrecisionLamb(ApexOptimizer):
                  max_grad_norm: float = 1.0, use_nvlamb: bool = False,
                  reduced_precision_dtype: torch.dtype | None = None) -> None:
         if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+            raise InvalidCallError("FusedLAMB does not support the AMSGrad variant.")
         defaults = dict(lr=torch.tensor(lr, dtype=torch.float32), step=torch.tensor([step], dtype=torch.int),
                         bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
@@ -79,7 +80,7 @@ class FusedMixedPrecisionLamb(ApexOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != group["params"][0].dtype:
-                    raise RuntimeError(f"Error: Parameters are not of the identical type: {group['params'][0].dtype} "
+                    raise InvalidCallError(f"Error: Parameters are not of the identical type: {group['params'][0].dtype} "
                                        f"!= {p.dtype}")
                 if p.grad is not None:
                     grads.append(p.grad)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import required  # type: ignore[attr-defined]
 
+from ...errors import ConfigError
 from ..extensions import optim_kernels as K
 from .base import ApexOptimizer, closure_loss
 
@@ -33,13 +34,13 @@ class FusedSGD(ApexOptimizer):
                  weight_decay: float = 0.0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: bool = False) -> None:
         if lr is not required and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
+            raise ConfigError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
+            raise ConfigError(f"Invalid momentum value: {momentum}")
         if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+            raise ConfigError(f"Invalid weight_decay value: {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+            raise ConfigError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, set_grad_none)
         self.wd_after_momentum = wd_after_momentum

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ampatch.errors import ConfigTypeError
+
 __all__ = ["LARC"]
 
 
@@ -23,7 +25,7 @@ class LARC(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True,
                  eps: float = 1e-8) -> None:  # no Optimizer.__init__: groups and state are the wrapped one's
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"LARC wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+            raise ConfigTypeError(f"LARC wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         self.optim = optimizer
         self.trust_coefficient = trust_coefficient
         self.eps = eps

@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ampatch.errors import NotSupportedError
+
 __all__ = ["SyncBatchNorm"]
 
 
@@ -38,7 +40,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
                  track_running_stats: bool = True, process_group: Any = None, channel_last: bool = False,
                  fuse_relu: bool = False, **torch_kwargs: Any) -> None:
         if channel_last:
-            raise NotImplementedError("SyncBatchNorm(channel_last=True) is Apex's NHWC kernel; torch's "
+            raise NotSupportedError("SyncBatchNorm(channel_last=True) is Apex's NHWC kernel; torch's "
                                       "SyncBatchNorm takes channels-last tensors as they are: keep the input in "
                                       "NCHW shape with memory_format=torch.channels_last and drop channel_last.")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, **torch_kwargs)
