@@ -29,10 +29,10 @@ class AmpatchError(Exception):
     `args[0]` (and `reason`) hold the message without the prefix, so that pickling across
     processes and messages that quote another error do not repeat it."""
 
-    def __init__(self, message: object = "", *args: object) -> None:
+    def __init__(self, message: object = "", *args: object, **kwargs: object) -> None:
         if isinstance(message, str):
             message = message.removeprefix(PREFIX)
-        super().__init__(message, *args)
+        super().__init__(message, *args, **kwargs)  # kwargs: ImportError's name= and path=
 
     @property
     def reason(self) -> str:

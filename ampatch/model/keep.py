@@ -68,7 +68,7 @@ def _unknown(name: str, labels: list[str], source: str) -> ValueError:
     close = difflib.get_close_matches(name, named, n=5, cutoff=0.5)
     hint = f" Close names: {', '.join(repr(c) for c in close)}." if close else ""
     some = ", ".join(repr(n) for n in named[:8])
-    return ValueError(f"{source}: no module is named {name!r}.{hint} Names are those of model.named_modules() "
+    return ConfigError(f"{source}: no module is named {name!r}.{hint} Names are those of model.named_modules() "
                       f"(here: {some}{', ...' if len(named) > 8 else ''}); with several models, put the model's "
                       "index in front ('1.head').")
 
