@@ -7,7 +7,8 @@ Real Apex scripts read and write a few of its attributes: the starting loss scal
 `allow_incoming_model_not_fp32` and `hard_override`.
 Every attribute here reads or writes the live `Session` (no second copy of its state);
 the three flags are Apex's process-wide settings, kept in the core's `ampatch.config.settings`
-(where `initialize` reads them) and read and written through this view. Before `initialize` the view exists and is empty (`loss_scalers == []`).
+(where `initialize` reads them) and read and written through this view. Before `initialize`
+the view exists and is empty (`loss_scalers == []`).
 
 Under the alias this module is `apex.amp._amp_state`.
 """
@@ -48,7 +49,7 @@ class SessionOwner:
         s = self._session()
         if s is None or s.closed:
             raise OrderError("_amp_state.loss_scalers[i]: this loss scaler's amp session has ended (amp.initialize "
-                               "was called again, or amp.deinitialize()); take amp._amp_state.loss_scalers[i] again.")
+                             "was called again, or amp.deinitialize()); take amp._amp_state.loss_scalers[i] again.")
         return s
 
     def live(self) -> None:
@@ -108,6 +109,11 @@ class PropertiesView:
 
 class AmpState:
     """Apex's `_amp_state` over the live session (`current()` returns it, or None)."""
+
+    # set by object.__setattr__ (this class's __setattr__ takes only Apex's settable flags)
+    _current: Callable[[], Any]
+    _settings: Settings
+    _views: tuple[weakref.ref[Any] | None, dict[int, LossScalerView]]
 
     def __init__(self, current: Callable[[], Any], settings: Settings = SETTINGS) -> None:
         object.__setattr__(self, "_current", current)
@@ -174,7 +180,7 @@ class AmpState:
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _SETTABLE:
             raise ReadOnlyError(f"_amp_state.{name} cannot be set; the settable flags are {', '.join(_SETTABLE)}. "
-                                 "A loss scale is set through _amp_state.loss_scalers[i]._loss_scale.")
+                                "A loss scale is set through _amp_state.loss_scalers[i]._loss_scale.")
         if name == "verbosity":
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigTypeError(f"verbosity must be an int, got {value!r}.")

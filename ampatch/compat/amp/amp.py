@@ -7,7 +7,7 @@ yet; it returns a `handle.Handle` over that session.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,18 @@ from ...config import values
 from ...errors import ConfigTypeError
 from ...session.session import current as _current
 from .handle import Handle
+
+if TYPE_CHECKING:  # what __getattr__ reads from the package, for the linters (at run time: lazily, it sits above)
+    from ampatch import (
+        bfloat16_function,
+        float_function,
+        half_function,
+        promote_function,
+        register_bfloat16_function,
+        register_float_function,
+        register_half_function,
+        register_promote_function,
+    )
 
 logger = logging.getLogger("ampatch")
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...base.patcher import disable_casts as casts_off
 from ...errors import ConfigError, ConfigTypeError, OrderError
 from ...session.session import current as _current
+
+if TYPE_CHECKING:  # what __getattr__ reads from the package, for the linters (at run time: lazily, it sits above)
+    from ampatch import disable_casts, scale_loss
 
 logger = logging.getLogger("ampatch")
 
@@ -38,14 +41,14 @@ class Handle:
             return None
         if self._session is not _current():
             raise OrderError(f"handle.{what}(): this amp handle's session has ended (amp.initialize or amp.init "
-                               "was called again, or handle._deactivate()); use the handle of the live session, "
-                               "amp._amp_state.handle.")
+                             "was called again, or handle._deactivate()); use the handle of the live session, "
+                             "amp._amp_state.handle.")
         return self._session
 
     def is_active(self) -> bool:
         """Whether this handle's session is live and casting."""
         s = self._session
-        return s is not None and s is _current() and s.properties.enabled
+        return s is not None and s.properties.enabled and s is _current()
 
     def _deactivate(self) -> None:
         """Undo the session (`amp.deinitialize()`); a no-op once it has ended."""

@@ -28,7 +28,7 @@ class OptimWrapper:
             return contextlib.nullcontext(loss)
         if self._loss_idx >= self._num_loss:
             raise OrderError(f"wrap_optimizer(optimizer, num_loss={self._num_loss}): scale_loss was called "
-                               f"{self._loss_idx + 1} times before step(); pass num_loss={self._loss_idx + 1}.")
+                             f"{self._loss_idx + 1} times before step(); pass num_loss={self._loss_idx + 1}.")
         loss_id, self._loss_idx = self._loss_idx, self._loss_idx + 1
         return self._session.scale_loss(loss, self._optimizer, loss_id=loss_id)
 

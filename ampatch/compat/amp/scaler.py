@@ -161,7 +161,8 @@ class LossScalerView:
     @_overflow_buf.setter
     def _overflow_buf(self, value: torch.Tensor) -> None:
         if not isinstance(value, torch.Tensor) or value.numel() < 1:
-            raise ConfigTypeError(f"_overflow_buf must be a tensor (Apex's int flag buffer), got {type(value).__name__}.")
+            raise ConfigTypeError(f"_overflow_buf must be a tensor (Apex's int flag buffer), got "
+                                  f"{type(value).__name__}.")
         self._resolved()
         object.__setattr__(self, "_buf", value)
         object.__setattr__(self, "_own_buf", False)
@@ -226,8 +227,8 @@ class LossScalerView:
             return
         if name in _READ_ONLY or hasattr(type(self), name):
             raise ReadOnlyError(f"{self._owner.describe()}.{name} cannot be set; _loss_scale, _unskipped, "
-                                 "_scale_seq_len, _overflow_buf and _has_overflow can (min/max scale and dynamic "
-                                 "scaling are configuration: amp.initialize arguments).")
+                                "_scale_seq_len, _overflow_buf and _has_overflow can (min/max scale and dynamic "
+                                "scaling are configuration: amp.initialize arguments).")
         self._extra[name] = value  # Apex's scaler was a plain object: a script's own attribute stays with it
 
     def __repr__(self) -> str:

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from ampatch.errors import ConfigTypeError, InvalidCallError
 
-__all__ = ["check_lists", "skipped", "raise_flag", "has_inf_or_nan", "nonfinite", "upcast", "store", "norms", "total_norm",
-           "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_mp",
+__all__ = ["check_lists", "skipped", "raise_flag", "has_inf_or_nan", "nonfinite", "upcast", "store", "norms",
+           "total_norm", "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_mp",
            "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm", "update_scale_hysteresis"]
 
 TensorLists = Sequence[Sequence[Tensor]]
@@ -39,7 +39,7 @@ def check_lists(name: str, tensor_lists: TensorLists, depth: int | tuple[int, ..
     lists = [list(lst) for lst in tensor_lists]
     if len(lists) not in depths:
         raise InvalidCallError(f"{name}: tensor_lists.size() != depth (got {len(lists)} lists, expected "
-                           f"{' or '.join(map(str, depths))})")
+                               f"{' or '.join(map(str, depths))})")
     if not lists[0]:
         raise InvalidCallError(f"{name}: tensor_lists[0].size() is not > 0")
     for lst in lists:
@@ -50,7 +50,7 @@ def check_lists(name: str, tensor_lists: TensorLists, depth: int | tuple[int, ..
                 raise ConfigTypeError(f"{name}: tensor_lists must hold tensors, got {type(t).__name__}")
             if t.numel() != first.numel():
                 raise InvalidCallError(f"{name}: Size mismatch (a tensor of {t.numel()} elements next to one of "
-                                   f"{first.numel()})")
+                                       f"{first.numel()})")
     return lists
 
 
@@ -103,10 +103,11 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
     tensors = list(tensors)
     device = tensors[0].device
     if ord == float("inf"):
-        out = [torch._foreach_norm([t], ord)[0].float() if t.numel() else torch.zeros((), dtype=torch.float32, device=t.device)
-               for t in tensors]
+        out = [torch._foreach_norm([t], ord)[0].float() if t.numel()
+               else torch.zeros((), dtype=torch.float32, device=t.device) for t in tensors]
         return torch.stack([n.to(device) for n in out])
-    pieces, owner = [], []
+    pieces: list[torch.Tensor] = []
+    owner: list[int] = []
     for i, t in enumerate(tensors):
         chunks = t.reshape(-1).split(CHUNK) if t.numel() > CHUNK else (t,)
         pieces.extend(chunks)

@@ -37,8 +37,8 @@ def _dynamic_scaler(args: dict[str, Any] | None) -> LossScaler:
     args = dict(args or {})
     unknown = sorted(set(args) - set(DYNAMIC_DEFAULTS))
     if unknown:
-        raise ConfigTypeError(f"FP16_Optimizer(dynamic_loss_args=...): unknown keys {unknown}; Apex's loss scaler takes "
-                        f"{', '.join(DYNAMIC_DEFAULTS)}.")
+        raise ConfigTypeError(f"FP16_Optimizer(dynamic_loss_args=...): unknown keys {unknown}; Apex's loss scaler "
+                              f"takes {', '.join(DYNAMIC_DEFAULTS)}.")
     a = {**DYNAMIC_DEFAULTS, **args}
     low = None if a["min_loss_scale"] is None else check_scale_value(a["min_loss_scale"], "min_loss_scale")
     return apex_scaler(check_scale_value(a["init_scale"], "init_scale"), dynamic=True,
@@ -143,7 +143,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
         """Step the masters and copy them into the half model; skipped while `overflow`."""
         if self._handle.stage is OptState.SCALED:
             raise OrderError("FP16_Optimizer.step(): backward(loss, update_master_grads=False) left gradients "
-                               "that are not in the masters yet; call optimizer.update_master_grads() first.")
+                             "that are not in the masters yet; call optimizer.update_master_grads() first.")
         if self.overflow:
             self._skip()
             logger.info("ampatch: FP16_Optimizer: gradient overflow, skipping step; loss scale is now %g",
@@ -168,7 +168,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
                             "loss scale %g", before)
                 if not self._scaler.dynamic or before <= self._scaler.floor:
                     raise InvalidCallError(f"FP16_Optimizer.step(closure): the closure's gradients are not finite at "
-                                       f"loss scale {before:g}, which cannot go lower.")
+                                           f"loss scale {before:g}, which cannot go lower.")
                 loss = closure()
             return loss
 

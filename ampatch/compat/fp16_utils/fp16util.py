@@ -93,7 +93,7 @@ class FP16_Module(nn.Module):  # noqa: N801 - Apex's name
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.add_module("module", module.half())
+        self.module = module.half()  # a submodule, registered by nn.Module's __setattr__
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return fp16_to_fp32(self.module(*fp32_to_fp16(inputs), **kwargs))
@@ -106,7 +106,7 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[
     if flat_master:
         if len({p.dtype for p in model_params}) > 1:
             raise ConfigTypeError("prep_param_lists(flat_master=True) needs parameters of one dtype; the model mixes "
-                            f"{sorted({str(p.dtype) for p in model_params})}. Use flat_master=False.")
+                                  f"{sorted({str(p.dtype) for p in model_params})}. Use flat_master=False.")
         master = nn.Parameter(_flatten_dense_tensors([p.detach() for p in model_params]).float())
         master.grad = torch.empty_like(master)
         return model_params, [master]
@@ -118,7 +118,9 @@ def model_grads_to_master_grads(model_params: list[torch.Tensor], master_params:
                                 flat_master: bool = False) -> None:
     """Copy the model's gradients into the FP32 masters' (None stays None)."""
     if flat_master:
-        master_params[0].grad.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
+        flat = master_params[0].grad
+        assert flat is not None, "prep_param_lists(flat_master=True) gives the flat master a gradient"
+        flat.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
         return
     src, dst = [], []
     for model, master in zip(model_params, master_params):
@@ -151,4 +153,4 @@ Fused_Weight_Norm = not_provided_class(  # noqa: N816 - Apex's name
 def backwards_debug_hook(grad: torch.Tensor) -> None:
     """Apex's debugging hook for FP32 masters: a gradient reaching one is a bug (it raises)."""
     raise InvalidCallError("master_params received a gradient in the backward pass: the FP32 masters should get their "
-                       "gradients copied from the model (model_grads_to_master_grads), not from autograd.")
+                           "gradients copied from the model (model_grads_to_master_grads), not from autograd.")

@@ -46,11 +46,11 @@ def _check_unwrapped(optimizer: torch.optim.Optimizer, name: str) -> None:
     ref = _WRAPPERS.get(optimizer)
     if ref is not None and ref() is not None:
         raise ConfigError(f"{name}: this optimizer is already wrapped by an FP16_Optimizer; wrap it once (a second "
-                         "wrapper would give its params a second set of FP32 masters).")
+                          "wrapper would give its params a second set of FP32 masters).")
     s = current_session()
     if s is not None and any(h.optimizer is optimizer for h in s.optimizers):
         raise ConfigError(f"{name}: this optimizer was passed to amp.initialize, which gives it FP32 masters and loss "
-                         "scaling already; use amp.scale_loss, or amp.deinitialize() before wrapping it.")
+                          "scaling already; use amp.scale_loss, or amp.deinitialize() before wrapping it.")
 
 
 def _release(handle: OptimizerHandle, patcher: Patcher) -> None:
@@ -97,8 +97,8 @@ class MasterWeightOptimizer:
         for group in init_optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p.dtype not in _FLOATS:
-                    raise ConfigTypeError(f"{self.name}: parameters must be float16, bfloat16 or float32; got {p.dtype} "
-                                    f"(shape {tuple(p.shape)}).")
+                    raise ConfigTypeError(f"{self.name}: parameters must be float16, bfloat16 or float32; got "
+                                          f"{p.dtype} (shape {tuple(p.shape)}).")
         _check_unwrapped(init_optimizer, self.name)
         self.optimizer = init_optimizer
         self._scaler = scaler
@@ -206,7 +206,7 @@ class MasterWeightOptimizer:
         current = [g["params"] for g in self.optimizer.param_groups] if flat else self.fp32_from_fp16_groups
         if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
             raise ConfigError(f"{self.name}.load_state_dict: '{key}' has {_count(saved)} param groups, this optimizer "
-                             f"{len(current)}; the checkpoint is from another model or optimizer. Nothing was loaded.")
+                              f"{len(current)}; the checkpoint is from another model or optimizer. Nothing was loaded.")
         for i, (now, then) in enumerate(zip(current, saved)):
             if flat:
                 ok = isinstance(then, torch.Tensor) and then.numel() == sum(p.numel() for p in now)
@@ -215,8 +215,8 @@ class MasterWeightOptimizer:
                     isinstance(t, torch.Tensor) and t.shape == p.shape for p, t in zip(now, then))
             if not ok:
                 raise ConfigError(f"{self.name}.load_state_dict: '{key}' group {i} does not match this optimizer's "
-                                 "params (their number or shapes differ); the checkpoint is from another model or "
-                                 "optimizer. Nothing was loaded.")
+                                  "params (their number or shapes differ); the checkpoint is from another model or "
+                                  "optimizer. Nothing was loaded.")
 
         def load() -> None:
             with torch.no_grad():

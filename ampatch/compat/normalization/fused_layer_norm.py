@@ -52,7 +52,7 @@ class FusedRMSNorm(_ApexConstructor, nn.RMSNorm):
 def _affine_only(name: str, kwargs: dict) -> None:
     if not kwargs.pop("elementwise_affine", True):
         raise ConfigError(f"{name} needs elementwise_affine=True (as in Apex); use "
-                         f"{name.removeprefix('Mixed')}(elementwise_affine=False) instead.")
+                          f"{name.removeprefix('Mixed')}(elementwise_affine=False) instead.")
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):

@@ -84,7 +84,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
         else step the wrapped optimizer and copy the masters into the half model."""
         if closure is not None:
             raise NotSupportedError("apex.optimizers.FP16_Optimizer.step() takes no closure (Apex's did not "
-                                      "either); use apex.fp16_utils.FP16_Optimizer for closures.")
+                                    "either); use apex.fp16_utils.FP16_Optimizer for closures.")
         overflow = self._unscale()
         if overflow:
             self.last_overflow_iter = self.cur_iter

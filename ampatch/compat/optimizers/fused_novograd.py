@@ -10,7 +10,7 @@ from torch import Tensor
 from ...errors import InvalidCallError
 from ..extensions import optim_kernels as K
 from ..extensions.kernels import norms
-from .base import ApexOptimizer, closure_loss
+from .base import ApexOptimizer, closure_loss, grads_of
 
 __all__ = ["FusedNovoGrad"]
 
@@ -64,8 +64,8 @@ class FusedNovoGrad(ApexOptimizer):
                 slots[slot] = norms(grads, float("inf") if group["norm_type"] == 0 else 2.0)
         elif slots[slot].numel() != len(grads):
             raise InvalidCallError(f"FusedNovoGrad keeps one norm per parameter with a gradient: {slots[slot].numel()} "
-                               f"norms for {len(grads)} gradients of {dtype} in this group (every parameter that "
-                               "had a gradient at the first step needs one at every step).")
+                                   f"norms for {len(grads)} gradients of {dtype} in this group (every parameter that "
+                                   "had a gradient at the first step needs one at every step).")
         return slots[slot]
 
     @torch.no_grad()
@@ -76,7 +76,7 @@ class FusedNovoGrad(ApexOptimizer):
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
             for dtype, params in self.by_dtype(group, "FusedNovoGrad").items():
-                grads = [p.grad for p in params]
+                grads = grads_of(params)
                 moms = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in params]
                 K.multi_tensor_novograd(0, self._dummy_overflow_buf, [grads, params, moms],
                                         self._norms(group, dtype, grads), group["lr"], beta1, beta2, group["eps"],

@@ -75,7 +75,7 @@ def create_syncbn_process_group(group_size: int) -> Any:
     world_size = dist.get_world_size()
     if group_size > world_size or world_size % group_size:
         raise ConfigError(f"create_syncbn_process_group: group_size {group_size} must divide the world size "
-                         f"{world_size}.")
+                          f"{world_size}.")
     group = None
     for group_num in range(world_size // group_size):
         ranks = list(range(group_num * group_size, (group_num + 1) * group_size))

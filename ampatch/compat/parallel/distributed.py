@@ -180,7 +180,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                  prof: bool = False, **torch_kwargs: Any) -> None:
         if shared_param is not None:
             raise ConfigError("shared_param is no longer supported by Apex's DistributedDataParallel (Apex raised "
-                             "too); torch's DistributedDataParallel handles shared parameters: drop the argument.")
+                              "too); torch's DistributedDataParallel handles shared parameters: drop the argument.")
         given = {k: v for k, v in locals().items() if k in _NO_EFFECT}  # the arguments named in _NO_EFFECT
         ignored = [k for k, v in given.items() if v is not _NO_EFFECT[k] and v != _NO_EFFECT[k]]
         if ignored:
