@@ -8,6 +8,7 @@ import ast
 import importlib
 import inspect
 import json
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -31,7 +32,7 @@ INTERNAL = {("runs/forkserver.py", "ValueError"), ("runs/forkserver.py", "Runtim
 
 @pytest.fixture(autouse=True)
 def _no_session(monkeypatch: pytest.MonkeyPatch):
-    for name in [n for n in __import__("os").environ if n.startswith("AMPATCH_")]:
+    for name in [n for n in os.environ if n.startswith("AMPATCH_")]:
         monkeypatch.delenv(name)
     yield
     amp.deinitialize()
@@ -66,7 +67,7 @@ def _banned_function() -> None:
 def _loss_id(loss_id: object) -> Callable[[], None]:
     def run() -> None:
         m, o = _init(opt_level="O2", half_dtype=torch.bfloat16)
-        with amp.scale_loss(m(torch.randn(2, 4)).float().sum(), o, loss_id=loss_id) as loss:  # type: ignore[arg-type]
+        with amp.scale_loss(m(torch.randn(2, 4)).float().sum(), o, loss_id=loss_id) as loss:
             loss.backward()
     return run
 
