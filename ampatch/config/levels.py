@@ -166,7 +166,8 @@ def variant(text: Any, what: str = "level") -> Variant:
     Anything else raises ValueError naming what is accepted. Whether FP8 fits the level's half
     dtype is `options.check_fp8`'s to say, once the device is known."""
     if not isinstance(text, str):
-        raise ConfigTypeError(f"{what} must be a string such as 'O5', 'O5+kahan' or 'O5+fp8', got {type(text).__name__}.")
+        raise ConfigTypeError(f"{what} must be a string such as 'O5', 'O5+kahan' or 'O5+fp8', got "
+                              f"{type(text).__name__}.")
     base, *parts = text.split(VARIANT)
     level = normalize(base, what)
     mode: str | None = None

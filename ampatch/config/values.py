@@ -238,8 +238,8 @@ def parse_fp8_modules(value: Any) -> tuple[str, ...] | Any:
     elif callable(value):
         return value
     else:
-        raise ConfigTypeError(f"fp8_modules takes layer names or glob patterns, or a callable (module, fqn) -> bool; got "
-                        f"{type(value).__name__}.")
+        raise ConfigTypeError(f"fp8_modules takes layer names or glob patterns, or a callable (module, fqn) -> bool; "
+                              f"got {type(value).__name__}.")
     if not names:
         raise ConfigError("fp8_modules is empty: name the layers to run in FP8 (globs such as 'blocks.*' work), or "
                          "leave it None for the default choice (every Linear with dims multiples of 16 but the "

@@ -74,8 +74,8 @@ class AmpatchTrainerMixin:
     def __init__(self, *args: Any, opt_level: str | None = None, policy: Any = None,
                  initialize_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not isinstance(self, transformers.Trainer):
-            raise ConfigTypeError(f"{type(self).__name__}: AmpatchTrainerMixin mixes into a transformers.Trainer class: "
-                            "class MyTrainer(AmpatchTrainerMixin, Seq2SeqTrainer).")
+            raise ConfigTypeError(f"{type(self).__name__}: AmpatchTrainerMixin mixes into a transformers.Trainer "
+                                  "class: class MyTrainer(AmpatchTrainerMixin, Seq2SeqTrainer).")
         self.choice = LevelChoice(type(self).__name__, opt_level, policy, dict(initialize_kwargs or {}))
         self.ampatch_report: Any = None  # the session's report(), kept when train() ends the session
         self.opt_level = opt_level

@@ -69,8 +69,8 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
         framework.refuse_strategy(call.fabric.strategy, "AmpatchFabricPrecision")
         opts = [framework.raw_optimizer(o) for o in call.optimizers]
         if any(isinstance(o, torch.optim.LBFGS) for o in opts):
-            raise ConfigTypeError("AmpatchFabricPrecision cannot drive LBFGS: it calls its closure (and backward) inside "
-                            "step(), where the loss scale cannot reach. Use another optimizer.")
+            raise ConfigTypeError("AmpatchFabricPrecision cannot drive LBFGS: it calls its closure (and backward) "
+                                  "inside step(), where the loss scale cannot reach. Use another optimizer.")
         if call.move_to_device:  # the masters are made where the model trains
             module = call.fabric.to_device(module)
         if any(module is m for m in self.models):
@@ -93,7 +93,8 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
             returned = amp.initialize(models, **keywords)
         returned = returned if isinstance(returned, list) else [returned]
         if len(returned) != len(self.models) or any(a is not b for a, b in zip(returned, self.models)):
-            raise InvalidCallError("amp.initialize returned other model objects; AmpatchFabricPrecision needs them in place.")
+            raise InvalidCallError("amp.initialize returned other model objects; AmpatchFabricPrecision needs them in "
+                                   "place.")
         self.state = PluginState.CONNECTED
         self.facts = Facts.of_session()
         self.precision = self.facts.precision
@@ -134,8 +135,8 @@ class AmpatchFabricPrecision(framework.FabricHalfPrecision):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step, skipped by ampatch after an overflow."""
         if kwargs.get("closure") is not None:
-            raise ConfigTypeError("AmpatchFabricPrecision: optimizer.step(closure) runs a backward inside step(), where "
-                            "the loss scale cannot reach; call fabric.backward(loss), then optimizer.step().")
+            raise ConfigTypeError("AmpatchFabricPrecision: optimizer.step(closure) runs a backward inside step(), "
+                                  "where the loss scale cannot reach; call fabric.backward(loss), then optimizer.step().")
         return optimizer.step(**kwargs)
 
     def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

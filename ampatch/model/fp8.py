@@ -52,8 +52,9 @@ def _version(text: str) -> tuple[int, ...]:
 def require() -> Any:
     """`torchao.float8`, imported once, or ImportError saying how to get a torchao that fits."""
     if _version(torch.__version__)[:2] < MIN_TORCH:
-        raise MissingDependencyError(f"fp8= needs torch >= {'.'.join(map(str, MIN_TORCH))} (torchao {TORCHAO_VERSION}'s float8 "
-                          f"training); this is torch {torch.__version__}. Upgrade torch, or leave fp8 off.")
+        raise MissingDependencyError(
+            f"fp8= needs torch >= {'.'.join(map(str, MIN_TORCH))} (torchao {TORCHAO_VERSION}'s float8 training); this "
+            f"is torch {torch.__version__}. Upgrade torch, or leave fp8 off.")
     quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [q.level for q in quiet]
     for q in quiet:  # missing GPU kernels on a CPU machine, a deprecation inside torchao: not the user's news
@@ -62,15 +63,17 @@ def require() -> Any:
         torchao = importlib.import_module("torchao")
         float8 = importlib.import_module("torchao.float8")
     except ImportError as exc:
-        raise MissingDependencyError(f"fp8= runs torchao's float8 training, and torchao is not installed ({exc}). Install the "
-                          f"extra: {EXTRA} (torchao {TORCHAO_VERSION}.x).") from exc
+        raise MissingDependencyError(
+            f"fp8= runs torchao's float8 training, and torchao is not installed ({exc}). Install the extra: {EXTRA} "
+            f"(torchao {TORCHAO_VERSION}.x).") from exc
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
     have = getattr(torchao, "__version__", "unknown")
     if not have.startswith(TORCHAO_VERSION + "."):
-        raise MissingDependencyError(f"fp8= is tested with torchao {TORCHAO_VERSION}.x, and torchao {have} is installed: its "
-                          f"float8 internals differ between releases. Install the pinned one: {EXTRA}.")
+        raise MissingDependencyError(
+            f"fp8= is tested with torchao {TORCHAO_VERSION}.x, and torchao {have} is installed: its float8 internals "
+            f"differ between releases. Install the pinned one: {EXTRA}.")
     return float8
 
 

@@ -105,9 +105,9 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
                 raise ConfigError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) is "
                                  f"{what}, not a bfloat16 tensor of its param's shape; " + bad)
             if not bool(torch.isfinite(c).all()):
-                raise ConfigError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) holds "
-                                 "NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
-                                 "corrupted; nothing was loaded.")
+                raise ConfigError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) "
+                                  "holds NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
+                                  "corrupted; nothing was loaded.")
     for key in ("seed", "rounds"):
         value = entry.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

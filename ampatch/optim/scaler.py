@@ -148,7 +148,8 @@ def load_scalers_state_dict(scalers: Sequence[LossScaler], state_dict: object, w
     is loaded; entries that match no scaler, scalers with no entry, and saved scales that are
     not taken as they are (clamped, or a static scale that stays) are reported through `warn`."""
     if not isinstance(state_dict, dict):
-        raise ConfigTypeError(f"load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}.")
+        raise ConfigTypeError(f"load_state_dict expects the dict from amp.state_dict(), got "
+                              f"{type(state_dict).__name__}.")
     names = {f"loss_scaler{i}": s for i, s in enumerate(scalers)}
     unknown = [k for k in state_dict if not (isinstance(k, str) and k.startswith("loss_scaler")
                                              and k[11:].isdigit())]

@@ -51,8 +51,8 @@ def take(state: dict, params: Sequence[torch.Tensor]) -> Taken:
             continue
         i = k if isinstance(k, int) and not isinstance(k, bool) else -1
         if not 0 <= i < len(params):
-            raise ConfigError(f"optimizer checkpoint: kept optimizer state for state entry {k!r}, which no param of this "
-                             "optimizer has; it was saved from another model. Nothing was loaded.")
+            raise ConfigError(f"optimizer checkpoint: kept optimizer state for state entry {k!r}, which no param of "
+                              "this optimizer has; it was saved from another model. Nothing was loaded.")
         found[i], counts = _parse(entry[STATES_KEY], params[i], f"param {i}")
     for i in found:
         state[i] = {key: v for key, v in state[i].items() if key != STATES_KEY}
