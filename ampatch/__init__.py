@@ -28,6 +28,7 @@ from . import types
 from .base.notices import set_verbosity
 from .config.options import Options
 from .config.values import DEFAULT_MAX_LOSS_SCALE
+from .errors import OrderError
 from .optim.scaler import check_loss_id as _check_loss_id
 from .session.build import outside, prepare, takes_policy
 from .session.report import Report
@@ -86,11 +87,9 @@ def _apex_attributes(handle: Any) -> dict[str, Any]:
 def _session(what: str) -> Session:
     s = _current()
     if s is None:
-        raise RuntimeError(f"amp.{what}() was called with no ampatch session: before amp.initialize() or after "
-                           "amp.deinitialize(); call `model, optimizer = amp.initialize(model, optimizer, "
-                           "opt_level=...)` first. (Lightning's teardown and the Transformers Trainer's train() end "
-                           "the session; the plugin's `last_report` and the Trainer's `ampatch_report` keep its "
-                           "report().)")
+        raise OrderError(f"amp.{what}() was called with no ampatch session (before amp.initialize() or after "
+                         "amp.deinitialize()): call `amp.initialize(model, optimizer, opt_level=...)` first; "
+                         "see docs/integrations.md for the report a framework's session keeps.")
     return s
 
 

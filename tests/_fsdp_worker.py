@@ -342,7 +342,7 @@ def bad_input(rank: int) -> dict[str, Any]:
             make()
             return None
         except (ValueError, RuntimeError) as e:
-            return f"{type(e).__name__}: {e}"
+            return f"{'ValueError' if isinstance(e, ValueError) else 'RuntimeError'}: {e}"  # DESIGN's type
         finally:
             amp.deinitialize()
 

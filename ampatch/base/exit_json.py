@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ampatch.errors import ConfigError
+
 logger = logging.getLogger("ampatch")
 
 __all__ = ["ExitJson", "exit_report", "process_rank", "check_writable"]
@@ -30,7 +32,7 @@ def check_writable(path: str, variable: str) -> None:
               else f"the folder {folder} is not writable" if not os.access(folder, os.W_OK)
               else None)
     if reason:
-        raise ValueError(f"{variable}={path!r}: the file cannot be written ({reason}); point {variable} at a file "
+        raise ConfigError(f"{variable}={path!r}: the file cannot be written ({reason}); point {variable} at a file "
                          "in a writable folder, or unset it.")
 
 

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ampatch.errors import OrderError
+
 logger = logging.getLogger("ampatch")
 
 __all__ = ["Patcher", "resolve_owner", "CastSwitch", "cast_switch", "disable_casts"]
@@ -54,7 +56,7 @@ class Patcher:
         """Replace owner.name, once; a second patch of the same attribute is refused."""
         key = (id(owner), name)
         if key in self._index:
-            raise RuntimeError(f"ampatch: {name} on {owner!r} is already patched in this session.")
+            raise OrderError(f"ampatch: {name} on {owner!r} is already patched in this session.")
         had_own = name in vars(owner)
         record = _Record(owner, name, vars(owner)[name] if had_own else getattr(owner, name), had_own, replacement)
         setattr(owner, name, replacement)

@@ -27,6 +27,7 @@ from ampatch.cli.compare import add_compare
 from ampatch.cli.diagnose import add_diagnose
 from ampatch.cli.run import add_run
 from ampatch.cli.tune import add_tune
+from ampatch.errors import reason
 from ampatch.runs import UsageError, process
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "CliError"]
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with process.stopping():  # SIGTERM, SIGHUP: stop as Ctrl-C does (`run` passes them on instead)
             return args.func(args)
     except UsageError as exc:
-        print(f"ampatch: error: {exc}", file=sys.stderr)
+        print(f"ampatch: error: {reason(exc)}", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0

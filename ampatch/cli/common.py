@@ -12,7 +12,7 @@ from typing import Any
 from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import levels as levels_policy
 from ampatch.config.values import parse_fp8, parse_loss_scale, parse_master_weights, parse_names, parse_optimizer_states
-from ampatch.runs import UsageError
+from ampatch.errors import CliError, reason
 from ampatch.runs.budget import parse_seconds
 
 __all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant",
@@ -36,7 +36,7 @@ def argument(parse: Callable[[str], Any], message: Callable[[str, Exception], st
         try:
             return parse(text)
         except (TypeError, ValueError) as exc:
-            raise argparse.ArgumentTypeError(message(text, exc) if message else str(exc)) from None
+            raise argparse.ArgumentTypeError(message(text, exc) if message else reason(exc)) from None
     convert.__name__ = getattr(parse, "__name__", "argument")  # argparse names the type in its errors
     return convert
 
@@ -48,7 +48,7 @@ opt_level = argument(levels_policy.normalize,
 # (`levels.variant`, the one reading of them).
 level_variant = argument(
     lambda text: levels_policy.variant(text).label,
-    lambda text, exc: str(exc) if "+" in text else (f"unknown opt level {text!r} (choose from {', '.join(LEVELS)}, "
+    lambda text, exc: reason(exc) if "+" in text else (f"unknown opt level {text!r} (choose from {', '.join(LEVELS)}, "
                                                    "or e.g. O5+kahan, O5+fp8)"))
 
 
@@ -146,11 +146,6 @@ def module_names(text: str) -> str:
     if not found:
         raise argparse.ArgumentTypeError("--keep-fp32 needs module names, e.g. --keep-fp32 head,blocks.0.attn")
     return ",".join(found)
-
-
-class CliError(UsageError):
-    """A usage error: reported as one ``ampatch: error:`` line, exit code 2 (as is every
-    `UsageError` the compare package raises)."""
 
 
 def check_output_path(path: str | None, option: str) -> None:

@@ -21,6 +21,7 @@ from ampatch.config.values import parse_names
 from ampatch.diagnose import command as diagnosis
 from ampatch.diagnose.render import render
 from ampatch.diagnose.render import write_plot as write_diagnosis_plot
+from ampatch.errors import reason
 from ampatch.record.child import DEFAULT_STEPS as DIAGNOSE_STEPS
 from ampatch.runs import runner
 from ampatch.runs.builtin import workload_device
@@ -84,7 +85,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     try:
         result = diagnosis.diagnose(req, sys.stderr)
     except diagnosis.RunFailed as exc:
-        print(f"ampatch diagnose: {exc}", file=sys.stderr)
+        print(f"ampatch diagnose: {reason(exc)}", file=sys.stderr)
         return 1
     print(render(result, shown, rerun), flush=True)
     if args.json:

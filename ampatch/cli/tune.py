@@ -17,6 +17,7 @@ from ampatch.cli.common import (
     tolerance,
 )
 from ampatch.config.policy_file import DEFAULT_PATH
+from ampatch.errors import reason
 from ampatch.runs.builtin import workload_device
 from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, TOLERANCE, WINDOW
 from ampatch.tune.candidates import OBJECTIVES
@@ -115,7 +116,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                       out=args.out, repair=not args.no_repair, rounds=args.rounds, apex_alias=args.apex_alias,
                       log=sys.stderr, objective=args.objective)
     except NoReference as exc:
-        print(f"ampatch tune: {exc}", file=sys.stderr)
+        print(f"ampatch tune: {reason(exc)}", file=sys.stderr)
         if args.json and exc.result is not None:
             exc.result.write_json(args.json)
         return 1

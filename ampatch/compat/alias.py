@@ -143,7 +143,7 @@ _FIND_SPEC_CODE = importlib.util.find_spec.__code__
 
 def _probed_name() -> str | None:
     """The name `importlib.util.find_spec` was asked for, when it is the caller (a probe)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             return None
@@ -164,8 +164,8 @@ class _ApexFinder(importlib.abc.MetaPathFinder):
                                   and importlib.machinery.PathFinder.find_spec(fullname) is None):
             return None
         stand_in = target_of(fullname) if apex_name else None
-        if stand_in is not None and _exists(stand_in):
-            spec = importlib.util.find_spec(stand_in)
+        spec = importlib.util.find_spec(stand_in) if stand_in is not None and _exists(stand_in) else None
+        if stand_in is not None and spec is not None:
             return importlib.machinery.ModuleSpec(fullname, _AliasLoader(stand_in), origin=spec.origin,
                                                   is_package=spec.submodule_search_locations is not None)
         probed = _probed_name()
@@ -217,8 +217,10 @@ def _alias_package() -> types.ModuleType:
     apex.__spec__ = importlib.machinery.ModuleSpec("apex", _AliasLoader(module=apex), origin="ampatch.compat.alias",
                                                    is_package=True)
     apex.__loader__ = apex.__spec__.loader
-    apex.__path__ = apex.__spec__.submodule_search_locations  # [], a package: `import apex.amp` is a submodule
-    apex.__getattr__ = _alias_getattr
+    locations = apex.__spec__.submodule_search_locations
+    assert locations is not None  # is_package=True made it []
+    apex.__path__ = locations  # [], a package: `import apex.amp` is a submodule
+    vars(apex)["__getattr__"] = _alias_getattr  # the module's own __getattr__ (PEP 562)
     setattr(apex, _ALIAS_FLAG, True)
     return apex
 

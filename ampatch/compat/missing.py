@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ampatch.errors import NotProvidedError, NotSupportedError
+
 __all__ = ["NotProvidedError", "NOT_PROVIDED", "EXTENSIONS", "not_provided_message", "not_provided_class",
            "not_provided_function"]
 
@@ -46,12 +48,6 @@ EXTENSIONS = {
 }
 
 
-class NotProvidedError(ImportError):
-    """An Apex module ampatch does not provide. An `ImportError`, deliberately not a
-    `ModuleNotFoundError`: `from apex import contrib` would swallow that one and replace
-    the message by a bare "cannot import name"."""
-
-
 def not_provided_message(fullname: str) -> str:
     """Why `fullname` cannot be imported under the alias, with the PyTorch replacement."""
     if fullname in EXTENSIONS:
@@ -67,10 +63,10 @@ def not_provided_class(name: str, module: str, message: str, base: type = object
     constructing it (or calling its `apply`, for an autograd Function) raises
     NotImplementedError(message)."""
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(message)
+        raise NotSupportedError(message)
 
     def apply(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(message)
+        raise NotSupportedError(message)
     return type(name, (base,), {"__init__": __init__, "apply": staticmethod(apply), "__module__": module,
                                 "__doc__": f"Not provided: {message}"})
 
@@ -79,7 +75,7 @@ def not_provided_function(name: str, module: str, message: str) -> Callable[...,
     """A stand-in for an Apex function ampatch does not provide: importable, and calling it
     raises NotImplementedError(message)."""
     def function(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(message)
+        raise NotSupportedError(message)
     function.__name__ = function.__qualname__ = name
     function.__module__ = module
     function.__doc__ = f"Not provided: {message}"

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from ..errors import ConfigError, reason
 from . import levels
 from .values import (
     StatePrecision,
@@ -106,7 +107,7 @@ def _positive_int(name: str, value: str | None) -> int | None:
     if value is None:
         return None
     if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError(f"{name}={value!r}: expected a positive integer (or leave it unset).")
+        raise ConfigError(f"{name}={value!r}: expected a positive integer (or leave it unset).")
     return int(value)
 
 
@@ -117,20 +118,20 @@ def _checked(name: str, value: str | None, parse):
     try:
         return parse(value)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name}={value!r}: {exc}") from None
+        raise ConfigError(f"{name}={value!r}: {reason(exc)}") from None
 
 
 def _level(value: str) -> str:
     try:
         return levels.normalize(value)
     except ValueError:
-        raise ValueError(f"not an opt level; use one of {', '.join(levels.LEVELS)}.") from None
+        raise ConfigError(f"not an opt level; use one of {', '.join(levels.LEVELS)}.") from None
 
 
 def _half(value: str | None) -> torch.dtype | None:
     half = parse_dtype(value.strip(), HALF_DTYPE) if value is not None else None  # its message names it
     if half == torch.float32:
-        raise ValueError(f"{HALF_DTYPE}={value!r} is not a half type: use float16 or bfloat16 (or force "
+        raise ConfigError(f"{HALF_DTYPE}={value!r} is not a half type: use float16 or bfloat16 (or force "
                          f"{OPT_LEVEL}=O0 for FP32).")
     return half
 
@@ -138,14 +139,14 @@ def _half(value: str | None) -> torch.dtype | None:
 def _flag(value: str) -> bool:
     flag = parse_env_flag(value)
     if flag is None:
-        raise ValueError("is not a flag: use 1/true/on/yes or 0/false/off/no.")
+        raise ConfigError("is not a flag: use 1/true/on/yes or 0/false/off/no.")
     return flag
 
 
 def _layer_names(value: str) -> tuple[str, ...]:
     names = tuple(parse_names(value))
     if not names:
-        raise ValueError("names no layer: give layer names or globs as named_modules() gives them "
+        raise ConfigError("names no layer: give layer names or globs as named_modules() gives them "
                          "('blocks.0.mlp.fc1,blocks.*.attn.*'), or leave it unset.")
     return names
 

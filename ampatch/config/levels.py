@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 
 from ..base.dtypes import short_name
+from ..errors import ConfigError, ConfigTypeError
 from .values import DYNAMIC, FP8_RECIPES, LOW_MEMORY_MODES, STATE_PRECISIONS, parse_dtype
 
 if TYPE_CHECKING:
@@ -64,10 +65,10 @@ def normalize(text: Any, what: str = "opt_level") -> OptLevel:
     """The level `text` names ("o2 " -> "O2"): the one reading of a level wherever it is
     written. A non-string raises TypeError; an unknown level ValueError listing the levels."""
     if not isinstance(text, str):
-        raise TypeError(f"{what} must be a string such as 'O1', got {type(text).__name__}.")
+        raise ConfigTypeError(f"{what} must be a string such as 'O1', got {type(text).__name__}.")
     level = text.strip().upper()
     if level not in LEVELS:
-        raise ValueError(f"Unknown {what} {text!r}; valid levels are {', '.join(LEVELS)} ({DESCRIPTION}).")
+        raise ConfigError(f"Unknown {what} {text!r}; valid levels are {', '.join(LEVELS)} ({DESCRIPTION}).")
     return cast("OptLevel", level)  # one of LEVELS' keys, checked above
 
 
@@ -154,7 +155,7 @@ def _fp8_part(part: str, text: str, what: str) -> str | bool:
         return True
     recipe = recipe.strip().lower()
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"{what} {text!r}: {recipe!r} is not an fp8 recipe; use one of "
+        raise ConfigError(f"{what} {text!r}: {recipe!r} is not an fp8 recipe; use one of "
                          f"{', '.join(map(repr, FP8_RECIPES))} (e.g. O5+fp8:rowwise), or O5+fp8 for tensorwise.")
     return recipe
 
@@ -168,7 +169,8 @@ def variant(text: Any, what: str = "level") -> Variant:
     Anything else raises ValueError naming what is accepted. Whether FP8 fits the level's half
     dtype is `options.check_fp8`'s to say, once the device is known."""
     if not isinstance(text, str):
-        raise TypeError(f"{what} must be a string such as 'O5', 'O5+kahan' or 'O5+fp8', got {type(text).__name__}.")
+        raise ConfigTypeError(f"{what} must be a string such as 'O5', 'O5+kahan' or 'O5+fp8', got "
+                              f"{type(text).__name__}.")
     base, *parts = text.split(VARIANT)
     level = normalize(base, what)
     mode: str | None = None
@@ -178,23 +180,23 @@ def variant(text: Any, what: str = "level") -> Variant:
         part = raw.strip().lower()
         if part.partition(":")[0].strip() == FP8_VARIANT:
             if fp8 is not None:
-                raise ValueError(f"{what} {text!r}: fp8 is given twice.")
+                raise ConfigError(f"{what} {text!r}: fp8 is given twice.")
             fp8 = _fp8_part(part, text, what)
             continue
         if part in STATE_PRECISIONS:
             if states is not None:
-                raise ValueError(f"{what} {text!r}: one optimizer_states precision at most.")
+                raise ConfigError(f"{what} {text!r}: one optimizer_states precision at most.")
             states = part
             continue
         if part not in LOW_MEMORY_MODES:
-            raise ValueError(f"{what} {text!r}: after '+' comes a master_weights mode, one of "
+            raise ConfigError(f"{what} {text!r}: after '+' comes a master_weights mode, one of "
                              f"{', '.join(LOW_MEMORY_MODES)} (e.g. O5+kahan), an optimizer_states precision, one of "
                              f"{', '.join(STATE_PRECISIONS)} (e.g. O5+int8), or fp8 with an optional recipe "
                              f"(O5+fp8, O5+fp8:rowwise; recipes: {', '.join(FP8_RECIPES)}).")
         if mode is not None:
-            raise ValueError(f"{what} {text!r}: one master_weights mode at most.")
+            raise ConfigError(f"{what} {text!r}: one master_weights mode at most.")
         if level not in CASTING_LEVELS:
-            raise ValueError(f"{what} {text!r}: master_weights={part!r} applies to the levels that cast the model to "
+            raise ConfigError(f"{what} {text!r}: master_weights={part!r} applies to the levels that cast the model to "
                              f"bfloat16 ({', '.join(CASTING_LEVELS)}), not to {level}.")
         mode = part
     return Variant(level, mode, fp8, states)

@@ -21,6 +21,7 @@ import torch
 
 from ..base.dtypes import LOW, short_name
 from ..base.notices import warn
+from ..errors import ConfigError, ConfigTypeError, OverrideError, PlatformError, reason
 from . import levels
 from .env import Overrides
 from .settings import SETTINGS
@@ -46,11 +47,6 @@ NO_CAST = "no cast"  # cast_model_type=False: Apex's "leave the model as it is",
 # The keywords that override a level's defaults (Apex's `amp` properties); None: the level's own.
 PROPERTY_KEYWORDS = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights",
                      "loss_scale")
-
-
-class OverrideError(ValueError, RuntimeError):
-    """An override Apex refused (its `warn_or_err`): a ValueError like every configuration
-    error here, and the RuntimeError Apex raised. `hard_override=True` makes it a warning."""
 
 
 def warn_or_err(message: str, hard_override: bool = False) -> None:
@@ -96,7 +92,7 @@ class Options:
             object.__setattr__(self, name, value)
 
         if not isinstance(self.enabled, bool):
-            raise TypeError(f"enabled must be True or False, got {self.enabled!r}.")
+            raise ConfigTypeError(f"enabled must be True or False, got {self.enabled!r}.")
         try:
             put("opt_level", levels.normalize(self.opt_level))
         except ValueError as exc:  # Apex raised RuntimeError for an unknown level
@@ -112,28 +108,28 @@ class Options:
         alias = parse_dtype(self.patch_torch_functions_type, "patch_torch_functions_type")
         if alias is not None:
             if half is not None and half != alias:
-                raise ValueError("half_dtype and patch_torch_functions_type (its ROCm Apex alias) disagree; pass one.")
+                raise ConfigError("half_dtype and patch_torch_functions_type (its ROCm Apex alias) disagree; pass one.")
             half = alias
         if half == torch.float32:
-            raise ValueError("half_dtype=torch.float32 is not a half type; use opt_level='O0' for FP32.")
+            raise ConfigError("half_dtype=torch.float32 is not a half type; use opt_level='O0' for FP32.")
         put("half_dtype", half)
         if not isinstance(self.num_losses, int) or isinstance(self.num_losses, bool) or self.num_losses < 1:
-            raise ValueError(f"num_losses must be a positive int, got {self.num_losses!r}.")
+            raise ConfigError(f"num_losses must be a positive int, got {self.num_losses!r}.")
         if not isinstance(self.verbosity, int):
-            raise TypeError(f"verbosity must be an int (0 silences ampatch), got {self.verbosity!r}.")
+            raise ConfigTypeError(f"verbosity must be an int (0 silences ampatch), got {self.verbosity!r}.")
         low = None if self.min_loss_scale is None else check_scale_value(self.min_loss_scale, "min_loss_scale")
         high = float(check_scale_value(self.max_loss_scale, "max_loss_scale"))
         if low is not None and low > high:
-            raise ValueError(f"min_loss_scale={low} exceeds max_loss_scale={high}.")
+            raise ConfigError(f"min_loss_scale={low} exceeds max_loss_scale={high}.")
         put("min_loss_scale", low)
         put("max_loss_scale", high)
         if not isinstance(self.allow_banned, bool):
-            raise TypeError(f"allow_banned must be True or False, got {self.allow_banned!r}.")
+            raise ConfigTypeError(f"allow_banned must be True or False, got {self.allow_banned!r}.")
         _check_process_group(self.process_group)
         put("fp8", parse_fp8(self.fp8))
         put("fp8_modules", parse_fp8_modules(self.fp8_modules))
         if self.fp8_modules is not None and self.fp8 is None:
-            raise ValueError("fp8_modules chooses the layers that run in FP8, but fp8 is off: pass fp8=True (or a "
+            raise ConfigError("fp8_modules chooses the layers that run in FP8, but fp8 is off: pass fp8=True (or a "
                              "recipe name such as 'rowwise') with it, or drop fp8_modules.")
         put("optimizer_states", parse_optimizer_states(self.optimizer_states))
 
@@ -227,7 +223,7 @@ def resolve(options: Options, device: torch.device | None = None, overrides: Ove
             _build(trial, device, False)
         except ValueError as err:
             notes.append(f"ampatch: dropping {name}={False if value is NO_CAST else value!r}, which conflicts "
-                         f"with forced {options.opt_level} ({err})")
+                         f"with forced {options.opt_level} ({reason(err)})")
             continue
         kept = trial
     return _build(kept, device, False), notes
@@ -267,7 +263,7 @@ def _build(options: Options, device: Any, hard_override: bool) -> Properties:
     level, half, given = options.opt_level, options.half_dtype, options.given()
     conflict = levels.half_dtype_conflict(level, half)
     if conflict:
-        raise ValueError(conflict)
+        raise ConfigError(conflict)
     if half is None and options.cast_model_type in LOW:
         half = options.cast_model_type
     half = levels.half_dtype_for(level, device, half)
@@ -298,7 +294,7 @@ def _fp8_conflict(options: Options, device: Any) -> str | None:
     try:
         _build(options, device, True)
     except ValueError as err:
-        return str(err)
+        return reason(err)
     return None
 
 
@@ -315,7 +311,7 @@ def check_fp8(level: str, fp8: Any, computes: torch.dtype) -> None:
     training supports: O0, O4, O5, and O1/O2/O3 with bfloat16."""
     if computes in (torch.bfloat16, torch.float32):
         return
-    raise ValueError(f"fp8={fp8!r} runs where the layers compute in bfloat16 or FP32 (torchao's float8 training), but "
+    raise ConfigError(f"fp8={fp8!r} runs where the layers compute in bfloat16 or FP32 (torchao's float8 training), but "
                      f"{level} here computes in {short_name(computes)}. Use opt_level='O4' or 'O5' (bfloat16), or "
                      f"pass half_dtype=torch.bfloat16 with {level} (or O0 for FP32), or leave fp8 off.")
 
@@ -346,7 +342,7 @@ def _check(level: str, merged: dict[str, Any], given: dict[str, Any], half: torc
         warn_or_err(f"patch_torch_functions=True is only valid with O1/O4 (got {level}); patching torch "
                     "functions on top of a cast model double-casts. Use opt_level='O1' (or 'O4').", hard_override)
     if model_cast and cmt != half:
-        raise ValueError(f"cast_model_type={cmt} conflicts with half_dtype={half}; pass only one of them.")
+        raise ConfigError(f"cast_model_type={cmt} conflicts with half_dtype={half}; pass only one of them.")
 
 
 def _check_low_memory(level: str, mode: str, model_dtype: torch.dtype | None) -> None:
@@ -355,11 +351,11 @@ def _check_low_memory(level: str, mode: str, model_dtype: torch.dtype | None) ->
     turn small updates into zeros or overflows that no loss scale covers: refused."""
     what = f"master_weights={mode!r}"
     if model_dtype is None:
-        raise ValueError(f"{what} applies where the model itself is cast to bfloat16 (O2, O3, O5), not to {level}, "
+        raise ConfigError(f"{what} applies where the model itself is cast to bfloat16 (O2, O3, O5), not to {level}, "
                          "whose model stays FP32. Use opt_level='O5' (or 'O2'/'O3' with half_dtype=torch.bfloat16) "
                          f"with {what}, or leave master_weights unset at {level}.")
     if model_dtype != torch.bfloat16:
-        raise ValueError(f"{what} needs a bfloat16 model, but {level} here casts it to {short_name(model_dtype)}: "
+        raise ConfigError(f"{what} needs a bfloat16 model, but {level} here casts it to {short_name(model_dtype)}: "
                          "float16 has too few exponent bits for updates kept without FP32 masters (they "
                          "underflow, and no loss scale reaches the optimizer's step), so ampatch refuses rather "
                          f"than scale. Use opt_level='O5' (or half_dtype=torch.bfloat16) with {what}, or "
@@ -371,10 +367,10 @@ def _check_process_group(group: Any) -> None:
     if group is None:
         return
     if not torch.distributed.is_available():
-        raise RuntimeError("process_group was given, but this torch build has no torch.distributed.")
+        raise PlatformError("process_group was given, but this torch build has no torch.distributed.")
     if isinstance(group, int) and group == torch.distributed.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("process_group: this rank is not a member of that group (torch.distributed.new_group "
+        raise ConfigError("process_group: this rank is not a member of that group (torch.distributed.new_group "
                          "returned NON_GROUP_MEMBER here); pass a group that contains this rank, or None.")
     if not isinstance(group, torch.distributed.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed process group (from "
+        raise ConfigTypeError(f"process_group must be a torch.distributed process group (from "
                         f"torch.distributed.new_group) or None for the world, got {type(group).__name__}.")

@@ -46,6 +46,7 @@ from typing import Any
 
 from ..base.dtypes import HALF_NAMES
 from ..base.notices import warn
+from ..errors import PolicyError, reason
 from . import env, levels
 from .values import parse_dtype, parse_fp8, parse_loss_scale, parse_master_weights, parse_names, parse_optimizer_states
 
@@ -58,11 +59,6 @@ DEFAULT_PATH = "ampatch-policy.json"
 FIELDS = ("opt_level", "half_dtype", "keep_fp32", "loss_scale", "master_weights", "fp8", "fp8_modules",
           "optimizer_states")
 KEYS = ("format", *FIELDS, "measured")                             # every key a policy file may have
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be applied: a missing or unreadable file, an unknown key, a bad
-    value. The message names it and the fix."""
 
 
 @dataclass(frozen=True)
@@ -160,11 +156,11 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
         try:
             scale = parse_loss_scale(scale)
         except (TypeError, ValueError) as exc:
-            raise PolicyError(f"{where}: loss_scale: {exc}") from None
+            raise PolicyError(f"{where}: loss_scale: {reason(exc)}") from None
     try:
         masters = parse_master_weights(data.get("master_weights"))
     except (TypeError, ValueError) as exc:
-        raise PolicyError(f"{where}: {exc}") from None
+        raise PolicyError(f"{where}: {reason(exc)}") from None
     fp8 = data.get("fp8")
     if fp8 is not None:
         if fp8 is not False and not isinstance(fp8, (str, bool)):
@@ -172,7 +168,7 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
         try:
             fp8 = parse_fp8(fp8) or False
         except (TypeError, ValueError) as exc:
-            raise PolicyError(f"{where}: {exc}") from None
+            raise PolicyError(f"{where}: {reason(exc)}") from None
     layers = data.get("fp8_modules")
     if layers is not None:
         if isinstance(layers, str):
@@ -189,7 +185,7 @@ def _check(data: Mapping[str, Any], where: str) -> Policy:
         try:
             states = parse_optimizer_states(states).value
         except (TypeError, ValueError) as exc:
-            raise PolicyError(f"{where}: {exc}") from None
+            raise PolicyError(f"{where}: {reason(exc)}") from None
     measured = data.get("measured")
     if measured is not None and not isinstance(measured, Mapping):
         raise PolicyError(f"{where}: measured must be an object (or null), got {type(measured).__name__}.")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..base.dtypes import FLOATS
+from ..errors import BadFlagString, ConfigError, ConfigTypeError
 
 __all__ = ["DYNAMIC", "USABLE_RANGE", "INITIAL_LOSS_SCALE", "DEFAULT_MIN_LOSS_SCALE", "DEFAULT_MAX_LOSS_SCALE",
            "BadFlagString", "MasterMode", "parse_dtype", "parse_bool", "parse_env_flag", "parse_loss_scale", "check_scale_value",
@@ -38,19 +39,14 @@ def parse_dtype(value: Any, what: str) -> torch.dtype | None:
     """Accept a torch float dtype or its name ("bfloat16", "torch.float16"); None passes."""
     if value is None or isinstance(value, torch.dtype):
         if value is not None and value not in FLOATS:
-            raise ValueError(f"{what} must be torch.float32, torch.float16 or torch.bfloat16, got {value}.")
+            raise ConfigError(f"{what} must be torch.float32, torch.float16 or torch.bfloat16, got {value}.")
         return value
     if isinstance(value, str):
         key = value.strip().lower().removeprefix("torch.")
         if key in _DTYPE_NAMES:
             return _DTYPE_NAMES[key]
-        raise ValueError(f"{what}={value!r} is not a float dtype; use 'float32', 'float16' or 'bfloat16'.")
-    raise TypeError(f"{what} must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(value).__name__}.")
-
-
-class BadFlagString(ValueError, TypeError):
-    """A flag given as a string other than "True"/"False": a bad value of an accepted type,
-    or the wrong type for a flag; both exception types catch it."""
+        raise ConfigError(f"{what}={value!r} is not a float dtype; use 'float32', 'float16' or 'bfloat16'.")
+    raise ConfigTypeError(f"{what} must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(value).__name__}.")
 
 
 def parse_bool(value: Any, what: str) -> bool | None:
@@ -61,17 +57,17 @@ def parse_bool(value: Any, what: str) -> bool | None:
         if value in ("True", "False"):
             return value == "True"
         raise BadFlagString(f"{what}={value!r}: use True or False (or the strings 'True' / 'False').")
-    raise TypeError(f"{what} must be True, False, 'True', 'False' or None, got {value!r}.")
+    raise ConfigTypeError(f"{what} must be True, False, 'True', 'False' or None, got {value!r}.")
 
 
 def check_scale_value(value: object, name: str) -> float:
     """`value` as a float if it is a usable scale; else a ValueError/TypeError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}.")
+        raise ConfigTypeError(f"{name} must be a number, got {value!r}.")
     value = float(value)
     low, high = USABLE_RANGE
     if not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} is not a usable loss scale: use a finite number between 2**-126 and "
+        raise ConfigError(f"{name}={value!r} is not a usable loss scale: use a finite number between 2**-126 and "
                          "2**126 (the scale and its inverse must be finite FP32 numbers); typical values are "
                          "1.0 to 2**24.")
     return value
@@ -83,19 +79,19 @@ def parse_loss_scale(value: Any) -> float | str | None:
     if value is None or value == DYNAMIC:
         return value
     if isinstance(value, bool):
-        raise TypeError("loss_scale must be a number, a numeric string or 'dynamic', not a bool.")
+        raise ConfigTypeError("loss_scale must be a number, a numeric string or 'dynamic', not a bool.")
     if isinstance(value, str):
         if value.strip() == DYNAMIC:
             return DYNAMIC
         try:
             value = float(value)
         except ValueError:
-            raise ValueError(f"loss_scale={value!r}: use a number such as 128.0, or 'dynamic'.") from None
+            raise ConfigError(f"loss_scale={value!r}: use a number such as 128.0, or 'dynamic'.") from None
     else:
         try:
             value = float(value)
         except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"loss_scale must be a number or 'dynamic', got {type(value).__name__}.") from None
+            raise ConfigTypeError(f"loss_scale must be a number or 'dynamic', got {type(value).__name__}.") from None
     return check_scale_value(value, "loss_scale")
 
 
@@ -168,8 +164,8 @@ def parse_optimizer_states(value: Any, what: str = "optimizer_states") -> StateP
         key = value.strip().lower().removeprefix("torch.")
         if key in STATE_PRECISIONS:
             return StatePrecision(key)
-        raise ValueError(f"{what}={value!r} is not a state precision; use {choices}.")
-    raise TypeError(f"{what} must be {choices}, got {type(value).__name__}.")
+        raise ConfigError(f"{what}={value!r} is not a state precision; use {choices}.")
+    raise ConfigTypeError(f"{what} must be {choices}, got {type(value).__name__}.")
 
 
 def parse_names(text: str) -> list[str]:
@@ -222,8 +218,8 @@ def parse_fp8(value: Any, what: str = "fp8") -> Any:
         flag = parse_env_flag(value)
         if flag is not None:
             return DEFAULT_FP8_RECIPE if flag else None
-        raise ValueError(f"{what + '=' if what else ''}{value!r} is not an fp8 recipe; use {choices}.")
-    raise TypeError(f"{what} must be {choices}; got {type(value).__name__}.")
+        raise ConfigError(f"{what + '=' if what else ''}{value!r} is not an fp8 recipe; use {choices}.")
+    raise ConfigTypeError(f"{what} must be {choices}; got {type(value).__name__}.")
 
 
 def parse_fp8_modules(value: Any) -> tuple[str, ...] | Any:
@@ -236,16 +232,16 @@ def parse_fp8_modules(value: Any) -> tuple[str, ...] | Any:
         names = parse_names(value)
     elif isinstance(value, (list, tuple, set, frozenset)):
         if not all(isinstance(v, str) for v in value):
-            raise TypeError("fp8_modules takes layer names or glob patterns ('blocks.*.mlp.*'), or one callable "
+            raise ConfigTypeError("fp8_modules takes layer names or glob patterns ('blocks.*.mlp.*'), or one callable "
                             f"(module, fqn) -> bool; got a list holding {sorted({type(v).__name__ for v in value if not isinstance(v, str)})}.")
         names = [n for v in value for n in parse_names(v)]
     elif callable(value):
         return value
     else:
-        raise TypeError(f"fp8_modules takes layer names or glob patterns, or a callable (module, fqn) -> bool; got "
-                        f"{type(value).__name__}.")
+        raise ConfigTypeError(f"fp8_modules takes layer names or glob patterns, or a callable (module, fqn) -> bool; "
+                              f"got {type(value).__name__}.")
     if not names:
-        raise ValueError("fp8_modules is empty: name the layers to run in FP8 (globs such as 'blocks.*' work), or "
+        raise ConfigError("fp8_modules is empty: name the layers to run in FP8 (globs such as 'blocks.*' work), or "
                          "leave it None for the default choice (every Linear with dims multiples of 16 but the "
                          "output head).")
     return tuple(dict.fromkeys(names))

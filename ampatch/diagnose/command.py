@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from ..config import env
+from ..errors import RunFailed
 from ..record.child import DEFAULT_STEPS
 from ..record.records import Recording, RecordingError
 from ..runs.deviation import TOLERANCE, Basis
@@ -46,11 +47,6 @@ from .result import Diagnosis, Figures, Recommendation, Settings, Verification
 __all__ = ["Request", "RunFailed", "diagnose", "MAX_ROUNDS"]
 
 MAX_ROUNDS = 3  # verification runs that may grow the set before giving up
-
-
-class RunFailed(RuntimeError):
-    """The diagnosed run could not be diagnosed (it crashed first, or never trained under
-    amp): the message says why, for the command line to print."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampatch.errors import ConfigTypeError
+
 __all__ = ["DEFAULT_LEVEL", "RESERVED", "LevelChoice", "end_session"]
 
 DEFAULT_LEVEL = "O2"
@@ -22,13 +24,13 @@ class LevelChoice:
 
     def __init__(self, who: str, opt_level: str | None, policy: Any, initialize_kwargs: dict[str, Any]) -> None:
         if opt_level is not None and not isinstance(opt_level, str):
-            raise TypeError(f"{who}(opt_level) takes a level name such as 'O2' (or None: the policy's level, else "
-                            f"{DEFAULT_LEVEL}), got {opt_level!r}.")
+            raise ConfigTypeError(f"{who}(opt_level) takes a level name such as 'O2' (or None: the policy's level, "
+                                  f"else {DEFAULT_LEVEL}), got {opt_level!r}.")
         for name in (*RESERVED, "opt_level", "policy"):
             if name in initialize_kwargs:
-                raise TypeError(f"{who} got {name} among amp.initialize's keywords: the framework passes the model "
-                                "and optimizers to the plugin, and opt_level and policy are the plugin's own "
-                                "arguments; give only amp.initialize's other keywords there.")
+                raise ConfigTypeError(f"{who} got {name} among amp.initialize's keywords: the framework passes the "
+                                      "model and optimizers to the plugin, and opt_level and policy are the plugin's "
+                                      "own arguments; give only amp.initialize's other keywords there.")
         self.who, self.opt_level, self.policy = who, opt_level, policy
         self.extra = dict(initialize_kwargs)
 

@@ -9,6 +9,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ampatch.errors import ConfigError
+
 __all__ = ["check_args", "check_environment", "check_accelerator", "ENV_SWITCHES"]
 
 TRUE = ("1", "true", "yes", "y", "on")  # what Accelerate reads as true
@@ -30,18 +32,18 @@ def check_args(args: Any) -> None:
         return
     on = [name for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(args, name, False)]
     if on:
-        raise ValueError(f"AmpatchTrainer got TrainingArguments({'=True, '.join(on)}=True): that is the Trainer's "
+        raise ConfigError(f"AmpatchTrainer got TrainingArguments({'=True, '.join(on)}=True): that is the Trainer's "
                          "own mixed precision (autocast) on top of ampatch's, two AMPs at once. Leave them False "
                          f"and {FIX_PRECISION}.")
     mixed = getattr(args, "mixed_precision", "no") or "no"
     if mixed != "no":
-        raise ValueError(f"AmpatchTrainer got TrainingArguments with mixed_precision={mixed!r}, read from "
+        raise ConfigError(f"AmpatchTrainer got TrainingArguments with mixed_precision={mixed!r}, read from "
                          "ACCELERATE_MIXED_PRECISION when the arguments were made (accelerate launch "
                          "--mixed_precision, or the accelerate config): Accelerate's autocast on top of ampatch's, "
                          "two AMPs at once. Unset it (or launch with --mixed_precision no) and " + FIX_PRECISION + ".")
     if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None \
             or getattr(args, "fsdp", None):
-        raise ValueError("AmpatchTrainer does not run with DeepSpeed or FSDP (they own the optimizer step and "
+        raise ConfigError("AmpatchTrainer does not run with DeepSpeed or FSDP (they own the optimizer step and "
                          f"its precision); {FIX_BACKEND}.")
 
 
@@ -51,13 +53,13 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     environ = os.environ if environ is None else environ
     mixed = environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower() or "no"
     if mixed != "no":
-        raise ValueError(f"AmpatchTrainer: ACCELERATE_MIXED_PRECISION={mixed} (accelerate launch --mixed_precision "
+        raise ConfigError(f"AmpatchTrainer: ACCELERATE_MIXED_PRECISION={mixed} (accelerate launch --mixed_precision "
                          "or the accelerate config) turns on Accelerate's autocast and grad scaler on top of "
                          "ampatch's, two AMPs at once. Unset it (or launch with --mixed_precision no) and "
                          f"{FIX_PRECISION}.")
     for name, what in ENV_SWITCHES.items():
         if environ.get(name, "").strip().lower() in TRUE:
-            raise ValueError(f"AmpatchTrainer: {name}={environ[name]} turns on {what}: ampatch cannot run beside "
+            raise ConfigError(f"AmpatchTrainer: {name}={environ[name]} turns on {what}: ampatch cannot run beside "
                              f"it. Unset it (launch without that flag, or fix the accelerate config), or "
                              f"{FIX_BACKEND}.")
 
@@ -68,9 +70,9 @@ def check_accelerator(trainer: Any) -> None:
     accelerator = getattr(trainer, "accelerator", None)
     mixed = str(getattr(accelerator, "mixed_precision", "no") or "no")
     if mixed != "no":
-        raise ValueError(f"AmpatchTrainer: the Trainer's Accelerator runs mixed_precision={mixed!r} (from the "
+        raise ConfigError(f"AmpatchTrainer: the Trainer's Accelerator runs mixed_precision={mixed!r} (from the "
                          "arguments, ACCELERATE_MIXED_PRECISION or the accelerate config): two AMPs at once. Set it "
                          f"to 'no' and {FIX_PRECISION}.")
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError("AmpatchTrainer: the Trainer's Accelerator runs DeepSpeed or FSDP (from the arguments, the "
+        raise ConfigError("AmpatchTrainer: the Trainer's Accelerator runs DeepSpeed or FSDP (from the arguments, the "
                          f"environment or the accelerate config); {FIX_BACKEND}.")

@@ -27,6 +27,7 @@ import ampatch as amp
 
 from ..base.patcher import Patcher
 from ..config.values import MasterMode
+from ..errors import ConfigTypeError, InvalidCallError, MissingDependencyError
 from ..frameworks import scheduler_guard
 from ..frameworks.level import LevelChoice, end_session
 from ..session.session import current
@@ -36,7 +37,7 @@ try:
     import transformers
     from transformers.trainer import OPTIMIZER_NAME
 except ImportError as exc:
-    raise ImportError("ampatch.huggingface needs transformers 5.x: pip install 'ampatch[integrations]' "
+    raise MissingDependencyError("ampatch.huggingface needs transformers 5.x: pip install 'ampatch[integrations]' "
                       "(or pip install transformers accelerate).") from exc
 
 logger = logging.getLogger("ampatch")
@@ -90,15 +91,15 @@ class AmpatchTrainerMixin(_TrainerBase):
         super().__init_subclass__(**kwargs)
         mro = cls.__mro__
         if transformers.Trainer in mro and mro.index(transformers.Trainer) < mro.index(AmpatchTrainerMixin):
-            raise TypeError(f"{cls.__name__}: AmpatchTrainerMixin goes first, before the transformers.Trainer "
+            raise ConfigTypeError(f"{cls.__name__}: AmpatchTrainerMixin goes first, before the transformers.Trainer "
                             "class, or the Trainer's methods hide it: class MyTrainer(AmpatchTrainerMixin, "
                             "Seq2SeqTrainer).")
 
     def __init__(self, *args: Any, opt_level: str | None = None, policy: Any = None,
                  initialize_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not isinstance(self, transformers.Trainer):
-            raise TypeError(f"{type(self).__name__}: AmpatchTrainerMixin mixes into a transformers.Trainer class: "
-                            "class MyTrainer(AmpatchTrainerMixin, Seq2SeqTrainer).")
+            raise ConfigTypeError(f"{type(self).__name__}: AmpatchTrainerMixin mixes into a transformers.Trainer "
+                                  "class: class MyTrainer(AmpatchTrainerMixin, Seq2SeqTrainer).")
         self.choice = LevelChoice(type(self).__name__, opt_level, policy, dict(initialize_kwargs or {}))
         self.ampatch_report: Any = None  # the session's report(), kept when train() ends the session
         self.opt_level = opt_level
@@ -121,7 +122,7 @@ class AmpatchTrainerMixin(_TrainerBase):
             raise TypeError(f"{type(self).__name__} has no model to initialize: pass model= (or model_init=) to it.")
         initialized, bare = amp.initialize(self.model, bare, **self.choice.keywords())
         if initialized is not self.model:
-            raise RuntimeError("amp.initialize returned another model object; AmpatchTrainer needs it in place.")
+            raise InvalidCallError("amp.initialize returned another model object; AmpatchTrainer needs it in place.")
         self._amp_optimizer = bare
         accelerator = self.accelerator
         own_backward = accelerator.backward

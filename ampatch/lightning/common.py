@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import load_state_dict, state_dict
+from ..errors import ConfigError
 from ..frameworks.level import DEFAULT_LEVEL, LevelChoice
 from ..model.default_dtype import default_dtype
 from ..model.forwards import cast_tree
@@ -153,7 +154,7 @@ class ScalerCheckpoint:
         if not entry:
             return
         if "loss_scalers" not in entry:
-            raise ValueError(f"{self.plugin}.load_state_dict: this checkpoint entry was not written by an ampatch "
+            raise ConfigError(f"{self.plugin}.load_state_dict: this checkpoint entry was not written by an ampatch "
                              f"plugin (keys {sorted(entry)}).")
         if active:
             self._apply(entry, facts)

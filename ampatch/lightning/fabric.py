@@ -34,6 +34,7 @@ from torch import nn
 
 import ampatch as amp
 
+from ..errors import ConfigTypeError, InvalidCallError, OrderError
 from ..frameworks.level import end_session
 from . import framework
 from .common import Facts, PluginAttributes, PluginState, start_plugin
@@ -77,18 +78,18 @@ class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
         the models and optimizers set up before), on Fabric's device."""
         call = framework.fabric_setup_call()
         if call is None:
-            raise RuntimeError("AmpatchFabricPrecision.convert_module runs inside fabric.setup(model, optimizer) "
+            raise OrderError("AmpatchFabricPrecision.convert_module runs inside fabric.setup(model, optimizer) "
                                "(or fabric.setup_module(model)): the plugin initializes ampatch there, with the "
                                "optimizers. Set the model up through Fabric.")
         framework.refuse_strategy(call.fabric.strategy, "AmpatchFabricPrecision")
         opts = [framework.raw_optimizer(o) for o in call.optimizers]
         if any(isinstance(o, torch.optim.LBFGS) for o in opts):
-            raise TypeError("AmpatchFabricPrecision cannot drive LBFGS: it calls its closure (and backward) inside "
-                            "step(), where the loss scale cannot reach. Use another optimizer.")
+            raise ConfigTypeError("AmpatchFabricPrecision cannot drive LBFGS: it calls its closure (and backward) "
+                                  "inside step(), where the loss scale cannot reach. Use another optimizer.")
         if call.move_to_device:  # the masters are made where the model trains
             module = call.fabric.to_device(module)
         if any(module is m for m in self.models):
-            raise RuntimeError("AmpatchFabricPrecision: this model was set up already; call fabric.setup once per "
+            raise OrderError("AmpatchFabricPrecision: this model was set up already; call fabric.setup once per "
                                "model, with its optimizers.")
         self.models.append(module)
         self.optimizers += [o for o in opts if not any(o is p for p in self.optimizers)]
@@ -107,8 +108,8 @@ class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
             returned = amp.initialize(models, **keywords)
         returned = returned if isinstance(returned, list) else [returned]
         if len(returned) != len(self.models) or any(a is not b for a, b in zip(returned, self.models)):
-            raise RuntimeError("amp.initialize returned other model objects; AmpatchFabricPrecision needs them in "
-                               "place.")
+            raise InvalidCallError("amp.initialize returned other model objects; AmpatchFabricPrecision needs them in "
+                                   "place.")
         self.state = PluginState.CONNECTED
         self.facts = Facts.of_session()
         framework.set_precision(self, self.facts.precision)
@@ -140,7 +141,7 @@ class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         """`tensor.backward()` inside `amp.scale_loss` for all the plugin's optimizers."""
         if self.state is not PluginState.CONNECTED or not self.optimizers:
-            raise RuntimeError("AmpatchFabricPrecision: fabric.backward needs the optimizers, given to fabric.setup "
+            raise OrderError("AmpatchFabricPrecision: fabric.backward needs the optimizers, given to fabric.setup "
                                "with their model: model, optimizer = fabric.setup(model, optimizer) (not "
                                "setup_module + setup_optimizers: the masters must be made before the cast).")
         with amp.scale_loss(tensor, self.optimizers) as scaled:
@@ -149,8 +150,8 @@ class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step, skipped by ampatch after an overflow."""
         if kwargs.get("closure") is not None:
-            raise TypeError("AmpatchFabricPrecision: optimizer.step(closure) runs a backward inside step(), where "
-                            "the loss scale cannot reach; call fabric.backward(loss), then optimizer.step().")
+            raise ConfigTypeError("AmpatchFabricPrecision: optimizer.step(closure) runs a backward inside step(), "
+                                  "where the loss scale cannot reach; call fabric.backward(loss), then optimizer.step().")
         return optimizer.step(**kwargs)
 
     # Lightning annotates Parameters; an optimizer's param_groups hold tensors (the masters are Parameters)

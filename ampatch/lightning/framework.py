@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ampatch.errors import ConfigError, MissingDependencyError
+
 if TYPE_CHECKING:  # a type checker reads the `lightning` package's names (the fallback below is the same code)
     from lightning.fabric import Fabric
     from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
@@ -40,8 +42,8 @@ else:
             from pytorch_lightning.trainer.states import TrainerFn
             from pytorch_lightning.utilities.model_helpers import is_overridden
         except ImportError as exc:
-            raise ImportError("ampatch.lightning needs Lightning 2.x: pip install 'ampatch[integrations]' "
-                              "(or pip install lightning).") from exc
+            raise MissingDependencyError("ampatch.lightning needs Lightning 2.x: pip install 'ampatch[integrations]' "
+                                          "(or pip install lightning).") from exc
 
 __all__ = ["Fabric", "FabricHalfPrecision", "TrainerHalfPrecision", "LightningModule", "TrainerFn", "Callback",
            "is_overridden", "set_compute_dtype", "set_precision", "PrecisionName", "refuse_strategy", "FabricSetup",
@@ -66,7 +68,7 @@ def refuse_strategy(strategy: Any, who: str) -> None:
     for cls in type(strategy).__mro__:
         reason = REFUSED.get(cls.__name__)
         if reason is not None and cls.__module__.startswith(("lightning", "pytorch_lightning", "lightning_fabric")):
-            raise ValueError(f"{who} cannot run with {type(strategy).__name__}: {reason}. ampatch runs with the "
+            raise ConfigError(f"{who} cannot run with {type(strategy).__name__}: {reason}. ampatch runs with the "
                              "single-device, DDP and DataParallel strategies.")
 
 

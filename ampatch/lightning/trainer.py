@@ -39,6 +39,7 @@ from torch import nn
 import ampatch as amp
 
 from ..base.patcher import Patcher
+from ..errors import ConfigTypeError, OrderError
 from ..frameworks import scheduler_guard
 from ..frameworks.level import end_session
 from ..model.default_dtype import fp32_default
@@ -140,7 +141,7 @@ class AmpatchPrecision(PluginAttributes, framework.TrainerHalfPrecision):
         fitting = _fitting(bare)
         opts = [framework.raw_optimizer(o) for o in optimizers] if fitting else []
         if any(isinstance(o, torch.optim.LBFGS) for o in opts):  # once, before anything is set up
-            raise TypeError("AmpatchPrecision cannot drive LBFGS: it calls its closure (and backward) several "
+            raise ConfigTypeError("AmpatchPrecision cannot drive LBFGS: it calls its closure (and backward) several "
                             "times inside step(), where the loss scale cannot reach. Use another optimizer, or "
                             "train without the plugin.")
         self._patches.restore_all()
@@ -233,7 +234,7 @@ class AmpatchPrecision(PluginAttributes, framework.TrainerHalfPrecision):
         """Lightning's backward inside `amp.scale_loss` for `optimizer` (all of the plugin's
         optimizers under manual optimization, where Lightning names none)."""
         if self.state is not PluginState.CONNECTED or not self.optimizers:
-            raise RuntimeError("AmpatchPrecision.backward ran before connect(): the plugin initializes ampatch "
+            raise OrderError("AmpatchPrecision.backward ran before connect(): the plugin initializes ampatch "
                                "when the Trainer sets up its optimizers; use it through Trainer(plugins=[...]).")
         opts = framework.raw_optimizer(optimizer) if optimizer is not None else self.optimizers
         with fp32_default(), amp.scale_loss(tensor, opts) as scaled:  # (manual_backward: inside the step)

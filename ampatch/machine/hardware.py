@@ -30,6 +30,7 @@ from torch import nn
 
 from ..base.dtypes import HALF_NAMES, half_key
 from ..base.notices import warn
+from ..errors import ConfigError, reason
 from .device_text import half_advice, machine_line
 
 __all__ = ["DeviceInfo", "SessionDevice", "Machine", "describe", "model_device", "check_half"]
@@ -78,18 +79,18 @@ class DeviceInfo:
                        {k: _opt_bool(v) for k, v in dict(data.get("native") or {}).items()},
                        {k: str(v) for k, v in dict(data.get("basis") or {}).items()}, str(data.get("torch", "")))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"a device description needs type and name ({exc})") from None
+            raise ConfigError(f"a device description needs type and name ({reason(exc)})") from None
 
 
 def _opt_int(value: Any) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"not a count: {value!r}")
+        raise ConfigError(f"not a count: {value!r}")
     return value
 
 
 def _opt_bool(value: Any) -> bool | None:
     if value is not None and not isinstance(value, bool):
-        raise ValueError(f"not true/false/null: {value!r}")
+        raise ConfigError(f"not true/false/null: {value!r}")
     return value
 
 
@@ -135,7 +136,7 @@ class SessionDevice:
     def from_dict(cls, data: Mapping[str, Any]) -> "SessionDevice":
         half = data.get("half_dtype")
         if half is not None and half not in HALF_NAMES:
-            raise ValueError(f"half_dtype {half!r} is not one of {', '.join(HALF_NAMES)}")
+            raise ConfigError(f"half_dtype {half!r} is not one of {', '.join(HALF_NAMES)}")
         return cls(DeviceInfo.from_dict(data), half)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import OrderError
 from . import hf_conventions
 from .forwards import CastForward, install_forward
 from .weight_table import DataWatch, Weights
@@ -175,7 +176,7 @@ class LoadHook:
         if not self.names:
             return
         if local_metadata.get("assign_to_params_buffers"):
-            raise RuntimeError("load_state_dict(..., assign=True) would replace the parameters amp.initialize "
+            raise OrderError("load_state_dict(..., assign=True) would replace the parameters amp.initialize "
                                "cast to half (and that the optimizer's FP32 masters follow); load with "
                                "assign=False, or load before amp.initialize.")
         for name in self.names:

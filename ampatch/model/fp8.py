@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..config.values import is_fp8_config
+from ..errors import ConfigError, MissingDependencyError
 from . import sharded
 from .fp8_choice import LayerChoice, choose
 
@@ -51,8 +52,9 @@ def _version(text: str) -> tuple[int, ...]:
 def require() -> Any:
     """`torchao.float8`, imported once, or ImportError saying how to get a torchao that fits."""
     if _version(torch.__version__)[:2] < MIN_TORCH:
-        raise ImportError(f"fp8= needs torch >= {'.'.join(map(str, MIN_TORCH))} (torchao {TORCHAO_VERSION}'s float8 "
-                          f"training); this is torch {torch.__version__}. Upgrade torch, or leave fp8 off.")
+        raise MissingDependencyError(
+            f"fp8= needs torch >= {'.'.join(map(str, MIN_TORCH))} (torchao {TORCHAO_VERSION}'s float8 training); this "
+            f"is torch {torch.__version__}. Upgrade torch, or leave fp8 off.")
     quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [q.level for q in quiet]
     for q in quiet:  # missing GPU kernels on a CPU machine, a deprecation inside torchao: not the user's news
@@ -61,15 +63,17 @@ def require() -> Any:
         torchao = importlib.import_module("torchao")
         float8 = importlib.import_module("torchao.float8")
     except ImportError as exc:
-        raise ImportError(f"fp8= runs torchao's float8 training, and torchao is not installed ({exc}). Install the "
-                          f"extra: {EXTRA} (torchao {TORCHAO_VERSION}.x).") from exc
+        raise MissingDependencyError(
+            f"fp8= runs torchao's float8 training, and torchao is not installed ({exc}). Install the extra: {EXTRA} "
+            f"(torchao {TORCHAO_VERSION}.x).") from exc
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
     have = getattr(torchao, "__version__", "unknown")
     if not have.startswith(TORCHAO_VERSION + "."):
-        raise ImportError(f"fp8= is tested with torchao {TORCHAO_VERSION}.x, and torchao {have} is installed: its "
-                          f"float8 internals differ between releases. Install the pinned one: {EXTRA}.")
+        raise MissingDependencyError(
+            f"fp8= is tested with torchao {TORCHAO_VERSION}.x, and torchao {have} is installed: its float8 internals "
+            f"differ between releases. Install the pinned one: {EXTRA}.")
     return float8
 
 
@@ -175,7 +179,7 @@ def convert(models: Sequence[nn.Module], fp8: Any, fp8_modules: Any = None, kept
     the report and training runs as without fp8 (`Fp8Layers.lines`; the session warns)."""
     choices = choose(models, fp8_modules, kept)
     if fp8_modules is not None and not any(c.convert for c in choices):
-        raise ValueError("fp8_modules selects no layer that can run in FP8: " + "; ".join(map(str, choices)) + ". "
+        raise ConfigError("fp8_modules selects no layer that can run in FP8: " + "; ".join(map(str, choices)) + ". "
                          "Select nn.Linear (or Transformers Conv1D) layers whose in/out features are multiples of 16.")
     return Fp8Layers(models, choices, config_for(fp8, device, sharded.is_sharded(models)))
 

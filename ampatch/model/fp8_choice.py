@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import nn
 
+from ampatch.errors import ConfigError
+
 __all__ = ["LayerChoice", "choose", "is_conv1d", "is_float8", "features"]
 
 MULTIPLE = 16  # FP8 GEMMs (torch._scaled_mm) need both dimensions divisible by 16
@@ -119,7 +121,7 @@ def _matcher(spec: Any, labels: list[str]) -> Callable[[nn.Module, str, str], bo
         return lambda module, name, label: bool(spec(module, name))
     for pattern in spec:
         if not any(fnmatch.fnmatchcase(label, pattern) for label in labels):
-            raise ValueError(f"fp8_modules: {pattern!r} matches no Linear layer (nn.Linear or Transformers Conv1D). "
+            raise ConfigError(f"fp8_modules: {pattern!r} matches no Linear layer (nn.Linear or Transformers Conv1D). "
                              f"The Linear layers are: {', '.join(labels) or '(none)'}. Names are those of "
                              "model.named_modules(); globs such as 'blocks.*.mlp.*' work.")
     return lambda module, name, label: any(fnmatch.fnmatchcase(label, p) for p in spec)

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import env
 from ..config.values import parse_names
+from ..errors import ConfigError, ConfigTypeError
 
 logger = logging.getLogger("ampatch")
 
@@ -47,7 +48,7 @@ def _items(spec: Any) -> list[Any]:
         return list(spec)
     if isinstance(spec, type) or (callable(spec) and not isinstance(spec, nn.Module)):
         return [spec]
-    raise TypeError(f"keep_fp32 takes module names, nn.Module classes or callables (name, module) -> bool, or a "
+    raise ConfigTypeError(f"keep_fp32 takes module names, nn.Module classes or callables (name, module) -> bool, or a "
                     f"list of them; got {type(spec).__name__}.")
 
 
@@ -67,7 +68,7 @@ def _unknown(name: str, labels: list[str], source: str) -> ValueError:
     close = difflib.get_close_matches(name, named, n=5, cutoff=0.5)
     hint = f" Close names: {', '.join(repr(c) for c in close)}." if close else ""
     some = ", ".join(repr(n) for n in named[:8])
-    return ValueError(f"{source}: no module is named {name!r}.{hint} Names are those of model.named_modules() "
+    return ConfigError(f"{source}: no module is named {name!r}.{hint} Names are those of model.named_modules() "
                       f"(here: {some}{', ...' if len(named) > 8 else ''}); with several models, put the model's "
                       "index in front ('1.head').")
 
@@ -82,10 +83,10 @@ def _by_name(item: str, entries: list[Kept], several: bool, source: str) -> list
         return by_label
     by_name = [e for e in entries if e.name == item and all(e.module is not b.module for b in by_label)]
     if by_label and by_name:
-        raise ValueError(f"{source}: {item!r} is ambiguous: it is the label of one module and the name of "
+        raise ConfigError(f"{source}: {item!r} is ambiguous: it is the label of one module and the name of "
                          f"another in model {by_name[0].model}; write {by_name[0].label!r} for that one.")
     if len({e.model for e in by_name}) > 1:
-        raise ValueError(f"{source}: {item!r} names a module in several models; put the model's index in front "
+        raise ConfigError(f"{source}: {item!r} names a module in several models; put the model's index in front "
                          f"({', '.join(repr(e.label) for e in by_name)}).")
     hits = by_label or by_name
     if not hits:
@@ -96,7 +97,7 @@ def _by_name(item: str, entries: list[Kept], several: bool, source: str) -> list
 def _call(fn: Callable[[str, nn.Module], Any], name: str, module: nn.Module) -> bool:
     result = fn(name, module)
     if not isinstance(result, bool):
-        raise TypeError(f"a keep_fp32 callable must return True or False, got {result!r} for {name!r}.")
+        raise ConfigTypeError(f"a keep_fp32 callable must return True or False, got {result!r} for {name!r}.")
     return result
 
 
@@ -118,12 +119,12 @@ def resolve(models: Sequence[nn.Module], spec: Any, forced: Sequence[str] = (),
             hits = _by_name(item, entries, several, source)
         elif isinstance(item, type):
             if not issubclass(item, nn.Module):
-                raise TypeError(f"keep_fp32: {item.__name__} is not an nn.Module class.")
+                raise ConfigTypeError(f"keep_fp32: {item.__name__} is not an nn.Module class.")
             hits = [e for e in entries if isinstance(e.module, item)]
         elif callable(item) and not isinstance(item, nn.Module):
             hits = [e for e in entries if _call(item, e.name, e.module)]
         else:
-            raise TypeError(f"keep_fp32 items are module names, nn.Module classes or callables (name, module) -> "
+            raise ConfigTypeError(f"keep_fp32 items are module names, nn.Module classes or callables (name, module) -> "
                             f"bool; got {type(item).__name__} {item!r}.")
         if not hits:
             logger.warning("ampatch: keep_fp32: %s matches no module.", getattr(item, "__name__", repr(item)))

@@ -21,6 +21,7 @@ from torch import nn
 from ..base.dtypes import LOW
 from ..config.options import Properties
 from ..config.values import MasterMode
+from ..errors import ConfigError, OrderError, PlatformError
 from .cast import LoadHook, is_batchnorm, modules_to_cast, params_to_cast
 from .forwards import wrap_outputs
 
@@ -74,7 +75,7 @@ class Units:
             self.params = [fp for g in self.groups for fp in g.fsdp_params]
             _probe(states, self.groups, self.params)  # fail here, before anything changed
         except AttributeError as exc:
-            raise RuntimeError(f"ampatch: the FSDP2 internals of this torch ({torch.__version__}) differ from those "
+            raise PlatformError(f"ampatch: the FSDP2 internals of this torch ({torch.__version__}) differ from those "
                                f"ampatch uses to apply opt levels to fully_shard models ({exc}); ampatch supports "
                                "FSDP2 as in torch 2.6 to 2.13.") from exc
 
@@ -142,7 +143,7 @@ class Units:
         parameters (`fsdp_pre_all_gather` on a sharded local tensor: torchao's FP8 all-gather)."""
         needed = ("_init_extensions", "_sharded_param_data", "padded_sharded_param_size", "fsdp_placement")
         if not all(hasattr(fp, name) for fp in self.params for name in needed):
-            raise RuntimeError(f"ampatch: FP8 all-gather under FSDP2 needs FSDP2's all-gather extensions, which torch "
+            raise PlatformError(f"ampatch: FP8 all-gather under FSDP2 needs FSDP2's all-gather extensions, which torch "
                                f"{torch.__version__} lacks: upgrade torch (2.11+), or pass a torchao "
                                "Float8LinearConfig(enable_fsdp_float8_all_gather=False) as fp8= to all-gather in "
                                "bfloat16 and compute in FP8.")
@@ -246,12 +247,12 @@ class ShardedModel:
                 fp32_units.add(id(state))
             elif any(id(m) in kept for m in modules):
                 name = next(n for n, m in units.model.named_modules() if id(m) in kept and m in modules)
-                raise ValueError(f"keep_fp32 cannot be honoured under FSDP2: {name!r} is kept in FP32 but shares a "
+                raise ConfigError(f"keep_fp32 cannot be honoured under FSDP2: {name!r} is kept in FP32 but shares a "
                                  "fully_shard unit with layers that run in half, and FSDP2 all-gathers one dtype per "
                                  "unit. Call fully_shard on the kept module before its parent (it then stays FP32).")
             elif any(fp32):
                 bn = next(m for m, f in zip(modules, fp32) if f)
-                raise ValueError(
+                raise ConfigError(
                     f"keep_batchnorm_fp32=True cannot be honoured under FSDP2: the batch norm {type(bn).__name__} "
                     "shares a fully_shard unit with other layers, and FSDP2 all-gathers one dtype per unit. Call "
                     "fully_shard on each batch norm before its parent (it then stays FP32), or pass "
@@ -262,7 +263,7 @@ class ShardedModel:
                      for n, p in m._parameters.items()
                      if p is not None and p.is_floating_point() and (id(m), n) not in managed]
             if loose:
-                raise ValueError(f"{len(loose)} parameters of the sharded model ({', '.join(loose[:3])}...) belong "
+                raise ConfigError(f"{len(loose)} parameters of the sharded model ({', '.join(loose[:3])}...) belong "
                                  "to no fully_shard unit; O2/O5 under FSDP2 run through FSDP2's mixed precision, so "
                                  "every parameter needs one: call fully_shard(model) on the root module too, after "
                                  "its blocks.")
@@ -346,7 +347,7 @@ def check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Op
     unheld = [name for m in models for name, p in m.named_parameters()
               if isinstance(p, dtensor) and p.requires_grad and id(p) not in held]
     if orphans and unheld:
-        raise RuntimeError(f"amp.initialize: the optimizer holds {len(orphans)} tensors that are not the sharded "
+        raise OrderError(f"amp.initialize: the optimizer holds {len(orphans)} tensors that are not the sharded "
                            f"model's parameters, and the model's sharded parameters ({', '.join(unheld[:3])}...) are "
                            f"in no optimizer: it was built before fully_shard. The order under FSDP2: {ORDER}.")
 
@@ -365,7 +366,7 @@ def check_dtensors_sharded(models: Sequence[nn.Module]) -> None:
             for pname, p in module._parameters.items():
                 if isinstance(p, dtensor) and id(module) not in covered:
                     full = f"{name}.{pname}" if name else pname
-                    raise ValueError(f"amp.initialize: parameter {full!r} is a DTensor outside every fully_shard unit "
+                    raise ConfigError(f"amp.initialize: parameter {full!r} is a DTensor outside every fully_shard unit "
                                      "(tensor parallelism, e.g. parallelize_module): ampatch applies its levels to "
                                      "FSDP2's fully_shard units only. Shard with fully_shard alone (Lightning: "
                                      "ModelParallelStrategy(tensor_parallel_size=1)), or train without ampatch's "

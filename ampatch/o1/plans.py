@@ -18,6 +18,7 @@ import torch
 
 from ..base.dtypes import CASTABLE, LOW, short_name
 from ..base.tree import Leaf, map_tensors
+from ..errors import ConfigError, ConfigTypeError, NotSupportedError
 
 
 class Kind(str, enum.Enum):
@@ -74,11 +75,11 @@ class CastPlan:
 
             def refuse(t: torch.Tensor) -> torch.Tensor:
                 if t.dtype in needs:
-                    raise NotImplementedError(message)
+                    raise NotSupportedError(message)
                 return t
             return refuse
         if cast is None or (self.action is Action.PROMOTE) != (dtype is not None):
-            raise TypeError(f"the leaf of a {self.action.value} plan takes the cast it applies"
+            raise ConfigTypeError(f"the leaf of a {self.action.value} plan takes the cast it applies"
                             + (" and the call's dtype" if self.action is Action.PROMOTE else ""))
         if self.action is Action.PROMOTE:
             def promote(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,7 @@ def plan(kind: str, op: str, half_dtype: torch.dtype, allow_banned: bool = False
     try:
         kind = Kind(kind)
     except ValueError:
-        raise ValueError(f"unknown cast kind {kind!r}; one of {', '.join(k.value for k in Kind)}") from None
+        raise ConfigError(f"unknown cast kind {kind!r}; one of {', '.join(k.value for k in Kind)}") from None
     if kind in (HALF, BFLOAT16):
         target = torch.bfloat16 if kind is BFLOAT16 else half_dtype
         return CastPlan(kind, op, Action.CAST, target, frozenset(CASTABLE) - {target})

@@ -33,6 +33,7 @@ from typing import Any
 import wrapt
 
 from ..base.patcher import cast_switch
+from ..errors import MissingDependencyError
 from .plans import plan
 from .twins import make_traceable
 from .wrappers import WrapContext, make_function, with_dtype_hint
@@ -83,7 +84,7 @@ def check_builtin_binding(*classes: type[CastFunctionWrapper]) -> None:
         except TypeError as exc:
             seen = exc
         if seen != ("builtin", (probe, None, (1,), {"k": 2})):
-            raise ImportError(
+            raise MissingDependencyError(
                 f"ampatch: wrapt {wrapt.__version__} no longer builds a wrapper with the \"builtin\" binding the "
                 f"way ampatch.o1.proxies relies on ({cls.__name__} gave {seen!r}). Install a wrapt release "
                 "this ampatch supports (pip install 'wrapt>=2.0,<3'), or report the wrapt version.")

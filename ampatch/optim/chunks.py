@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from ampatch.errors import InvalidCallError
+
 __all__ = ["plan_pieces", "plan_chunks", "narrowed", "step_hooks_once", "has_step_hooks", "chunk_numel",
            "CHUNK_NUMEL", "ELEMENTWISE", "is_elementwise", "Workspace"]
 
@@ -100,7 +102,8 @@ def step_hooks_once(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> It
         result = hook(opt, full_args, kwargs)
         if result is not None:
             if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(f"an optimizer step pre-hook must return None or (args, kwargs), got {result!r}.")
+                raise InvalidCallError(f"an optimizer step pre-hook must return None or (args, kwargs), got "
+                                       f"{result!r}.")
             full_args, kwargs = result
     saved = {name: dict(d) for name, d in (("pre_own", pre_own), ("post_own", post_own),
                                              ("pre_global", pre_global), ("post_global", post_global))}

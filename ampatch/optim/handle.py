@@ -19,6 +19,7 @@ from ..base.dtypes import LOW
 from ..base.notices import warn
 from ..base.patcher import Patcher, disable_casts
 from ..config.values import MasterMode, StatePrecision
+from ..errors import ConfigError, ConfigTypeError, NotSupportedError, OrderError
 from . import calls, state_checkpoint
 from .context import HandleContext, OptState, StepGuard
 from .lowmem import LowMemMasters, take_state_entries
@@ -238,12 +239,11 @@ class OptimizerHandle:
             self._guard.check(self)
         closure = calls.closure(inner, args, kwargs)
         if closure is not None and self.scaling_active() and not self._ctx.scaled_closures:
-            raise NotImplementedError(
-                "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "
-                "backward bypasses scale_loss. Call backward inside `with amp.scale_loss(...)` before "
-                "step(), or use a level without scaling (O0, O3, O4).")
+            raise NotSupportedError("optimizer.step(closure) is not supported with loss scaling or master weights: the "
+                                    "closure's backward bypasses scale_loss. Call backward inside `with amp.scale_loss"
+                                    "(...)` before step(), or use a level without scaling (O0, O3, O4).")
         if self._stage is OptState.SCALED:
-            raise RuntimeError(self.still_scaled_message())
+            raise OrderError(self.still_scaled_message())
         self.resolve()
         if self.settle_skip():
             return None
@@ -322,7 +322,7 @@ class OptimizerHandle:
             for p in params:
                 other = owner_of(p) if owner_of is not None else None
                 if other is not None and other is not self:
-                    raise ValueError(f"add_param_group: a parameter of shape {tuple(p.shape)} already has an FP32 "
+                    raise ConfigError(f"add_param_group: a parameter of shape {tuple(p.shape)} already has an FP32 "
                                      f"master in optimizers[{other.index}]; with master weights (O2/O5) each "
                                      "half parameter must belong to one optimizer.")
             group = dict(group, params=[self.masters.make(p) if p.dtype in LOW else p for p in params])
@@ -339,7 +339,7 @@ class OptimizerHandle:
         if state_dict is None:
             return call(None)  # the optimizer's own error for a call without a state dict
         if not isinstance(state_dict, dict):
-            raise TypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
+            raise ConfigTypeError(f"optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
         self.load_entries(dict(state_dict), call)
 
     # ------------------------------------------------------------------ hooks (optim.sharded overrides them)

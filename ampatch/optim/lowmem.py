@@ -19,6 +19,7 @@ from torch import nn
 
 from ..base.data_watch import raw_data, set_data
 from ..config.values import MasterMode
+from ..errors import ConfigError, NotSupportedError
 from ..model.weights import Keeps, Weight, note_all, settle_all
 from .chunks import Workspace, chunk_numel, is_elementwise
 from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
@@ -43,9 +44,8 @@ def rounding_seed(seed: int | None) -> int:
 
 def refuse_lbfgs(optimizer: torch.optim.Optimizer, mode: MasterMode) -> None:
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(f"master_weights={mode.value!r} steps the parameters a chunk at a time, and LBFGS needs "
-                         "all of them at once (it re-evaluates a closure over the whole model); use "
-                         "master_weights=True (FP32 masters) with LBFGS.")
+        raise ConfigError(f"master_weights={mode.value!r} steps the parameters a chunk at a time, and LBFGS needs "
+                          "all at once (its closure runs over the whole model); use master_weights=True with LBFGS.")
 
 
 SUM_BLOCK = 1 << 16  # elements summed at a time by `weight_sum` (fixed: the same values give the same sum)
@@ -97,12 +97,12 @@ def take_state_entries(state: dict, params: list[torch.Tensor]) -> dict[int, tor
         c = entry[COMP_KEY]
         i = k if isinstance(k, int) else -1
         if not 0 <= i < len(params):
-            raise ValueError(f"optimizer checkpoint: a compensation for state entry {k!r}, which no param of "
+            raise ConfigError(f"optimizer checkpoint: a compensation for state entry {k!r}, which no param of "
                              "this optimizer has; it was saved from another model. Nothing was loaded.")
         problem = bad_compensation(c, params[i], f"param {i}")
         if problem:
-            raise ValueError(f"optimizer checkpoint: {problem}; the checkpoint is corrupted or from another "
-                             "model. Nothing was loaded.")
+            raise ConfigError(f"optimizer checkpoint: {problem}; the checkpoint is corrupted or from another model. "
+                              "Nothing was loaded.")
         found[i] = c
     for k in found:
         state[k] = {key: v for key, v in state[k].items() if key != COMP_KEY}
@@ -137,7 +137,7 @@ class LowMemMasters(Masters):
     def __init__(self, optimizer: torch.optim.Optimizer, ids: set[int], mode: MasterMode,
                  seed: int | None = None) -> None:
         if not mode.low_memory:
-            raise ValueError(f"LowMemMasters is for master_weights 'stochastic' or 'kahan', not {mode.value!r}.")
+            raise ConfigError(f"LowMemMasters is for master_weights 'stochastic' or 'kahan', not {mode.value!r}.")
         refuse_lbfgs(optimizer, mode)
         self.mode = mode
         self.chunk_numel: int | None = None  # elements per chunk; None: by device (chunks.chunk_numel)
@@ -156,7 +156,7 @@ class LowMemMasters(Masters):
         if id(p) in self.master_of:
             return self.master_of[id(p)]
         if p.dtype not in (F32, BF16):
-            raise ValueError(f"master_weights={self.mode.value!r} keeps bfloat16 parameters, but this one (shape "
+            raise ConfigError(f"master_weights={self.mode.value!r} keeps bfloat16 parameters, but this one (shape "
                              f"{tuple(p.shape)}) is {p.dtype}; use master_weights=True for float16 or float64 params.")
         with torch.no_grad():
             # an alias of the weight; of an FP32 one about to be cast, a placeholder without memory
@@ -256,8 +256,8 @@ class LowMemMasters(Masters):
         what the last call returned; the masters' grads are spent. `states`: the optimizer's kept state."""
         kwargs = kwargs or {}
         if args and callable(args[0]) or kwargs.get("closure") is not None:
-            raise NotImplementedError(f"optimizer.step(closure) is not supported with master_weights="
-                                      f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
+            raise NotSupportedError(f"optimizer.step(closure) is not supported with master_weights="
+                                    f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
         self.follow_model()
         self.settle()  # a write to a weight since the last step: its compensation no longer applies
         elementwise = is_elementwise(self.optimizer)

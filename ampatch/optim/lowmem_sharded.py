@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.values import MasterMode
+from ..errors import ConfigError, NotSupportedError, PlatformError
 from .chunks import Workspace, chunk_numel, is_elementwise
 from .lowmem import (
     COMP_KEY,
@@ -80,7 +81,7 @@ def shard_offset(p: torch.Tensor) -> int:
         if placement.is_replicate():
             continue
         if not placement.is_shard(dim=0) or sharded:
-            raise ValueError(f"master_weights 'stochastic'/'kahan' step FSDP2 shards of whole rows (Shard(0), "
+            raise ConfigError(f"master_weights 'stochastic'/'kahan' step FSDP2 shards of whole rows (Shard(0), "
                              f"replicated or not); a parameter of shape {tuple(p.shape)} is placed {p.placements}: "
                              "use master_weights=True.")
         sharded = True
@@ -88,7 +89,7 @@ def shard_offset(p: torch.Tensor) -> int:
         start = coordinate[dim] * -(-rows // size)
     mine = local(p)
     if mine.numel() and mine.shape[0] != min(rows, start + mine.shape[0]) - start:
-        raise RuntimeError(f"ampatch: the local shard of a parameter of shape {tuple(p.shape)} is not the rows FSDP2 "
+        raise PlatformError(f"ampatch: the local shard of a parameter of shape {tuple(p.shape)} is not the rows FSDP2 "
                            "gives it (torch.chunk on dim 0); this torch shards otherwise.")
     return min(start, rows) * (p.numel() // rows if rows else 0)
 
@@ -122,7 +123,7 @@ class ShardedLowMem(Masters):
                  seed: int | None = None) -> None:
         refuse_lbfgs(optimizer, mode)
         if not is_elementwise(optimizer):
-            raise ValueError(
+            raise ConfigError(
                 f"master_weights={mode.value!r} on an FSDP2-sharded model steps each rank's shard on its own, so the "
                 f"optimizer's update of an element must depend on that element alone; {type(optimizer).__name__} "
                 "is not one of torch.optim's elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, "
@@ -186,7 +187,7 @@ class ShardedLowMem(Masters):
         optimizer state is not supported on sharded models: refused at `initialize`.)"""
         kwargs = kwargs or {}
         if args and callable(args[0]) or kwargs.get("closure") is not None:
-            raise NotImplementedError(f"optimizer.step(closure) is not supported with master_weights="
+            raise NotSupportedError(f"optimizer.step(closure) is not supported with master_weights="
                                       f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
         targets, own = [], []
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -296,7 +297,7 @@ class ShardedLowMem(Masters):
                 rank, problem = next((r, p) for r, p in enumerate(said) if p is not None)
                 problem = f"{problem} (in rank {rank}'s part)"
         if problem is not None:
-            raise ValueError(f"optimizer checkpoint: {problem}; nothing was loaded.")
+            raise ConfigError(f"optimizer checkpoint: {problem}; nothing was loaded.")
 
         def apply() -> None:
             kahan = self.mode is MasterMode.KAHAN

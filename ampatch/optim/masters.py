@@ -19,6 +19,7 @@ from torch import nn
 
 from ..base.dtypes import LOW
 from ..config.values import MasterMode
+from ..errors import ConfigError, ConfigTypeError
 from ..model.weights import Keeps, Weight, keep_exact, note_all, settle_all
 from .scaler import distributed, overflowed, unscale_
 
@@ -67,10 +68,10 @@ def check_masters(masters: Any, params: list[torch.Tensor]) -> None:
     """The saved masters of an optimizer checkpoint fit `params` (one entry per param, in
     param_groups order: None or a floating tensor of the param's shape)."""
     if not isinstance(masters, (list, tuple)):
-        raise TypeError(f"optimizer checkpoint: '{MASTERS_KEY}' must be a list (one entry per param), got "
+        raise ConfigTypeError(f"optimizer checkpoint: '{MASTERS_KEY}' must be a list (one entry per param), got "
                         f"{type(masters).__name__}; the checkpoint was not saved by ampatch's optimizer.state_dict().")
     if len(masters) != len(params):
-        raise ValueError(f"optimizer checkpoint has {len(masters)} master entries for {len(params)} params; "
+        raise ConfigError(f"optimizer checkpoint has {len(masters)} master entries for {len(params)} params; "
                          "it was saved from a different model or optimizer. Nothing was loaded.")
     for i, (p, saved) in enumerate(zip(params, masters)):
         if saved is None:
@@ -78,7 +79,7 @@ def check_masters(masters: Any, params: list[torch.Tensor]) -> None:
         if not isinstance(saved, torch.Tensor) or not saved.is_floating_point() or saved.shape != p.shape:
             what = (f"shape {tuple(saved.shape)}" if isinstance(saved, torch.Tensor) and saved.is_floating_point()
                     else type(saved).__name__ if not isinstance(saved, torch.Tensor) else str(saved.dtype))
-            raise ValueError(f"optimizer checkpoint: master {i} has {what}, its param has shape {tuple(p.shape)}; "
+            raise ConfigError(f"optimizer checkpoint: master {i} has {what}, its param has shape {tuple(p.shape)}; "
                              "it was saved from a different model or optimizer. Nothing was loaded.")
 
 
@@ -88,12 +89,12 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
     "seed": int, "rounds": int >= 0 (stochastic)}."""
     bad = "it was not saved by ampatch's optimizer.state_dict(), or from another model. Nothing was loaded."
     if not isinstance(entry, dict) or entry.get("mode") not in (m.value for m in MasterMode if m.low_memory):
-        raise ValueError(f"optimizer checkpoint: '{LOWMEM_KEY}' must be a dict with 'mode' 'stochastic' or 'kahan'; "
+        raise ConfigError(f"optimizer checkpoint: '{LOWMEM_KEY}' must be a dict with 'mode' 'stochastic' or 'kahan'; "
                          + bad)
     comp = entry.get("compensation")
     if comp is not None:
         if not isinstance(comp, (list, tuple)) or len(comp) != len(params):
-            raise ValueError(f"optimizer checkpoint: {len(comp) if isinstance(comp, (list, tuple)) else 'no list of'} "
+            raise ConfigError(f"optimizer checkpoint: {len(comp) if isinstance(comp, (list, tuple)) else 'no list of'} "
                              f"compensation entries for {len(params)} params; " + bad)
         for i, (p, c) in enumerate(zip(params, comp)):
             if c is None:
@@ -101,16 +102,16 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
             what = (type(c).__name__ if not isinstance(c, torch.Tensor) else f"dtype {c.dtype}" if c.dtype != torch.bfloat16
                     else f"shape {tuple(c.shape)}" if c.shape != p.shape else None)
             if what is not None:
-                raise ValueError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) is "
+                raise ConfigError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) is "
                                  f"{what}, not a bfloat16 tensor of its param's shape; " + bad)
             if not bool(torch.isfinite(c).all()):
-                raise ValueError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) holds "
-                                 "NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
-                                 "corrupted; nothing was loaded.")
+                raise ConfigError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) "
+                                  "holds NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
+                                  "corrupted; nothing was loaded.")
     for key in ("seed", "rounds"):
         value = entry.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"optimizer checkpoint: the stochastic rounding's {key!r} must be an int >= 0, got "
+            raise ConfigError(f"optimizer checkpoint: the stochastic rounding's {key!r} must be an int >= 0, got "
                              f"{value!r}; " + bad)
 
 
@@ -134,7 +135,7 @@ def check_one_master_each(optimizers: Sequence[torch.optim.Optimizer], ids: set[
         for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) in ids and owner.setdefault(id(p), i) != i:
-                    raise ValueError(
+                    raise ConfigError(
                         f"a parameter of shape {tuple(p.shape)} is in optimizers[{owner[id(p)]}] and "
                         f"optimizers[{i}]; with FP32 master weights (O2/O5) each half parameter must belong to "
                         "one optimizer (give it to one of them, or use O1).")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.values import DEFAULT_MAX_LOSS_SCALE, DEFAULT_MIN_LOSS_SCALE, INITIAL_LOSS_SCALE
+from ..errors import BadLossId, ConfigError, ConfigTypeError, StateDictKeyError
 
 logger = logging.getLogger("ampatch")
 
@@ -32,18 +33,6 @@ def downsample(history: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return history[:-1:2] + [history[-1]]
 
 
-class StateDictKeyError(KeyError, ValueError):
-    """An amp state dict with keys it should not have (or lacks some): a KeyError, and a
-    ValueError for callers that treat a bad checkpoint as a bad value."""
-
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return str(self.args[0]) if self.args else ""
-
-
-class BadLossId(TypeError, ValueError):
-    """A loss_id that is not an int: the wrong type, and a bad value of the argument."""
-
-
 def check_loss_id(loss_id: object, count: int, what: str = "scale_loss") -> None:
     """`loss_id` names one of `count` loss scalers (`initialize(num_losses=count)`): the one
     check of `scale_loss` and `amp.loss_scale`."""
@@ -51,7 +40,7 @@ def check_loss_id(loss_id: object, count: int, what: str = "scale_loss") -> None
         raise BadLossId(f"{what}: loss_id must be an int from 0 to num_losses-1 ({count - 1} here), got "
                         f"{loss_id!r}.")
     if not 0 <= loss_id < count:
-        raise ValueError(f"{what}: loss_id={loss_id} is out of range: initialize(num_losses={count}) gives loss ids "
+        raise ConfigError(f"{what}: loss_id={loss_id} is out of range: initialize(num_losses={count}) gives loss ids "
                          f"0..{count - 1}.")
 
 
@@ -62,7 +51,7 @@ class LossScaler:
                  max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE, growth_interval: int = 2000,
                  init_scale: float = INITIAL_LOSS_SCALE, growth_factor: float = 2.0) -> None:
         if isinstance(growth_factor, bool) or not isinstance(growth_factor, (int, float)) or not growth_factor > 1:
-            raise ValueError(f"growth_factor must be a number above 1 (the scale is divided by it on overflow and "
+            raise ConfigError(f"growth_factor must be a number above 1 (the scale is divided by it on overflow and "
                              f"multiplied by it after growth_interval clean steps), got {growth_factor!r}.")
         self.dynamic = loss_scale == "dynamic"
         self.min_loss_scale = min_loss_scale
@@ -83,7 +72,7 @@ class LossScaler:
     @growth_interval.setter
     def growth_interval(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"the growth interval (growth_interval; Apex's scale_window, _scale_seq_len) is the "
+            raise ConfigError(f"the growth interval (growth_interval; Apex's scale_window, _scale_seq_len) is the "
                              f"number of clean steps before a dynamic scale grows: a positive int, got {value!r}.")
         self._growth_interval = value
 
@@ -124,7 +113,7 @@ class LossScaler:
         """Validate one saved scaler state; returns (loss_scale, unskipped). Raises before
         anything is loaded, so a bad checkpoint leaves every scaler as it was."""
         if not isinstance(state, dict):
-            raise TypeError(f"a loss scaler state is a dict with 'loss_scale' and 'unskipped', got "
+            raise ConfigTypeError(f"a loss scaler state is a dict with 'loss_scale' and 'unskipped', got "
                             f"{type(state).__name__}.")
         keys = {"loss_scale", "unskipped"}
         if set(state) != keys:
@@ -133,7 +122,7 @@ class LossScaler:
                            "exactly 'loss_scale' and 'unskipped' (the format of amp.state_dict()).")
         scale, unskipped = float(state["loss_scale"]), int(state["unskipped"])
         if not (0.0 < scale < float("inf")) or unskipped < 0:
-            raise ValueError(f"loss scaler state {state!r}: loss_scale must be a finite positive number and "
+            raise ConfigError(f"loss scaler state {state!r}: loss_scale must be a finite positive number and "
                              "unskipped a non-negative int.")
         return scale, unskipped
 
@@ -159,7 +148,8 @@ def load_scalers_state_dict(scalers: Sequence[LossScaler], state_dict: object, w
     is loaded; entries that match no scaler, scalers with no entry, and saved scales that are
     not taken as they are (clamped, or a static scale that stays) are reported through `warn`."""
     if not isinstance(state_dict, dict):
-        raise TypeError(f"load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}.")
+        raise ConfigTypeError(f"load_state_dict expects the dict from amp.state_dict(), got "
+                              f"{type(state_dict).__name__}.")
     names = {f"loss_scaler{i}": s for i, s in enumerate(scalers)}
     unknown = [k for k in state_dict if not (isinstance(k, str) and k.startswith("loss_scaler")
                                              and k[11:].isdigit())]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from .quant import BLOCK, blocks, code_dtype
 from .states import STATES_KEY, Packed, StateStore
 
@@ -50,8 +51,8 @@ def take(state: dict, params: Sequence[torch.Tensor]) -> Taken:
             continue
         i = k if isinstance(k, int) and not isinstance(k, bool) else -1
         if not 0 <= i < len(params):
-            raise ValueError(f"optimizer checkpoint: kept optimizer state for state entry {k!r}, which no param of this "
-                             "optimizer has; it was saved from another model. Nothing was loaded.")
+            raise ConfigError(f"optimizer checkpoint: kept optimizer state for state entry {k!r}, which no param of "
+                              "this optimizer has; it was saved from another model. Nothing was loaded.")
         found[i], counts = _parse(entry[STATES_KEY], params[i], f"param {i}")
     for i in found:
         state[i] = {key: v for key, v in state[i].items() if key != STATES_KEY}
@@ -101,22 +102,22 @@ def _parse(entry: Any, p: torch.Tensor, name: str) -> tuple[dict[str, Packed], t
     bad = "it was not saved by ampatch's optimizer.state_dict(), or from another model. Nothing was loaded."
     where = f"optimizer checkpoint: the kept state of {name} (shape {tuple(p.shape)})"
     if not isinstance(entry, dict) or not isinstance(entry.get("tensors"), dict):
-        raise ValueError(f"{where} must be a dict with 'seed', 'rounds' and 'tensors'; {bad}")
+        raise ConfigError(f"{where} must be a dict with 'seed', 'rounds' and 'tensors'; {bad}")
     counts = []
     for key in ("seed", "rounds"):
         value = entry.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{where}: its {key!r} must be an int >= 0, got {value!r}; {bad}")
+            raise ConfigError(f"{where}: its {key!r} must be an int >= 0, got {value!r}; {bad}")
         counts.append(value)
     out = {}
     for state_name, t in entry["tensors"].items():
         what = f"{where}, {state_name!r},"
         if not isinstance(t, dict) or not (set(t) == {"values"} or set(t) == {"codes", "absmax", "signed"}):
-            raise ValueError(f"{what} must hold 'values' (bfloat16) or 'codes', 'absmax' and 'signed' (int8); {bad}")
+            raise ConfigError(f"{what} must hold 'values' (bfloat16) or 'codes', 'absmax' and 'signed' (int8); {bad}")
         if "values" in t:
             out[state_name] = Packed(_values(t["values"], p, what, bad))
         elif not isinstance(t["signed"], bool):
-            raise ValueError(f"{what} has 'signed' {t['signed']!r}, not True or False; {bad}")
+            raise ConfigError(f"{what} has 'signed' {t['signed']!r}, not True or False; {bad}")
         else:
             out[state_name] = _codes(t["codes"], t["absmax"], t["signed"], p, what, bad)
     return out, (counts[0], counts[1])
@@ -124,9 +125,9 @@ def _parse(entry: Any, p: torch.Tensor, name: str) -> tuple[dict[str, Packed], t
 
 def _values(v: Any, p: torch.Tensor, what: str, bad: str) -> torch.Tensor:
     if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.shape != p.shape:
-        raise ValueError(f"{what} is {_describe(v)}, not a bfloat16 tensor of its param's shape; {bad}")
+        raise ConfigError(f"{what} is {_describe(v)}, not a bfloat16 tensor of its param's shape; {bad}")
     if not bool(torch.isfinite(v).all()):
-        raise ValueError(f"{what} holds NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
+        raise ConfigError(f"{what} holds NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
                          "corrupted; nothing was loaded.")
     return v.detach().to(BF16)  # exact for what ampatch saved (a plain optimizer's load made it FP32)
 
@@ -134,17 +135,17 @@ def _values(v: Any, p: torch.Tensor, what: str, bad: str) -> torch.Tensor:
 def _codes(codes: Any, absmax: Any, signed: bool, p: torch.Tensor, what: str, bad: str) -> Packed:
     n, dtype = p.numel(), code_dtype(signed)
     if not isinstance(codes, torch.Tensor) or codes.shape != (n,) or codes.dtype not in (dtype, F32):
-        raise ValueError(f"{what} has codes of {_describe(codes)}, not {dtype} codes of its {n} elements; {bad}")
+        raise ConfigError(f"{what} has codes of {_describe(codes)}, not {dtype} codes of its {n} elements; {bad}")
     if not isinstance(absmax, torch.Tensor) or absmax.shape != (blocks(n),) or not absmax.is_floating_point():
-        raise ValueError(f"{what} has scales of {_describe(absmax)}, not FP32 scales of its {blocks(n)} blocks of "
+        raise ConfigError(f"{what} has scales of {_describe(absmax)}, not FP32 scales of its {blocks(n)} blocks of "
                          f"{BLOCK}; {bad}")
     if not bool((torch.isfinite(absmax) & (absmax >= 0)).all()):
-        raise ValueError(f"{what} has a scale that is negative, NaN or inf: the checkpoint is corrupted; nothing was "
+        raise ConfigError(f"{what} has a scale that is negative, NaN or inf: the checkpoint is corrupted; nothing was "
                          "loaded.")
     if codes.dtype == F32:  # a plain optimizer's load made them FP32: small integers, exactly
         low, high = torch.iinfo(dtype).min, torch.iinfo(dtype).max
         if not bool(((codes == codes.round()) & (codes >= low) & (codes <= high)).all()):
-            raise ValueError(f"{what} has codes that are not {dtype} values: the checkpoint is corrupted; nothing "
+            raise ConfigError(f"{what} has codes that are not {dtype} values: the checkpoint is corrupted; nothing "
                              "was loaded.")
     return Packed(codes.detach().to(dtype), absmax.detach().to(F32))
 

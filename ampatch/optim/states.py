@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..config.values import StatePrecision
+from ..errors import ConfigError
 from .chunks import Workspace
 from .quant import BLOCK, MIN_NUMEL, aligned, blocks, code_dtype, dequantize_, quantize_
 from .rounding import rotation, round_with_, stream, thresholds_
@@ -42,7 +43,7 @@ _CONVERT_BLOCK = 1 << 20  # elements converted at a time when whole tensors are 
 def check_keepable(optimizer: torch.optim.Optimizer, precision: StatePrecision) -> None:
     """Refuse an optimizer whose state cannot be kept at `precision` (ValueError naming it)."""
     if precision.stored and isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(f"optimizer_states={precision.value!r} keeps an optimizer's per-element state and steps it a "
+        raise ConfigError(f"optimizer_states={precision.value!r} keeps an optimizer's per-element state and steps it a "
                          "chunk of parameters at a time; torch.optim.LBFGS keeps a history of whole-model vectors and "
                          "re-evaluates a closure over all parameters at once. Use optimizer_states='float32' with "
                          "LBFGS.")

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..errors import NotSupportedError
 from .chunks import (
     Workspace,
     chunk_numel,
@@ -133,7 +134,7 @@ def step_kept(opt: torch.optim.Optimizer, call: Callable[..., Any], args: tuple,
     if not store.active:
         return call(*args, **kwargs)
     if args and callable(args[0]) or kwargs.get("closure") is not None:
-        raise NotImplementedError(f"optimizer.step(closure) is not supported with optimizer_states="
+        raise NotSupportedError(f"optimizer.step(closure) is not supported with optimizer_states="
                                   f"{store.precision.value!r}: the step runs a chunk of parameters at a time. Call "
                                   "backward before step(), or use optimizer_states='float32'.")
     elementwise = is_elementwise(opt)

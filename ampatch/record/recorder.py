@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..base.dtypes import short_name
+from ..errors import ConfigError
 from ..model.keep import labelled
 from .fp8_probe import Fp8Probe
 from .records import ModuleRecord, StepRecord
@@ -71,7 +72,7 @@ class Recorder:
                  masters: Masters | None = None, on_done: Callable[["Recorder"], None] | None = None,
                  shadows: bool = True, fp8: Fp8Probe | None = None) -> None:
         if steps < 1:
-            raise ValueError(f"steps must be at least 1, got {steps}.")
+            raise ConfigError(f"steps must be at least 1, got {steps}.")
         self.half_dtype = half_dtype
         self.steps_wanted = steps
         self.masters = masters

@@ -17,13 +17,11 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ampatch.errors import RecordingError
+
 __all__ = ["FORMAT", "ModuleRecord", "StepRecord", "ParamRecord", "Fp8LayerRecord", "Recording", "RecordingError"]
 
 FORMAT = 3   # the version of the JSON written (2: per-parameter stall shares; 3: FP8 layers)
-
-
-class RecordingError(ValueError):
-    """A document that is not a recording this ampatch reads (another format, a missing field)."""
 
 
 def _build(cls: type, data: Any, what: str) -> Any:

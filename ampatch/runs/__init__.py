@@ -24,7 +24,7 @@ One job per module:
 Nothing here prints: the command line (``ampatch.cli``) gives the stream to write progress to.
 """
 
+from ampatch.errors import UsageError
 
-class UsageError(ValueError):
-    """Bad input from the user (a missing script, a device this machine lacks): the command
-    line reports it in one line, as a usage error."""
+__all__ = ["UsageError"]  # where the command line and the runs import it from
+

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ampatch.config.levels import uses_half, variant
+from ampatch.errors import ConfigError
 from ampatch.machine import hardware
 from ampatch.workloads.calibrate import dtype_of_kind, step_kinds
 
@@ -35,7 +36,7 @@ def parse_seconds(text: str) -> float | None:
         return None
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|sec|m|min)?", t)
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"expected a time such as 120, 120s or 2m (or none), got {text!r}")
+        raise ConfigError(f"expected a time such as 120, 120s or 2m (or none), got {text!r}")
     return float(m.group(1)) * (60 if m.group(2) in ("m", "min") else 1)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ampatch.config import env as envvars
 from ampatch.config.levels import variant
+from ampatch.errors import reason
 from ampatch.machine import hardware
 from ampatch.machine.device_text import machine_line
 from ampatch.runs import UsageError, sizing
@@ -39,7 +40,7 @@ def workload_device(name: str | None) -> str:
     try:
         torch.device(name)
     except (RuntimeError, ValueError) as exc:
-        raise UsageError(f"--device: {exc}") from None
+        raise UsageError(f"--device: {reason(exc)}") from None
     return name
 
 
@@ -58,7 +59,7 @@ def machine_notice(device: str, levels: Sequence[str], half_dtype: str | None) -
     try:
         info = hardware.describe(device)
     except (RuntimeError, AssertionError) as exc:  # e.g. cuda asked for on a machine without it
-        raise UsageError(f"--device {device}: {exc}") from None
+        raise UsageError(f"--device {device}: {reason(exc)}") from None
     dtypes = list(dict.fromkeys(half_dtypes(device, levels, half_dtype).values()))
     lines = [f"machine: {machine_line(info, dtypes)}"]
     slow = [d for d in dtypes if info.native.get(d) is False]

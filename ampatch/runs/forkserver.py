@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from ampatch.errors import ServerError, reason
 from ampatch.runs import process
 from ampatch.runs.runner import popen
 
@@ -107,10 +108,6 @@ def run_forked(request: dict[str, Any], server: int) -> None:
         traceback.print_exc()
         code[0] = 1
     sys.exit(code[0])
-
-
-class ServerError(RuntimeError):
-    """The server did not start, or stopped answering."""
 
 
 class ForkServer:
@@ -201,7 +198,7 @@ class WarmLauncher:
         self.log.flush()
 
     def fail(self, exc: ServerError) -> None:
-        self.log.write(f"note: {exc}; starting each run as a fresh process instead\n")
+        self.log.write(f"note: {reason(exc)}; starting each run as a fresh process instead\n")
         self.log.flush()
         self.close()
 

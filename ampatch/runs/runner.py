@@ -29,6 +29,7 @@ from ampatch.base.dtypes import HALF_NAMES
 from ampatch.config import env as envvars
 from ampatch.config import levels
 from ampatch.config.values import DEFAULT_FP8_RECIPE
+from ampatch.errors import reason
 from ampatch.runs import UsageError, process
 from ampatch.runs.budget import Budget
 from ampatch.runs.progress import Progress
@@ -155,7 +156,7 @@ def read_json(path: Path) -> tuple[Any, str | None]:
     try:
         return json.loads(path.read_text()), None
     except ValueError as exc:
-        return None, str(exc)
+        return None, reason(exc)
 
 
 Launch = Callable[[Sequence[str], dict[str, str], Path], Any]  # (cmd, env, stderr path) -> a Popen-like handle
@@ -305,7 +306,7 @@ def level_run(done: Finished, level: str | None) -> LevelRun:
         try:
             report = Report.from_dict(done.outputs[envvars.REPORT])
         except ValueError as exc:
-            error = str(exc)
+            error = reason(exc)
     error = f"unreadable report: {error}" if error is not None else failure_line(done.returncode, done.stderr)
     if error is None and report is None:
         error = "script never called amp.initialize"

@@ -28,6 +28,7 @@ from ..config.env import Overrides
 from ..config.options import Options, Properties, resolve, warn_or_err
 from ..config.settings import SETTINGS
 from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE, MasterMode, StatePrecision
+from ..errors import ConfigError, ConfigTypeError, OrderError
 from ..machine import hardware
 from ..model import fp8, sharded
 from ..model.cast import ModelHandle, params_to_cast
@@ -135,7 +136,7 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
         why = (f"optimizer_states={props.optimizer_states.value!r} is not supported on FSDP2-sharded models yet (the "
                "kept state would have to be sharded like each parameter)")
         if overrides.optimizer_states is None:
-            raise ValueError(f"{why}; use optimizer_states='float32' with fully_shard, or master_weights='stochastic' "
+            raise ConfigError(f"{why}; use optimizer_states='float32' with fully_shard, or master_weights='stochastic' "
                              "for memory.")
         notes.append(f"ampatch: dropping {overrides.given('optimizer_states')}: {why}; the optimizer keeps its FP32 "
                      "state.")  # from outside (a variable, a policy: tune's candidates), as a level it cannot apply to
@@ -150,7 +151,7 @@ def check_fp8(props: Properties, optimizers: Sequence[torch.optim.Optimizer]) ->
     fp8.require()
     for o in optimizers:
         if isinstance(o, torch.optim.LBFGS):
-            raise ValueError("fp8 with torch.optim.LBFGS: its line search and curvature pairs compare the losses and "
+            raise ConfigError("fp8 with torch.optim.LBFGS: its line search and curvature pairs compare the losses and "
                              "gradients of re-evaluated closures, which FP8's dynamic scaling perturbs by a few "
                              "percent each time. Use a first-order optimizer (SGD, AdamW, ...) with fp8, or leave "
                              "fp8 off with LBFGS.")
@@ -163,13 +164,13 @@ def as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:
     for i, item in enumerate(items):
         first = next(j for j, other in enumerate(items) if other is item)
         if first != i:
-            raise ValueError(f"amp.initialize got the same {what[:-1]} twice: {what}[{i}] is {what}[{first}] "
+            raise ConfigError(f"amp.initialize got the same {what[:-1]} twice: {what}[{i}] is {what}[{first}] "
                              f"({type(item).__name__}); pass each of the {what} once.")
         if what == "models" and isinstance(item, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            raise RuntimeError(f"amp.initialize got a model already wrapped in {type(item).__name__}; call "
+            raise OrderError(f"amp.initialize got a model already wrapped in {type(item).__name__}; call "
                                "amp.initialize on the bare model first, then wrap the model it returns.")
         if not isinstance(item, kind):
-            raise TypeError(f"amp.initialize expects {what} to be {kind.__name__} objects (or a list of them), "
+            raise ConfigTypeError(f"amp.initialize expects {what} to be {kind.__name__} objects (or a list of them), "
                             f"got {type(item).__name__}.")
     return items, single
 
@@ -183,14 +184,14 @@ def check_not_accelerated(models: Sequence[nn.Module], optimizers: Sequence[Any]
     """
     for model in models:
         if "_original_forward" in vars(model):
-            raise ValueError(
+            raise ConfigError(
                 f"amp.initialize got a {type(model).__name__} whose forward Hugging Face Accelerate wrapped in "
                 "autocast (Accelerator(mixed_precision='fp16'/'bf16')): two mixed-precision schemes at once. "
                 "Use Accelerator(mixed_precision='no') and call amp.initialize on the model and optimizer "
                 "before accelerator.prepare(...).")
     for optimizer in optimizers:
         if type(optimizer).__name__ == "AcceleratedOptimizer" and type(optimizer).__module__.startswith("accelerate"):
-            raise ValueError(
+            raise ConfigError(
                 "amp.initialize got an AcceleratedOptimizer (the result of accelerator.prepare): call "
                 "amp.initialize on the bare model and optimizer first, then accelerator.prepare(...) on what it "
                 "returns, with Accelerator(mixed_precision='no'); pass the initialized optimizer to scale_loss.")
@@ -263,7 +264,7 @@ def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: S
     master_weights "stochastic"/"kahan" (the sharded bfloat16 params the only copy)."""
     units = [sharded.Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
     if props.casts_model and not all(u.modules for u in units):
-        raise ValueError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
+        raise ConfigError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
                          "of them.")
     sharded.check_order(models, optimizers)
     masters = props.master_mode is MasterMode.FP32
@@ -398,7 +399,7 @@ class ParamGuard:
         where = self._registrations()
         gone = [name for *_, p, name in self._watch[hid] if id(p) not in where]
         if gone:  # the watch stays as it was: the next check finds the change again
-            raise RuntimeError(
+            raise OrderError(
                 f"ampatch: the model's parameter {gone[0]!r} was replaced after amp.initialize (by fully_shard, "
                 "FSDP, load_state_dict(assign=True) or another wrapper that swaps parameters), so the optimizer "
                 f"steps a tensor the model no longer uses and training would silently do nothing. Under FSDP2: "

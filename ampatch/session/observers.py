@@ -19,6 +19,7 @@ from torch import nn
 
 from ..base.exit_json import check_writable, exit_report
 from ..config.env import DIAGNOSE, MAX_STEPS, REPORT, WITNESS, Overrides
+from ..errors import OrderError
 from .witness import WeightWitness
 
 logger = logging.getLogger("ampatch")
@@ -102,7 +103,7 @@ def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides, reco
         observers.append(WeightWitness(session, overrides.witness))
     if overrides.diagnose:  # per-module statistics for `ampatch diagnose`
         if recorder is None:
-            raise RuntimeError(f"{DIAGNOSE} is set, but this session was opened without a recorder; open it through "
+            raise OrderError(f"{DIAGNOSE} is set, but this session was opened without a recorder; open it through "
                                "amp.initialize.")
         observers.append(recorder(session, models, overrides.diagnose, eps_lost))
     if overrides.max_steps is not None:

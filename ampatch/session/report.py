@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ConfigError, reason
 from ..machine.hardware import SessionDevice
 from ..model.fp8 import EMULATED
 
@@ -108,28 +109,28 @@ class Report:
             return isinstance(value, origin or hint)
 
         if not isinstance(data, dict):
-            raise ValueError(f"a report is a JSON object, not {type(data).__name__}")
+            raise ConfigError(f"a report is a JSON object, not {type(data).__name__}")
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(fields))
         if unknown:
-            raise ValueError(f"unknown report field(s) {', '.join(map(repr, unknown))}: written by another ampatch?")
+            raise ConfigError(f"unknown report field(s) {', '.join(map(repr, unknown))}: written by another ampatch?")
         missing = [name for name, f in fields.items() if name not in data
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
-            raise ValueError(f"the report lacks {', '.join(map(repr, missing))}")
+            raise ConfigError(f"the report lacks {', '.join(map(repr, missing))}")
         data = dict(data)
         device = data.pop("device", None)
         hints = typing.get_type_hints(cls)
         for name, value in data.items():
             if not fits(value, hints[name]):
                 expected = hints[name].__name__ if isinstance(hints[name], type) else hints[name]
-                raise ValueError(f"report field {name!r} is a {type(value).__name__}, not {expected}")
+                raise ConfigError(f"report field {name!r} is a {type(value).__name__}, not {expected}")
         if device is not None and not isinstance(device, dict):
-            raise ValueError(f"report field 'device' is a {type(device).__name__}, not an object")
+            raise ConfigError(f"report field 'device' is a {type(device).__name__}, not an object")
         try:
             data["device"] = SessionDevice.from_dict(device) if device else None
         except ValueError as exc:
-            raise ValueError(f"report field 'device': {exc}") from None
+            raise ConfigError(f"report field 'device': {reason(exc)}") from None
         return cls(**data)
 
     def _fp8_lines(self) -> list[str]:

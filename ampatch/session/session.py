@@ -23,6 +23,7 @@ from ..base.patcher import Patcher
 from ..config import levels
 from ..config.env import Overrides
 from ..config.options import Options, Properties
+from ..errors import ConfigError, ConfigTypeError, OrderError, reason
 from ..machine import hardware, tips
 from ..model import fp8, keep
 from ..model.forwards import EAGER_UNDER_COMPILE
@@ -119,7 +120,7 @@ class Session:
             except ValueError as exc:  # a layer choice from outside: the message names where it came from
                 if self.overrides.fp8_modules is None or props.fp8_modules != self.overrides.fp8_modules:
                     raise
-                raise ValueError(f"{self.overrides.given('fp8_modules')}: {exc}") from None
+                raise ConfigError(f"{self.overrides.given('fp8_modules')}: {reason(exc)}") from None
             self._announce_fp8()
         self.guard = build.ParamGuard(models, self.optimizers)
         for h in self.optimizers:
@@ -209,7 +210,7 @@ class Session:
         h = self.find(optimizer)
         if h is not None:
             return h
-        raise RuntimeError(f"{what} got an optimizer that was not passed to amp.initialize; pass every "
+        raise OrderError(f"{what} got an optimizer that was not passed to amp.initialize; pass every "
                            "optimizer to initialize (they come back patched). A later amp.initialize ends the "
                            "earlier session: its optimizers are plain torch optimizers again.")
 
@@ -217,7 +218,7 @@ class Session:
     def scale_loss(self, loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
                    delay_unscale: bool = False, delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
+            raise ConfigTypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
         check_loss_id(loss_id, len(self.scalers))
         opts = optimizer_list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         if not self.properties.enabled:
@@ -349,10 +350,10 @@ def optimizer_list(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.op
     """`scale_loss`'s optimizers (a list/tuple) as a list: at least one, each once."""
     opts = list(optimizers)
     if not opts:
-        raise ValueError("scale_loss got no optimizer: pass the optimizer(s) whose params this loss's "
+        raise ConfigError("scale_loss got no optimizer: pass the optimizer(s) whose params this loss's "
                          "backward reaches (they unscale the grads and skip the step on overflow).")
     for i, o in enumerate(opts):
         if any(o is other for other in opts[:i]):
-            raise ValueError(f"scale_loss got the same optimizer twice (optimizers[{i}]); pass each once, or "
+            raise ConfigError(f"scale_loss got the same optimizer twice (optimizers[{i}]); pass each once, or "
                              "its grads would be unscaled twice.")
     return opts

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..base.exit_json import ExitJson
+from ..errors import ConfigError
 
 logger = logging.getLogger("ampatch")
 
@@ -69,7 +70,7 @@ class Witness:
                            for p in data["points"])
             return cls(int(data["dims"]), int(data["sampled"]), int(data["params"]), str(data["loss_dtype"]), points)
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a weights witness: {exc!r}") from None
+            raise ConfigError(f"not a weights witness: {exc!r}") from None
 
 
 class _Plan:

@@ -11,6 +11,7 @@ from ampatch.base.dtypes import HALF_NAMES, short_name
 from ampatch.config.levels import CASTING_LEVELS, fixed_half_dtype, half_dtype_conflict, uses_half
 from ampatch.config.policy_file import Policy
 from ampatch.config.values import LOW_MEMORY_MODES, StatePrecision
+from ampatch.errors import ConfigError
 from ampatch.machine import hardware
 
 __all__ = ["Candidate", "REFERENCE", "initial", "SIMPLICITY", "OBJECTIVES", "low_memory_variants"]
@@ -76,7 +77,7 @@ def initial(levels: Sequence[str], device: str, half_dtype: str | None, objectiv
     without native float16, only when asked). O4/O5 are bfloat16 by definition. With the
     "memory" objective, the low-memory master modes too (`low_memory_variants`)."""
     if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     native = hardware.describe(device).native
     if half_dtype in HALF_NAMES:
         dtypes = [half_dtype]

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from ampatch.config import levels as level_table
 from ampatch.config.policy_file import DEFAULT_PATH, Policy, save
+from ampatch.errors import ConfigError
 from ampatch.runs import builtin, runner
 from ampatch.runs.deviation import TOLERANCE
 from ampatch.tune import candidates, fp8, plot, report, timing
@@ -101,22 +102,22 @@ def _check(command: Sequence[str] | None, workload: str | None, size: str | None
            tolerance: float, steps: int, budget: float | None, rounds: int, out: str | None) -> list[str]:
     """The arguments checked (ValueError naming the fix); returns the levels, normalised."""
     if command is not None and (workload is not None or size is not None):
-        raise ValueError("workload/size apply to the built-in workloads; give your script its own options after its "
+        raise ConfigError("workload/size apply to the built-in workloads; give your script its own options after its "
                          "command")
     if workload is not None and workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+        raise ConfigError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     if size is not None and size not in SIZES:
-        raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+        raise ConfigError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
     if not tolerance > 0:
-        raise ValueError(f"tolerance must be above 0 (a relative deviation such as 0.02), got {tolerance!r}")
+        raise ConfigError(f"tolerance must be above 0 (a relative deviation such as 0.02), got {tolerance!r}")
     if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+        raise ConfigError(f"steps must be at least 1, got {steps}")
     if budget is not None and not budget > 0:
-        raise ValueError(f"budget must be a number of seconds above 0, or None for no limit, got {budget!r}")
+        raise ConfigError(f"budget must be a number of seconds above 0, or None for no limit, got {budget!r}")
     if rounds < 0:
-        raise ValueError(f"rounds must be 0 or more (0: no re-timing), got {rounds}")
+        raise ConfigError(f"rounds must be 0 or more (0: no re-timing), got {rounds}")
     if out is not None and not Path(out).resolve().parent.is_dir():
-        raise ValueError(f"cannot write the policy to {out}: its directory does not exist")
+        raise ConfigError(f"cannot write the policy to {out}: its directory does not exist")
     return list(dict.fromkeys(level_table.variant(x, "opt_level").label for x in levels))
 
 
@@ -140,7 +141,7 @@ def tune(command: Sequence[str] | None = None, *, workload: str | None = None, s
     log = log if log is not None else sys.stderr
     chosen_levels = _check(command, workload, size, levels, tolerance, steps, budget, rounds, out)
     if objective not in candidates.OBJECTIVES:
-        raise ValueError(f"objective must be one of {', '.join(candidates.OBJECTIVES)}, got {objective!r}")
+        raise ConfigError(f"objective must be one of {', '.join(candidates.OBJECTIVES)}, got {objective!r}")
     half = None if half_dtype in (None, "auto") else half_dtype
     if command is not None:
         cmd = runner.resolve_command(list(command))

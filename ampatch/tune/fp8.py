@@ -26,6 +26,7 @@ from ampatch.base.dtypes import short_name
 from ampatch.config import levels as level_table
 from ampatch.config.options import fp8_conflict
 from ampatch.config.values import FP8_RECIPES
+from ampatch.errors import ConfigError
 from ampatch.model.fp8 import EMULATED, has_fp8_kernels
 from ampatch.session.report import Report
 from ampatch.tune.candidates import Candidate
@@ -57,7 +58,7 @@ def candidates(variants: Sequence[level_table.Variant], device: str, half_dtype:
         if v.fp8 is not None:
             why = fp8_conflict(v.level, v.fp8, half_dtype, device)
             if why:
-                raise ValueError(f"{v.label}: {why}")
+                raise ConfigError(f"{v.label}: {why}")
         half = None
         if level_table.uses_half(v.level):  # FP8 computes in bfloat16 where the level has a half dtype
             half = short_name(level_table.half_dtype_for(v.level, device, "bfloat16" if v.fp8 else half_dtype))

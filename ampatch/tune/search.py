@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TextIO
 
+from ampatch.errors import ConfigError, NoReference, reason
 from ampatch.runs import process
 from ampatch.runs.deviation import Basis, Reference, unsound
 from ampatch.runs.longer import Longer
@@ -51,13 +52,6 @@ __all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "sou
 
 RECORD_FACTOR = 3.0   # a recorded run's time against a plain run's, until one is measured
 SAME_BYTES = choice.SAME_BYTES
-
-
-class NoReference(RuntimeError):
-    """The O0 run failed, never trained under amp, or is unsound: nothing to judge the candidates against.
-    `result`: what the command had measured (set by `tune`, for its JSON), or None."""
-
-    result: object = None
 
 
 class NoProgress(NoReference):
@@ -98,9 +92,9 @@ class Search:
     def __init__(self, job: Job, candidates: Sequence[Candidate], tolerance: float, budget_s: float | None,
                  log: TextIO, repair: bool = True, rounds: int = timing.ROUNDS, objective: str = "speed") -> None:
         if rounds < 0:
-            raise ValueError(f"rounds must be 0 or more (0: no re-timing), got {rounds}")
+            raise ConfigError(f"rounds must be 0 or more (0: no re-timing), got {rounds}")
         if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+            raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.job, self.todo, self.log, self.repair, self.rounds = job, list(candidates), log, repair, rounds
         self.result = Result(tolerance, objective=objective)
         self.objective = objective
@@ -162,7 +156,7 @@ class Search:
             self.result.notes.append(f"interrupted ({signal.Signals(self.result.interrupted).name}): the choice is "
                                      "the best of what was measured.")
         except NoReference as exc:
-            self.result.stopped, self.result.no_reference = str(exc), not isinstance(exc, NoProgress)
+            self.result.stopped, self.result.no_reference = reason(exc), not isinstance(exc, NoProgress)
             raise
         self.choose()
         return self.result

@@ -79,7 +79,7 @@ def test_a_session_converts_the_layers_named_from_outside(monkeypatch):
     assert [layer["converted"] for layer in amp.report().fp8_layers] == [False, True, False]
     amp.deinitialize()
     monkeypatch.setenv(env.FP8_MODULES, "nowhere")
-    with pytest.raises(ValueError, match=r"^AMPATCH_FP8_MODULES=nowhere: fp8_modules: 'nowhere' matches no Linear "
-                                         r"layer .* The Linear layers are: 0, 2, 3\."):
+    with pytest.raises(ValueError, match=r"^ampatch: AMPATCH_FP8_MODULES=nowhere: fp8_modules: 'nowhere' matches no "
+                                         r"Linear layer .* The Linear layers are: 0, 2, 3\."):
         m = model()
         amp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), opt_level="O5", verbosity=0)

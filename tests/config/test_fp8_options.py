@@ -125,5 +125,5 @@ def test_a_policy_file_carries_fp8(tmp_path):
 
 
 def test_parse_fp8_names_what_it_parses():
-    with pytest.raises(ValueError, match="^--fp8='x' is not an fp8 recipe; use one of"):
+    with pytest.raises(ValueError, match="^ampatch: --fp8='x' is not an fp8 recipe; use one of"):
         parse_fp8("x", "--fp8")

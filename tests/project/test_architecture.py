@@ -24,8 +24,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ampatch"
 SCRIPTS = PACKAGE.parent / "scripts"
 MAX_LINES = 420  # "~400 lines": split a file by job before it grows further
 # The rooms, bottom first; a room imports only rooms on a lower line. "api" is ampatch/__init__.py;
-# "types" (ampatch/types.py, the public type aliases) imports nothing of ampatch.
-LAYERS = (("types",), ("base",), ("machine",), ("config",), ("o1",), ("model",), ("optim",), ("session", "record"),
+# "types" (ampatch/types.py, the public type aliases) and "errors" (ampatch/errors.py, the error family
+# every room raises) import nothing of ampatch.
+LAYERS = (("types", "errors"), ("base",), ("machine",), ("config",), ("o1",), ("model",), ("optim",), ("session", "record"),
           ("api",), ("compat", "frameworks", "workloads"), ("lightning", "huggingface", "runs"), ("compare",),
           ("diagnose",), ("tune",), ("cli",))
 RANK = {room: i for i, line in enumerate(LAYERS) for room in line}
@@ -196,6 +197,7 @@ def test_rooms_import_only_rooms_below_them() -> None:
 
 
 def test_config_imports_nothing_above_base() -> None:
+    """(base and the error family, below it)."""
     bad = [f"{m}:{line} imports {theirs}" for m, mine, theirs, line in _room_imports(False)
            if mine == "config" and RANK[theirs] > RANK["base"]]
     assert not bad, "\n".join(bad)

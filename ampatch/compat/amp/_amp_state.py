@@ -7,7 +7,8 @@ Real Apex scripts read and write a few of its attributes: the starting loss scal
 `allow_incoming_model_not_fp32` and `hard_override`.
 Every attribute here reads or writes the live `Session` (no second copy of its state);
 the three flags are Apex's process-wide settings, kept in the core's `ampatch.config.settings`
-(where `initialize` reads them) and read and written through this view. Before `initialize` the view exists and is empty (`loss_scalers == []`).
+(where `initialize` reads them) and read and written through this view. Before `initialize`
+the view exists and is empty (`loss_scalers == []`).
 
 Under the alias this module is `apex.amp._amp_state`.
 """
@@ -21,6 +22,7 @@ from typing import Any
 from ...base.notices import set_verbosity
 from ...config.settings import SETTINGS, Settings
 from ...config.values import DEFAULT_MAX_LOSS_SCALE
+from ...errors import ConfigTypeError, OrderError, OverrideError, ReadOnlyError
 from ...optim.handle import OptimizerHandle
 from ...optim.scaler import LossScaler
 from ...session.session import current
@@ -46,8 +48,8 @@ class SessionOwner:
     def _get(self) -> Any:
         s = self._session()
         if s is None or s.closed:
-            raise RuntimeError("_amp_state.loss_scalers[i]: this loss scaler's amp session has ended (amp.initialize "
-                               "was called again, or amp.deinitialize()); take amp._amp_state.loss_scalers[i] again.")
+            raise OrderError("_amp_state.loss_scalers[i]: this loss scaler's amp session has ended (amp.initialize "
+                             "was called again, or amp.deinitialize()); take amp._amp_state.loss_scalers[i] again.")
         return s
 
     def live(self) -> None:
@@ -66,7 +68,7 @@ class SessionOwner:
         """Validated like `amp.load_state_dict`: a static scale stays, a dynamic one is clamped
         into its range; either way a write that does not take says so."""
         if isinstance(value, bool):  # float(True) would pass the state check
-            raise TypeError(f"_loss_scale must be a number, got {value!r}.")
+            raise ConfigTypeError(f"_loss_scale must be a number, got {value!r}.")
         asked = scaler.load_state_dict({**scaler.state_dict(), "loss_scale": value})
         if asked is None:
             return
@@ -99,7 +101,7 @@ class PropertiesView:
         raise AttributeError(f"'Properties' object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"opt_properties.{name} is read-only here: pass {name}=... to amp.initialize.")
+        raise ReadOnlyError(f"opt_properties.{name} is read-only here: pass {name}=... to amp.initialize.")
 
     def __repr__(self) -> str:
         return "Properties(" + ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + ")"
@@ -107,6 +109,11 @@ class PropertiesView:
 
 class AmpState:
     """Apex's `_amp_state` over the live session (`current()` returns it, or None)."""
+
+    # set by object.__setattr__ (this class's __setattr__ takes only Apex's settable flags)
+    _current: Callable[[], Any]
+    _settings: Settings
+    _views: tuple[weakref.ref[Any] | None, dict[int, LossScalerView]]
 
     def __init__(self, current: Callable[[], Any], settings: Settings = SETTINGS) -> None:
         object.__setattr__(self, "_current", current)
@@ -172,17 +179,17 @@ class AmpState:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _SETTABLE:
-            raise AttributeError(f"_amp_state.{name} cannot be set; the settable flags are {', '.join(_SETTABLE)}. "
-                                 "A loss scale is set through _amp_state.loss_scalers[i]._loss_scale.")
+            raise ReadOnlyError(f"_amp_state.{name} cannot be set; the settable flags are {', '.join(_SETTABLE)}. "
+                                "A loss scale is set through _amp_state.loss_scalers[i]._loss_scale.")
         if name == "verbosity":
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"verbosity must be an int, got {value!r}.")
+                raise ConfigTypeError(f"verbosity must be an int, got {value!r}.")
             s = self._current()
             if s is not None:  # what initialize(verbosity=...) sets: the session's and the logger's
                 s.verbosity = value
                 set_verbosity(value)
         elif not isinstance(value, bool):
-            raise TypeError(f"_amp_state.{name} must be True or False, got {value!r}.")
+            raise ConfigTypeError(f"_amp_state.{name} must be True or False, got {value!r}.")
         setattr(self._settings, name, value)
 
     def __repr__(self) -> str:
@@ -197,7 +204,7 @@ def warn_or_err(msg: str) -> None:
     if SETTINGS.hard_override:
         logger.warning("Warning: %s", msg)
     else:
-        raise RuntimeError(msg)
+        raise OverrideError(msg)
 
 
 def maybe_print(msg: str, rank0: bool = False) -> None:

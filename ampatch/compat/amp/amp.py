@@ -12,10 +12,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...config import values
+from ...errors import ConfigTypeError
 from ...session.session import current as _current
 from .handle import Handle
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what __getattr__ reads from the package, for the linters (at run time: lazily, it sits above)
+    from ampatch import (
+        bfloat16_function,
+        float_function,
+        half_function,
+        promote_function,
+        register_bfloat16_function,
+        register_float_function,
+        register_half_function,
+        register_promote_function,
+    )
+
     from ...types import OptLevel
 
 logger = logging.getLogger("ampatch")
@@ -32,7 +44,7 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     Apex's keyword) with no models or optimizers, and return a handle over that session."""
     for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("verbose", verbose)):
         if not isinstance(value, bool):
-            raise TypeError(f"amp.init({name}=...) must be True or False, got {value!r}.")
+            raise ConfigTypeError(f"amp.init({name}=...) must be True or False, got {value!r}.")
     if not enabled:
         return Handle(None)
     if not enable_caching:

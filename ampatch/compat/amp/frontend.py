@@ -5,9 +5,13 @@ Apex's description of the opt levels: `Properties` (a session's resolved propert
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...config import levels, options
+from ...errors import NotSupportedError
+
+if TYPE_CHECKING:  # what __getattr__ reads from the package, for the linters (at run time: lazily, it sits above)
+    from ampatch import initialize, load_state_dict, state_dict
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "Properties", "OptLevel", "opt_levels",
            "O0", "O1", "O2", "O3", "O4", "O5"]
@@ -37,16 +41,38 @@ class OptLevel:
 
     def __call__(self, properties: Any) -> Any:
         """Apex applied a level to a Properties object; ampatch resolves levels in `initialize`."""
-        raise NotImplementedError(f"apex.amp.frontend.{self.name}(properties) is not provided: ampatch resolves the "
-                                  f"level in amp.initialize(model, optimizer, opt_level={self.name!r}, ...); "
-                                  "_amp_state.opt_properties shows the result.")
+        raise NotSupportedError(f"apex.amp.frontend.{self.name}(properties) is not provided: ampatch resolves the "
+                                f"level in amp.initialize(model, optimizer, opt_level={self.name!r}, ...); "
+                                "_amp_state.opt_properties shows the result.")
 
     def __repr__(self) -> str:
         return f"<opt level {self.name}>"
 
 
-O0, O1, O2, O3, O4, O5 = (type(name, (OptLevel,), {"name": name, "__module__": __name__})
-                          for name in ("O0", "O1", "O2", "O3", "O4", "O5"))
+class O0(OptLevel):
+    name = "O0"
+
+
+class O1(OptLevel):
+    name = "O1"
+
+
+class O2(OptLevel):
+    name = "O2"
+
+
+class O3(OptLevel):
+    name = "O3"
+
+
+class O4(OptLevel):
+    name = "O4"
+
+
+class O5(OptLevel):
+    name = "O5"
+
+
 opt_levels = {cls.name: cls() for cls in (O3, O2, O1, O0, O4, O5)}
 
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...base.patcher import disable_casts as casts_off
+from ...errors import ConfigError, ConfigTypeError, OrderError
 from ...session.session import current as _current
+
+if TYPE_CHECKING:  # what __getattr__ reads from the package, for the linters (at run time: lazily, it sits above)
+    from ampatch import disable_casts, scale_loss
 
 logger = logging.getLogger("ampatch")
 
@@ -36,15 +40,15 @@ class Handle:
         if self._session is None:
             return None
         if self._session is not _current():
-            raise RuntimeError(f"handle.{what}(): this amp handle's session has ended (amp.initialize or amp.init "
-                               "was called again, or handle._deactivate()); use the handle of the live session, "
-                               "amp._amp_state.handle.")
+            raise OrderError(f"handle.{what}(): this amp handle's session has ended (amp.initialize or amp.init "
+                             "was called again, or handle._deactivate()); use the handle of the live session, "
+                             "amp._amp_state.handle.")
         return self._session
 
     def is_active(self) -> bool:
         """Whether this handle's session is live and casting."""
         s = self._session
-        return s is not None and s is _current() and s.properties.enabled
+        return s is not None and s.properties.enabled and s is _current()
 
     def _deactivate(self) -> None:
         """Undo the session (`amp.deinitialize()`); a no-op once it has ended."""
@@ -75,9 +79,9 @@ class Handle:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> Any:
         """Apex's `OptimWrapper`: `wrapped.scale_loss(loss)` per backward, `wrapped.step()`."""
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"wrap_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+            raise ConfigTypeError(f"wrap_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
-            raise ValueError(f"num_loss must be a positive int, got {num_loss!r}.")
+            raise ConfigError(f"num_loss must be a positive int, got {num_loss!r}.")
         from .opt import OptimWrapper
         return OptimWrapper(self._live("wrap_optimizer"), optimizer, num_loss)
 

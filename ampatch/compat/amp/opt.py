@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from ampatch.errors import OrderError
+
 __all__ = ["OptimWrapper"]
 
 
@@ -25,8 +27,8 @@ class OptimWrapper:
         if self._session is None:
             return contextlib.nullcontext(loss)
         if self._loss_idx >= self._num_loss:
-            raise RuntimeError(f"wrap_optimizer(optimizer, num_loss={self._num_loss}): scale_loss was called "
-                               f"{self._loss_idx + 1} times before step(); pass num_loss={self._loss_idx + 1}.")
+            raise OrderError(f"wrap_optimizer(optimizer, num_loss={self._num_loss}): scale_loss was called "
+                             f"{self._loss_idx + 1} times before step(); pass num_loss={self._loss_idx + 1}.")
         loss_id, self._loss_idx = self._loss_idx, self._loss_idx + 1
         return self._session.scale_loss(loss, self._optimizer, loss_id=loss_id)
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ...errors import ConfigTypeError, ReadOnlyError
 from ...optim import scaler as core
 from ...optim.context import OptState
 from ...optim.handle import OptimizerHandle
@@ -106,7 +107,7 @@ class LossScalerView:
     @_unskipped.setter
     def _unskipped(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int):  # int(-1.5) would pass the state check
-            raise TypeError(f"_unskipped must be a non-negative int, got {value!r}.")
+            raise ConfigTypeError(f"_unskipped must be a non-negative int, got {value!r}.")
         scaler = self._resolved()
         scaler.load_state_dict({**scaler.state_dict(), "unskipped": value})
 
@@ -140,7 +141,7 @@ class LossScalerView:
     @_has_overflow.setter
     def _has_overflow(self, value: bool) -> None:
         if not isinstance(value, bool):
-            raise TypeError(f"_has_overflow must be True or False, got {value!r}.")
+            raise ConfigTypeError(f"_has_overflow must be True or False, got {value!r}.")
         self._resolved()
         object.__setattr__(self, "_pending", value)
 
@@ -160,7 +161,8 @@ class LossScalerView:
     @_overflow_buf.setter
     def _overflow_buf(self, value: torch.Tensor) -> None:
         if not isinstance(value, torch.Tensor) or value.numel() < 1:
-            raise TypeError(f"_overflow_buf must be a tensor (Apex's int flag buffer), got {type(value).__name__}.")
+            raise ConfigTypeError(f"_overflow_buf must be a tensor (Apex's int flag buffer), got "
+                                  f"{type(value).__name__}.")
         self._resolved()
         object.__setattr__(self, "_buf", value)
         object.__setattr__(self, "_own_buf", False)
@@ -224,9 +226,9 @@ class LossScalerView:
             prop.fset(self, value)
             return
         if name in _READ_ONLY or hasattr(type(self), name):
-            raise AttributeError(f"{self._owner.describe()}.{name} cannot be set; _loss_scale, _unskipped, "
-                                 "_scale_seq_len, _overflow_buf and _has_overflow can (min/max scale and dynamic "
-                                 "scaling are configuration: amp.initialize arguments).")
+            raise ReadOnlyError(f"{self._owner.describe()}.{name} cannot be set; _loss_scale, _unskipped, "
+                                "_scale_seq_len, _overflow_buf and _has_overflow can (min/max scale and dynamic "
+                                "scaling are configuration: amp.initialize arguments).")
         self._extra[name] = value  # Apex's scaler was a plain object: a script's own attribute stays with it
 
     def __repr__(self) -> str:

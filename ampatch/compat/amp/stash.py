@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...base.dtypes import LOW
+from ...errors import ReadOnlyError
 from ...optim.context import OptState
 from ...optim.handle import OptimizerHandle
 from .scaler import device_of
@@ -39,6 +40,8 @@ class AmpStash:
     _VIEWS = ("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups", "all_fp16_params",
               "all_fp32_from_fp16_params", "all_fp32_from_fp32_params", "all_fp32_params",
               "params_have_scaled_gradients", "dummy_overflow_buf")
+    _handle: OptimizerHandle        # set by object.__setattr__: __setattr__ below guards the views
+    _buf: torch.Tensor | None
 
     def __init__(self, handle: OptimizerHandle) -> None:
         object.__setattr__(self, "_handle", handle)
@@ -98,14 +101,16 @@ class AmpStash:
     @property
     def dummy_overflow_buf(self) -> torch.Tensor:
         """Apex's int flag buffer for the multi-tensor kernels, on the params' device."""
-        if self._buf is None:
-            object.__setattr__(self, "_buf", torch.zeros(1, dtype=torch.int, device=device_of([self._handle])))
-        return self._buf
+        buf = self._buf
+        if buf is None:
+            buf = torch.zeros(1, dtype=torch.int, device=device_of([self._handle]))
+            object.__setattr__(self, "_buf", buf)
+        return buf
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._VIEWS:
-            raise AttributeError(f"optimizer._amp_stash.{name} is a view of the optimizer's params under ampatch and "
-                                 "cannot be replaced; change the optimizer's param_groups instead.")
+            raise ReadOnlyError(f"optimizer._amp_stash.{name} is a view of the optimizer's params under ampatch and "
+                                "cannot be replaced; change the optimizer's param_groups instead.")
         object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...base.tree import map_tensors
+from ...errors import PlatformError
 from ..missing import not_provided_function
 
 logger = logging.getLogger("ampatch")
@@ -28,7 +29,7 @@ def is_cuda_enabled() -> bool:
 def get_cuda_version() -> tuple[int, ...]:
     """The CUDA version PyTorch was built with, as a tuple of ints."""
     if torch.version.cuda is None:
-        raise RuntimeError("get_cuda_version(): this PyTorch was built without CUDA (torch.version.cuda is None).")
+        raise PlatformError("get_cuda_version(): this PyTorch was built without CUDA (torch.version.cuda is None).")
     return tuple(int(x) for x in torch.version.cuda.split("."))
 
 

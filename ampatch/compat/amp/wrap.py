@@ -4,6 +4,9 @@ own through `amp.register_*_function`; so each of these is importable and raises
 naming the registration that does the same."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ..missing import not_provided_function
 
 __all__ = ["make_cast_wrapper", "cached_cast", "make_promote_wrapper", "promote", "promote_match_arg0",
@@ -22,8 +25,21 @@ _WAYS = {
     "new_rnn_cast": "nothing: ampatch casts torch's RNNs itself at O1/O4",
     "disable_casts": "`with amp.disable_casts():` around the call",
 }
-for _name, _way in _WAYS.items():
-    globals()[_name] = not_provided_function(
-        _name, __name__, f"apex.amp.wrap.{_name} patched torch through Apex's handle and is not provided by "
-        f"ampatch; use {_way}.")
-del _name, _way
+
+
+def _stand_in(name: str) -> Callable[..., Any]:
+    return not_provided_function(name, __name__, f"apex.amp.wrap.{name} patched torch through Apex's handle and is "
+                                 f"not provided by ampatch; use {_WAYS[name]}.")
+
+
+make_cast_wrapper = _stand_in("make_cast_wrapper")
+cached_cast = _stand_in("cached_cast")
+make_promote_wrapper = _stand_in("make_promote_wrapper")
+promote = _stand_in("promote")
+promote_match_arg0 = _stand_in("promote_match_arg0")
+make_err_wrapper = _stand_in("make_err_wrapper")
+err_if_any_half = _stand_in("err_if_any_half")
+err_if_arg0_half = _stand_in("err_if_arg0_half")
+rnn_cast = _stand_in("rnn_cast")
+new_rnn_cast = _stand_in("new_rnn_cast")
+disable_casts = _stand_in("disable_casts")

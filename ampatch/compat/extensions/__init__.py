@@ -11,7 +11,7 @@ from ..missing import NotProvidedError, not_provided_message
 from . import amp_C, apex_C
 
 __all__ = ["amp_C", "apex_C"]
-__path__: list[str] = []  # a package, so `import apex.extensions.syncbn` reaches the alias's finder
+__path__ = []  # a package, so `import apex.extensions.syncbn` reaches the alias's finder
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ...errors import NotSupportedError
 from .kernels import (
     multi_tensor_axpby,
     multi_tensor_l2norm,
@@ -43,8 +44,8 @@ __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "m
 
 def _not_provided(name: str, replacement: str) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"amp_C.{name} is a CUDA kernel of Apex that ampatch does not provide "
-                                  f"('amp_C' here is ampatch's stand-in): {replacement}.")
+        raise NotSupportedError(f"amp_C.{name} is a CUDA kernel of Apex that ampatch does not provide "
+                                f"('amp_C' here is ampatch's stand-in): {replacement}.")
     kernel.__name__ = kernel.__qualname__ = name
     kernel.__doc__ = f"Not provided: raises NotImplementedError naming {replacement}."
     return kernel

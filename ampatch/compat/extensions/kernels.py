@@ -19,8 +19,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["check_lists", "skipped", "raise_flag", "has_inf_or_nan", "nonfinite", "upcast", "store", "norms", "total_norm",
-           "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_mp",
+from ampatch.errors import ConfigTypeError, InvalidCallError
+
+__all__ = ["check_lists", "skipped", "raise_flag", "has_inf_or_nan", "nonfinite", "upcast", "store", "norms",
+           "total_norm", "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_mp",
            "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm", "update_scale_hysteresis"]
 
 TensorLists = Sequence[Sequence[Tensor]]
@@ -36,19 +38,19 @@ def check_lists(name: str, tensor_lists: TensorLists, depth: int | tuple[int, ..
     depths = depth if isinstance(depth, tuple) else (depth,)
     lists = [list(lst) for lst in tensor_lists]
     if len(lists) not in depths:
-        raise RuntimeError(f"{name}: tensor_lists.size() != depth (got {len(lists)} lists, expected "
-                           f"{' or '.join(map(str, depths))})")
+        raise InvalidCallError(f"{name}: tensor_lists.size() != depth (got {len(lists)} lists, expected "
+                               f"{' or '.join(map(str, depths))})")
     if not lists[0]:
-        raise RuntimeError(f"{name}: tensor_lists[0].size() is not > 0")
+        raise InvalidCallError(f"{name}: tensor_lists[0].size() is not > 0")
     for lst in lists:
         if len(lst) != len(lists[0]):
-            raise RuntimeError(f"{name}: Size mismatch among tensor lists")
+            raise InvalidCallError(f"{name}: Size mismatch among tensor lists")
         for t, first in zip(lst, lists[0]):
             if not isinstance(t, Tensor):
-                raise TypeError(f"{name}: tensor_lists must hold tensors, got {type(t).__name__}")
+                raise ConfigTypeError(f"{name}: tensor_lists must hold tensors, got {type(t).__name__}")
             if t.numel() != first.numel():
-                raise RuntimeError(f"{name}: Size mismatch (a tensor of {t.numel()} elements next to one of "
-                                   f"{first.numel()})")
+                raise InvalidCallError(f"{name}: Size mismatch (a tensor of {t.numel()} elements next to one of "
+                                       f"{first.numel()})")
     return lists
 
 
@@ -101,10 +103,11 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
     tensors = list(tensors)
     device = tensors[0].device
     if ord == float("inf"):
-        out = [torch._foreach_norm([t], ord)[0].float() if t.numel() else torch.zeros((), dtype=torch.float32, device=t.device)
-               for t in tensors]
+        out = [torch._foreach_norm([t], ord)[0].float() if t.numel()
+               else torch.zeros((), dtype=torch.float32, device=t.device) for t in tensors]
         return torch.stack([n.to(device) for n in out])
-    pieces, owner = [], []
+    pieces: list[torch.Tensor] = []
+    owner: list[int] = []
     for i, t in enumerate(tensors):
         chunks = t.reshape(-1).split(CHUNK) if t.numel() > CHUNK else (t,)
         pieces.extend(chunks)

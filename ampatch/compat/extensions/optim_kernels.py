@@ -37,7 +37,7 @@ def _adam(g: list[Tensor], p: list[Tensor], m: list[Tensor], v: list[Tensor], lr
           beta2: float, eps: float, bc1: float, bc2: float, mode: int, decay: float) -> None:
     """One Adam step on math-type lists, in place on p, m and v (g is read only)."""
     if mode == ADAM_L2 and decay:
-        g = torch._foreach_add(g, p, alpha=decay)
+        g = list(torch._foreach_add(g, p, alpha=decay))
     torch._foreach_mul_(m, beta1)
     torch._foreach_add_(m, g, alpha=1 - beta1)
     torch._foreach_mul_(v, beta2)
@@ -62,7 +62,9 @@ def multi_tensor_adam(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLi
     bc1, bc2 = _corrections(beta1, beta2, int(step), bias_correction)
     p32, m32, v32 = upcast(p), upcast(m), upcast(v)
     _adam(upcast(g), p32, m32, v32, _item(lr), beta1, beta2, epsilon, bc1, bc2, mode, weight_decay)
-    store(p, p32), store(m, m32), store(v, v32)
+    store(p, p32)
+    store(m, m32)
+    store(v, v32)
 
 
 def _adam_capturable(noop_flag: Tensor, lists: list[list[Tensor]], lr: Tensor, beta1: float,
@@ -71,13 +73,15 @@ def _adam_capturable(noop_flag: Tensor, lists: list[list[Tensor]], lr: Tensor, b
     if skipped(noop_flag):
         return
     g, p, m, v = lists[:4]
-    g32 = torch._foreach_mul(upcast(g), inv_scale.reshape(-1)[0].float())
+    g32 = list(torch._foreach_mul(upcast(g), inv_scale.reshape(-1)[0].float()))
     store(g, g32)  # the kernel leaves the unscaled gradients behind
     master = lists[4] if len(lists) == 5 else p
     p32, m32, v32 = upcast(master), upcast(m), upcast(v)
     bc1, bc2 = _corrections(beta1, beta2, int(_item(step)), bias_correction)
     _adam(g32, p32, m32, v32, _item(lr), beta1, beta2, epsilon, bc1, bc2, mode, weight_decay)
-    store(master, p32), store(m, m32), store(v, v32)
+    store(master, p32)
+    store(m, m32)
+    store(v, v32)
     if master is not p:
         store(p, p32)
 
@@ -117,7 +121,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLis
         return
     grads, weights, moms = lists[:3]
     w32 = upcast(weights)
-    d = torch._foreach_mul(upcast(grads), scale)
+    d = list(torch._foreach_mul(upcast(grads), scale))
     if wd and not wd_after_momentum:
         torch._foreach_add_(d, w32, alpha=wd)
     if momentum:
@@ -154,7 +158,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: Tensor, tensor_lists: Tenso
     g, p, h = check_lists("multi_tensor_adagrad", tensor_lists, 3)
     p32, h32, g32 = upcast(p), upcast(h), upcast(g)
     if mode == 0 and weight_decay:
-        g32 = torch._foreach_add(g32, p32, alpha=weight_decay)
+        g32 = list(torch._foreach_add(g32, p32, alpha=weight_decay))
     torch._foreach_addcmul_(h32, g32, g32)
     denom = torch._foreach_sqrt(h32)
     torch._foreach_add_(denom, epsilon)
@@ -162,7 +166,8 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: Tensor, tensor_lists: Tenso
     if mode != 0 and weight_decay:
         torch._foreach_add_(update, p32, alpha=weight_decay)
     torch._foreach_add_(p32, update, alpha=-lr)
-    store(p, p32), store(h, h32)
+    store(p, p32)
+    store(h, h32)
 
 
 @torch.no_grad()
@@ -188,7 +193,7 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: Tensor, tensor_lists: Tens
     denoms = list((grad_norms.float() / bc2 + epsilon).to(g[0].device).unbind())
     p32, m32, g32 = upcast(p), upcast(m), upcast(g)
     if moment_mode == 0:
-        g32 = torch._foreach_div(g32, denoms)
+        g32 = list(torch._foreach_div(g32, denoms))
         if weight_decay:
             torch._foreach_add_(g32, p32, alpha=weight_decay)
         torch._foreach_mul_(m32, beta1)
@@ -202,7 +207,8 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: Tensor, tensor_lists: Tens
         if weight_decay:
             torch._foreach_add_(update, p32, alpha=weight_decay)
     torch._foreach_add_(p32, update, alpha=-lr)
-    store(p, p32), store(m, m32)
+    store(p, p32)
+    store(m, m32)
 
 
 # --------------------------------------------------------------------------- LAMB
@@ -222,7 +228,7 @@ def _lamb_update(g32: list[Tensor], p32: list[Tensor], m32: list[Tensor], v32: l
     """LAMB's first stage, in place on m and v: the Adam-style update, with L2 (mode 0) or
     decoupled (mode 1) weight decay. Returns the updates."""
     if mode == 0 and decay:
-        g32 = torch._foreach_add(g32, p32, alpha=decay)
+        g32 = list(torch._foreach_add(g32, p32, alpha=decay))
     torch._foreach_mul_(m32, beta1)
     torch._foreach_add_(m32, g32, alpha=beta3)
     torch._foreach_mul_(v32, beta2)
@@ -234,7 +240,7 @@ def _lamb_update(g32: list[Tensor], p32: list[Tensor], m32: list[Tensor], v32: l
     torch._foreach_div_(update, denom)
     if mode != 0 and decay:
         torch._foreach_add_(update, p32, alpha=decay)
-    return update
+    return list(update)
 
 
 def _lamb(noop_flag: Tensor, lists: list[list[Tensor]], lr: float, beta1: float, beta2: float, epsilon: float,
@@ -247,14 +253,15 @@ def _lamb(noop_flag: Tensor, lists: list[list[Tensor]], lr: float, beta1: float,
         return
     g32 = upcast(g)
     if inv_scale is not None:
-        g32 = torch._foreach_mul(g32, inv_scale.reshape(-1)[0].float())
+        g32 = list(torch._foreach_mul(g32, inv_scale.reshape(-1)[0].float()))
     if clip != 1.0:
-        g32 = torch._foreach_div(g32, clip)
+        g32 = list(torch._foreach_div(g32, clip))
     bc1, bc2 = _corrections(beta1, beta2, step, bias_correction)
     p32, m32, v32 = upcast(p), upcast(m), upcast(v)
     update = _lamb_update(g32, p32, m32, v32, beta1, beta2, 1 - beta1 if grad_averaging else 1.0, bc1, bc2,
                           epsilon, mode, weight_decay)
-    store(m, m32), store(v, v32)
+    store(m, m32)
+    store(v, v32)
     store(g, update)  # Apex's kernel keeps the update in the gradients, and takes its norm from there
     update_norms = norms(g)
     raise_flag(noop_flag, ~total_norm(update_norms).isfinite()[0])
@@ -313,11 +320,13 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: Tensor, tensor_lis
     clip = _clip_ratio(_item(global_grad_norm), max_global_grad_norm)
     bc1, bc2 = _corrections(beta1, beta2, int(step) + 1, True)
     p32, m32, v32 = upcast(p), upcast(m), upcast(v)
-    update = _lamb_update(torch._foreach_div(upcast(g), clip), p32, m32, v32, beta1, beta2, 1 - beta1, bc1, bc2,
+    update = _lamb_update(list(torch._foreach_div(upcast(g), clip)), p32, m32, v32, beta1, beta2, 1 - beta1, bc1, bc2,
                           epsilon, mode=1, decay=0.0)
     decays = per_tensor_decay.float().to(p[0].device)
     torch._foreach_add_(update, torch._foreach_mul(p32, list(decays.unbind())))
-    store(m, m32), store(v, v32), store(out, update)
+    store(m, m32)
+    store(v, v32)
+    store(out, update)
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...config.values import DEFAULT_MAX_LOSS_SCALE, check_scale_value
+from ...errors import ConfigTypeError, InvalidCallError, OrderError
 from ...optim.context import OptState
 from ...optim.scaler import LossScaler, StateDictKeyError
 from ..amp.scaler import LossScalerView
@@ -36,8 +37,8 @@ def _dynamic_scaler(args: dict[str, Any] | None) -> LossScaler:
     args = dict(args or {})
     unknown = sorted(set(args) - set(DYNAMIC_DEFAULTS))
     if unknown:
-        raise TypeError(f"FP16_Optimizer(dynamic_loss_args=...): unknown keys {unknown}; Apex's loss scaler takes "
-                        f"{', '.join(DYNAMIC_DEFAULTS)}.")
+        raise ConfigTypeError(f"FP16_Optimizer(dynamic_loss_args=...): unknown keys {unknown}; Apex's loss scaler "
+                              f"takes {', '.join(DYNAMIC_DEFAULTS)}.")
     a = {**DYNAMIC_DEFAULTS, **args}
     low = None if a["min_loss_scale"] is None else check_scale_value(a["min_loss_scale"], "min_loss_scale")
     return apex_scaler(check_scale_value(a["init_scale"], "init_scale"), dynamic=True,
@@ -89,7 +90,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
                  dynamic_loss_scale: bool = False, dynamic_loss_args: dict[str, Any] | None = None,
                  verbose: bool = True) -> None:
         if not isinstance(dynamic_loss_scale, bool):
-            raise TypeError(f"dynamic_loss_scale must be True or False, got {dynamic_loss_scale!r}.")
+            raise ConfigTypeError(f"dynamic_loss_scale must be True or False, got {dynamic_loss_scale!r}.")
         if dynamic_loss_scale:
             scaler = _dynamic_scaler(dynamic_loss_args)
         else:
@@ -141,8 +142,8 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the masters and copy them into the half model; skipped while `overflow`."""
         if self._handle.stage is OptState.SCALED:
-            raise RuntimeError("FP16_Optimizer.step(): backward(loss, update_master_grads=False) left gradients "
-                               "that are not in the masters yet; call optimizer.update_master_grads() first.")
+            raise OrderError("FP16_Optimizer.step(): backward(loss, update_master_grads=False) left gradients "
+                             "that are not in the masters yet; call optimizer.update_master_grads() first.")
         if self.overflow:
             self._skip()
             logger.info("ampatch: FP16_Optimizer: gradient overflow, skipping step; loss scale is now %g",
@@ -166,8 +167,8 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
                 logger.info("ampatch: FP16_Optimizer: gradient overflow within the closure; running it again at "
                             "loss scale %g", before)
                 if not self._scaler.dynamic or before <= self._scaler.floor:
-                    raise RuntimeError(f"FP16_Optimizer.step(closure): the closure's gradients are not finite at "
-                                       f"loss scale {before:g}, which cannot go lower.")
+                    raise InvalidCallError(f"FP16_Optimizer.step(closure): the closure's gradients are not finite at "
+                                           f"loss scale {before:g}, which cannot go lower.")
                 loss = closure()
             return loss
 

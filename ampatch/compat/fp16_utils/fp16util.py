@@ -8,6 +8,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ...base.tree import map_tensors
+from ...errors import ConfigTypeError, InvalidCallError
 from ..missing import not_provided_class
 
 __all__ = ["to_python_float", "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
@@ -92,7 +93,7 @@ class FP16_Module(nn.Module):  # noqa: N801 - Apex's name
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.add_module("module", module.half())
+        self.module = module.half()  # a submodule, registered by nn.Module's __setattr__
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return fp16_to_fp32(self.module(*fp32_to_fp16(inputs), **kwargs))
@@ -104,8 +105,8 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
         if len({p.dtype for p in model_params}) > 1:
-            raise TypeError("prep_param_lists(flat_master=True) needs parameters of one dtype; the model mixes "
-                            f"{sorted({str(p.dtype) for p in model_params})}. Use flat_master=False.")
+            raise ConfigTypeError("prep_param_lists(flat_master=True) needs parameters of one dtype; the model mixes "
+                                  f"{sorted({str(p.dtype) for p in model_params})}. Use flat_master=False.")
         master = nn.Parameter(_flatten_dense_tensors([p.detach() for p in model_params]).float())
         master.grad = torch.empty_like(master)
         return model_params, [master]
@@ -117,7 +118,9 @@ def model_grads_to_master_grads(model_params: list[torch.Tensor], master_params:
                                 flat_master: bool = False) -> None:
     """Copy the model's gradients into the FP32 masters' (None stays None)."""
     if flat_master:
-        master_params[0].grad.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
+        flat = master_params[0].grad
+        assert flat is not None, "prep_param_lists(flat_master=True) gives the flat master a gradient"
+        flat.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
         return
     src, dst = [], []
     for model, master in zip(model_params, master_params):
@@ -149,5 +152,5 @@ Fused_Weight_Norm = not_provided_class(  # noqa: N816 - Apex's name
 
 def backwards_debug_hook(grad: torch.Tensor) -> None:
     """Apex's debugging hook for FP32 masters: a gradient reaching one is a bug (it raises)."""
-    raise RuntimeError("master_params received a gradient in the backward pass: the FP32 masters should get their "
-                       "gradients copied from the model (model_grads_to_master_grads), not from autograd.")
+    raise InvalidCallError("master_params received a gradient in the backward pass: the FP32 masters should get their "
+                           "gradients copied from the model (model_grads_to_master_grads), not from autograd.")

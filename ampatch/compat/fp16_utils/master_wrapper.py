@@ -22,6 +22,7 @@ from torch._utils import _unflatten_dense_tensors
 from ...base.dtypes import LOW
 from ...base.patcher import Patcher
 from ...config.values import check_scale_value
+from ...errors import ConfigError, ConfigTypeError, InvalidCallError
 from ...optim import calls
 from ...optim.context import HandleContext, OptState
 from ...optim.handle import OptimizerHandle
@@ -44,12 +45,12 @@ def _check_unwrapped(optimizer: torch.optim.Optimizer, name: str) -> None:
     """An optimizer gets FP32 masters once: from one wrapper, or from amp.initialize."""
     ref = _WRAPPERS.get(optimizer)
     if ref is not None and ref() is not None:
-        raise ValueError(f"{name}: this optimizer is already wrapped by an FP16_Optimizer; wrap it once (a second "
-                         "wrapper would give its params a second set of FP32 masters).")
+        raise ConfigError(f"{name}: this optimizer is already wrapped by an FP16_Optimizer; wrap it once (a second "
+                          "wrapper would give its params a second set of FP32 masters).")
     s = current_session()
     if s is not None and any(h.optimizer is optimizer for h in s.optimizers):
-        raise ValueError(f"{name}: this optimizer was passed to amp.initialize, which gives it FP32 masters and loss "
-                         "scaling already; use amp.scale_loss, or amp.deinitialize() before wrapping it.")
+        raise ConfigError(f"{name}: this optimizer was passed to amp.initialize, which gives it FP32 masters and loss "
+                          "scaling already; use amp.scale_loss, or amp.deinitialize() before wrapping it.")
 
 
 def _release(handle: OptimizerHandle, patcher: Patcher) -> None:
@@ -92,12 +93,12 @@ class MasterWeightOptimizer:
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{self.name} wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}.")
+            raise ConfigTypeError(f"{self.name} wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}.")
         for group in init_optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p.dtype not in _FLOATS:
-                    raise TypeError(f"{self.name}: parameters must be float16, bfloat16 or float32; got {p.dtype} "
-                                    f"(shape {tuple(p.shape)}).")
+                    raise ConfigTypeError(f"{self.name}: parameters must be float16, bfloat16 or float32; got "
+                                          f"{p.dtype} (shape {tuple(p.shape)}).")
         _check_unwrapped(init_optimizer, self.name)
         self.optimizer = init_optimizer
         self._scaler = scaler
@@ -114,7 +115,7 @@ class MasterWeightOptimizer:
         """`(loss.float() * scale).backward()`; the new grads stay scaled (the stage is SCALED)
         until `_unscale`, added to what was there."""
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"{self.name}.backward expects the loss tensor, got {type(loss).__name__}.")
+            raise ConfigTypeError(f"{self.name}.backward expects the loss tensor, got {type(loss).__name__}.")
         handle, scale = self._handle, self._scaler.scale
         handle.before_backward(scale)
         try:
@@ -204,8 +205,8 @@ class MasterWeightOptimizer:
         returns what loads them (and the half model params from them)."""
         current = [g["params"] for g in self.optimizer.param_groups] if flat else self.fp32_from_fp16_groups
         if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
-            raise ValueError(f"{self.name}.load_state_dict: '{key}' has {_count(saved)} param groups, this optimizer "
-                             f"{len(current)}; the checkpoint is from another model or optimizer. Nothing was loaded.")
+            raise ConfigError(f"{self.name}.load_state_dict: '{key}' has {_count(saved)} param groups, this optimizer "
+                              f"{len(current)}; the checkpoint is from another model or optimizer. Nothing was loaded.")
         for i, (now, then) in enumerate(zip(current, saved)):
             if flat:
                 ok = isinstance(then, torch.Tensor) and then.numel() == sum(p.numel() for p in now)
@@ -213,9 +214,9 @@ class MasterWeightOptimizer:
                 ok = isinstance(then, (list, tuple)) and len(then) == len(now) and all(
                     isinstance(t, torch.Tensor) and t.shape == p.shape for p, t in zip(now, then))
             if not ok:
-                raise ValueError(f"{self.name}.load_state_dict: '{key}' group {i} does not match this optimizer's "
-                                 "params (their number or shapes differ); the checkpoint is from another model or "
-                                 "optimizer. Nothing was loaded.")
+                raise ConfigError(f"{self.name}.load_state_dict: '{key}' group {i} does not match this optimizer's "
+                                  "params (their number or shapes differ); the checkpoint is from another model or "
+                                  "optimizer. Nothing was loaded.")
 
         def load() -> None:
             with torch.no_grad():
@@ -228,10 +229,10 @@ class MasterWeightOptimizer:
         return load
 
     def __getstate__(self) -> Any:
-        raise RuntimeError(f"{self.name} should be serialized using state_dict().")
+        raise InvalidCallError(f"{self.name} should be serialized using state_dict().")
 
     def __setstate__(self, state: Any) -> None:
-        raise RuntimeError(f"{self.name} should be deserialized using load_state_dict().")
+        raise InvalidCallError(f"{self.name} should be deserialized using load_state_dict().")
 
 
 def _count(value: Any) -> int | str:

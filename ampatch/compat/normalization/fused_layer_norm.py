@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ampatch.errors import ConfigError
+
 __all__ = ["FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm", "fused_layer_norm_affine",
            "fused_layer_norm", "mixed_dtype_fused_layer_norm_affine", "fused_rms_norm_affine", "fused_rms_norm",
            "mixed_dtype_fused_rms_norm_affine", "manual_rms_norm", *(
@@ -49,8 +51,8 @@ class FusedRMSNorm(_ApexConstructor, nn.RMSNorm):
 
 def _affine_only(name: str, kwargs: dict) -> None:
     if not kwargs.pop("elementwise_affine", True):
-        raise ValueError(f"{name} needs elementwise_affine=True (as in Apex); use "
-                         f"{name.removeprefix('Mixed')}(elementwise_affine=False) instead.")
+        raise ConfigError(f"{name} needs elementwise_affine=True (as in Apex); use "
+                          f"{name.removeprefix('Mixed')}(elementwise_affine=False) instead.")
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):

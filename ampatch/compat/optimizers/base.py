@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ApexOptimizer", "params_list", "closure_loss", "HALF_AND_FLOAT"]
+from ampatch.errors import ConfigTypeError, InvalidCallError
+
+__all__ = ["ApexOptimizer", "params_list", "closure_loss", "grads_of", "HALF_AND_FLOAT"]
 
 # The parameter dtypes Apex's optimizers took (float16, float32), plus bfloat16 (the CPU half).
 HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -20,14 +22,23 @@ HALF_AND_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 def params_list(params: Iterable[Any]) -> list[Any]:
     """The params argument as a list, each group's params a list (a generator is read once)."""
     if isinstance(params, Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
-                        "but got a Tensor.")
+        raise ConfigTypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                              "but got a Tensor.")
     out = []
     for item in params:
         if isinstance(item, dict):
             group = item["params"]
             item = dict(item, params=[group] if isinstance(group, Tensor) else list(group))
         out.append(item)
+    return out
+
+
+def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
+    """The gradients of `params`, chosen for having one (`ApexOptimizer.by_dtype`)."""
+    out = []
+    for p in params:
+        assert p.grad is not None, "the params a step takes are those with a gradient"
+        out.append(p.grad)
     return out
 
 
@@ -58,10 +69,10 @@ class ApexOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError(f"{name} does not support sparse gradients, please consider SparseAdam instead")
+                raise InvalidCallError(f"{name} does not support sparse gradients, please consider SparseAdam instead")
             if p.dtype not in out:
-                raise RuntimeError(f"{name} only supports {', '.join(str(d).removeprefix('torch.') for d in dtypes)} "
-                                   f"parameters, not {p.dtype}.")
+                names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+                raise InvalidCallError(f"{name} only supports {names} parameters, not {p.dtype}.")
             out[p.dtype].append(p)
         return {d: ps for d, ps in out.items() if ps}
 

@@ -20,6 +20,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from ...config.values import check_scale_value
+from ...errors import ConfigError, NotSupportedError
 from ...optim.scaler import StateDictKeyError
 from ..fp16_utils.loss_scaler import apex_scaler
 from ..fp16_utils.master_wrapper import MasterWeightOptimizer
@@ -82,8 +83,8 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
         """Unscale the grads into the FP32 masters; on inf/NaN skip (and lower a dynamic scale),
         else step the wrapped optimizer and copy the masters into the half model."""
         if closure is not None:
-            raise NotImplementedError("apex.optimizers.FP16_Optimizer.step() takes no closure (Apex's did not "
-                                      "either); use apex.fp16_utils.FP16_Optimizer for closures.")
+            raise NotSupportedError("apex.optimizers.FP16_Optimizer.step() takes no closure (Apex's did not "
+                                    "either); use apex.fp16_utils.FP16_Optimizer for closures.")
         overflow = self._unscale()
         if overflow:
             self.last_overflow_iter = self.cur_iter
@@ -119,7 +120,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
                                     f"state_dict() returns (keys {sorted(keys)}), got {got}.")
         cur_iter = state_dict["cur_iter"]
         if isinstance(cur_iter, bool) or not isinstance(cur_iter, int) or cur_iter < 0:
-            raise ValueError(f"FP16_Optimizer.load_state_dict: cur_iter must be a non-negative int, got {cur_iter!r}.")
+            raise ConfigError(f"FP16_Optimizer.load_state_dict: cur_iter must be a non-negative int, got {cur_iter!r}.")
         scale = check_scale_value(state_dict["cur_scale"], "cur_scale")
         if dynamic:
             scaler = apex_scaler(scale, dynamic=True, scale_factor=state_dict["scale_factor"],

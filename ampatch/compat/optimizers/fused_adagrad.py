@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..extensions import optim_kernels as K
-from .base import ApexOptimizer, closure_loss
+from .base import ApexOptimizer, closure_loss, grads_of
 
 __all__ = ["FusedAdagrad"]
 
@@ -33,7 +33,7 @@ class FusedAdagrad(ApexOptimizer):
         for group in self.param_groups:
             for params in self.by_dtype(group, "FusedAdagrad").values():
                 sums = [self.state[p].setdefault("sum", torch.zeros_like(p)) for p in params]
-                K.multi_tensor_adagrad(0, self._dummy_overflow_buf, [[p.grad for p in params], params, sums],
+                K.multi_tensor_adagrad(0, self._dummy_overflow_buf, [grads_of(params), params, sums],
                                        group["lr"], group["eps"], self.adagrad_w_mode, group["weight_decay"])
         return loss
 

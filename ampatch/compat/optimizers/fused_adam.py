@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...errors import ConfigError, InvalidCallError
 from ..extensions import optim_kernels as K
 from ..extensions.kernels import norms, store, total_norm, upcast
-from .base import HALF_AND_FLOAT, ApexOptimizer
+from .base import HALF_AND_FLOAT, ApexOptimizer, grads_of
 
 __all__ = ["FusedAdam"]
 
@@ -52,13 +53,13 @@ class FusedAdam(ApexOptimizer):
                  capturable: bool = False, master_weights: bool = False, *, eps_inside_sqrt: bool | None = None,
                  max_grad_norm: float | None = None) -> None:
         if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+            raise InvalidCallError("FusedAdam does not support the AMSGrad variant.")
         if master_weights and not capturable:
-            raise RuntimeError("Master weights is currently only supported with the capturable version.")
+            raise InvalidCallError("Master weights is currently only supported with the capturable version.")
         self.legacy = eps_inside_sqrt is not None or max_grad_norm is not None
         if self.legacy and (capturable or master_weights):
-            raise ValueError("FusedAdam: eps_inside_sqrt/max_grad_norm belong to the pre-2019 FusedAdam, which had "
-                             "no capturable or master_weights; drop one or the other.")
+            raise ConfigError("FusedAdam: eps_inside_sqrt/max_grad_norm belong to the pre-2019 FusedAdam, which had "
+                              "no capturable or master_weights; drop one or the other.")
         defaults = dict(lr=torch.tensor(lr, dtype=torch.float32) if capturable else lr,
                         bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         if self.legacy:
@@ -96,7 +97,7 @@ class FusedAdam(ApexOptimizer):
              scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
         """One Adam step for every group (see the class docstring); returns the closure's loss."""
         if not self.legacy and any(a is not None for a in (grads, output_params, scale, grad_norms)):
-            raise RuntimeError(_UPDATED)
+            raise InvalidCallError(_UPDATED)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -117,7 +118,7 @@ class FusedAdam(ApexOptimizer):
             beta1, beta2 = group["betas"]
             for params in self.by_dtype(group, "FusedAdam", _DTYPES).values():
                 m, v = zip(*(self._moments(p) for p in params))
-                K.multi_tensor_adam(0, self._dummy_overflow_buf, [[p.grad for p in params], params, list(m),
+                K.multi_tensor_adam(0, self._dummy_overflow_buf, [grads_of(params), params, list(m),
                                                                   list(v)],
                                     group["lr"], beta1, beta2, group["eps"], group["step"], self.adam_w_mode,
                                     1 if group["bias_correction"] else 0, group["weight_decay"])
@@ -140,7 +141,7 @@ class FusedAdam(ApexOptimizer):
             beta1, beta2 = group["betas"]
             for params in self.by_dtype(group, "FusedAdam", _DTYPES).values():
                 m, v = zip(*(self._moments(p) for p in params))
-                lists = [[p.grad for p in params], params, list(m), list(v)]
+                lists = [grads_of(params), params, list(m), list(v)]
                 kernel = K.multi_tensor_adam_capturable
                 if self.master_weights and params[0].dtype != torch.bfloat16:  # Apex: no masters for bfloat16
                     lists.append([self.state[p]["master_param"] for p in params])
@@ -162,7 +163,8 @@ class FusedAdam(ApexOptimizer):
             if not chosen:
                 continue
             if any(g.is_sparse for _, g, _ in chosen):
-                raise RuntimeError("FusedAdam does not support sparse gradients, please consider SparseAdam instead")
+                raise InvalidCallError("FusedAdam does not support sparse gradients, please consider SparseAdam "
+                                       "instead")
             combined = scale
             if group["max_grad_norm"] > 0:
                 if grad_norm is None:  # Apex's FP16_Optimizer passed it; compute it when nobody does
@@ -200,7 +202,9 @@ class FusedAdam(ApexOptimizer):
         if group["weight_decay"]:
             torch._foreach_add_(update, p32, alpha=group["weight_decay"])
         torch._foreach_add_(p32, update, alpha=-step_size)
-        store(params, p32), store(m, m32), store(v, v32)
+        store(params, p32)
+        store(m, m32)
+        store(v, v32)
         outs = [(o, p) for (_, _, o), p in zip(chosen, p32) if o is not None]
         store([o for o, _ in outs], [p for _, p in outs])
 

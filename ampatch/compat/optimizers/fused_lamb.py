@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...errors import InvalidCallError
 from ..extensions import optim_kernels as K
 from ..extensions.kernels import multi_tensor_l2norm
-from .base import ApexOptimizer
+from .base import ApexOptimizer, grads_of
 
 __all__ = ["FusedLAMB"]
 
@@ -38,7 +39,7 @@ class FusedLAMB(ApexOptimizer):
                  amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  set_grad_none: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False) -> None:
         if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+            raise InvalidCallError("FusedLAMB does not support the AMSGrad variant.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, set_grad_none)
@@ -60,7 +61,7 @@ class FusedLAMB(ApexOptimizer):
             with torch.enable_grad():
                 loss = closure()
         buckets = [self.by_dtype(group, "FusedLAMB") for group in self.param_groups]
-        grads = [p.grad for b in buckets for ps in b.values() for p in ps]
+        grads = grads_of(p for b in buckets for ps in b.values() for p in ps)
         if not grads:
             return loss
         global_grad_norm = multi_tensor_l2norm(0, self._dummy_overflow_buf, [grads], False)[0]
@@ -70,7 +71,7 @@ class FusedLAMB(ApexOptimizer):
             beta1, beta2 = group["betas"]
             for params in bucket.values():
                 m, v = zip(*(self._moments(p) for p in params))
-                K.multi_tensor_lamb(0, self._dummy_overflow_buf, [[p.grad for p in params], params, list(m), list(v)],
+                K.multi_tensor_lamb(0, self._dummy_overflow_buf, [grads_of(params), params, list(m), list(v)],
                                     group["lr"], beta1, beta2, group["eps"], group["step"],
                                     1 if group["bias_correction"] else 0, group["weight_decay"],
                                     1 if group["grad_averaging"] else 0, self.adam_w_mode, global_grad_norm,

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...errors import InvalidCallError
 from ..extensions import optim_kernels as K
 from ..extensions.kernels import multi_tensor_l2norm_mp
-from .base import ApexOptimizer
+from .base import ApexOptimizer, grads_of
 
 __all__ = ["FusedMixedPrecisionLamb"]
 
@@ -31,7 +32,7 @@ class FusedMixedPrecisionLamb(ApexOptimizer):
                  max_grad_norm: float = 1.0, use_nvlamb: bool = False,
                  reduced_precision_dtype: torch.dtype | None = None) -> None:
         if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+            raise InvalidCallError("FusedLAMB does not support the AMSGrad variant.")
         defaults = dict(lr=torch.tensor(lr, dtype=torch.float32), step=torch.tensor([step], dtype=torch.int),
                         bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
@@ -79,8 +80,8 @@ class FusedMixedPrecisionLamb(ApexOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != group["params"][0].dtype:
-                    raise RuntimeError(f"Error: Parameters are not of the identical type: {group['params'][0].dtype} "
-                                       f"!= {p.dtype}")
+                    raise InvalidCallError(f"Error: Parameters are not of the identical type: "
+                                           f"{group['params'][0].dtype} != {p.dtype}")
                 if p.grad is not None:
                     grads.append(p.grad)
         if not grads:
@@ -89,7 +90,8 @@ class FusedMixedPrecisionLamb(ApexOptimizer):
         found_inf = (grad_scaler._check_inf_per_device(self)[device] if grad_scaler is not None
                      else torch.zeros(1, dtype=torch.float32, device=device))
         self._dummy_overflow_buf.copy_(found_inf.reshape(-1)[:1])
-        scale = grad_scaler._get_scale_async() if grad_scaler is not None else torch.ones(1, dtype=torch.float32, device=device)
+        scale = (grad_scaler._get_scale_async() if grad_scaler is not None
+                 else torch.ones(1, dtype=torch.float32, device=device))
         inv_scale = scale.double().reciprocal().float()
         max_grad_norm = self.defaults["max_grad_norm"] * scale  # the norm below is of scaled gradients
         grad_norm = multi_tensor_l2norm_mp(0, self._dummy_overflow_buf, [grads], False)[0]
@@ -100,7 +102,7 @@ class FusedMixedPrecisionLamb(ApexOptimizer):
                 continue
             beta1, beta2 = group["betas"]
             states = [self._state(p) for p in params]
-            lists = [[p.grad for p in params], [s.get("master_param", p) for s, p in zip(states, params)],
+            lists = [grads_of(params), [s.get("master_param", p) for s, p in zip(states, params)],
                      [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
             if self.reduced_precision_dtype is not None:
                 lists.append(params)

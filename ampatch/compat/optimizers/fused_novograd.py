@@ -7,9 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...errors import InvalidCallError
 from ..extensions import optim_kernels as K
 from ..extensions.kernels import norms
-from .base import ApexOptimizer, closure_loss
+from .base import ApexOptimizer, closure_loss, grads_of
 
 __all__ = ["FusedNovoGrad"]
 
@@ -36,9 +37,9 @@ class FusedNovoGrad(ApexOptimizer):
                  amsgrad: bool = False, reg_inside_moment: bool = False, grad_averaging: bool = True,
                  norm_type: int = 2, init_zero: bool = False, set_grad_none: bool = True) -> None:
         if amsgrad:
-            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
+            raise InvalidCallError("FusedNovoGrad does not support the AMSGrad variant.")
         if norm_type not in (0, 2):
-            raise RuntimeError("FusedNovoGrad only support l2/inf norm now.")
+            raise InvalidCallError("FusedNovoGrad only support l2/inf norm now.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
         super().__init__(params, defaults, set_grad_none)
@@ -62,9 +63,9 @@ class FusedNovoGrad(ApexOptimizer):
             else:  # the first step's norms, so that the first blend changes nothing
                 slots[slot] = norms(grads, float("inf") if group["norm_type"] == 0 else 2.0)
         elif slots[slot].numel() != len(grads):
-            raise RuntimeError(f"FusedNovoGrad keeps one norm per parameter with a gradient: {slots[slot].numel()} "
-                               f"norms for {len(grads)} gradients of {dtype} in this group (every parameter that "
-                               "had a gradient at the first step needs one at every step).")
+            raise InvalidCallError(f"FusedNovoGrad keeps one norm per parameter with a gradient: {slots[slot].numel()} "
+                                   f"norms for {len(grads)} gradients of {dtype} in this group (every parameter that "
+                                   "had a gradient at the first step needs one at every step).")
         return slots[slot]
 
     @torch.no_grad()
@@ -75,7 +76,7 @@ class FusedNovoGrad(ApexOptimizer):
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
             for dtype, params in self.by_dtype(group, "FusedNovoGrad").items():
-                grads = [p.grad for p in params]
+                grads = grads_of(params)
                 moms = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in params]
                 K.multi_tensor_novograd(0, self._dummy_overflow_buf, [grads, params, moms],
                                         self._norms(group, dtype, grads), group["lr"], beta1, beta2, group["eps"],

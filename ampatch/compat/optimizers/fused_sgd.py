@@ -6,10 +6,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import required  # type: ignore[attr-defined]
+from torch.optim.optimizer import required
 
+from ...errors import ConfigError
 from ..extensions import optim_kernels as K
-from .base import ApexOptimizer, closure_loss
+from .base import ApexOptimizer, closure_loss, grads_of
 
 logger = logging.getLogger("ampatch")
 
@@ -29,17 +30,17 @@ class FusedSGD(ApexOptimizer):
     `lr` may be left out when every param group sets its own, as in Apex; `zero_grad()`
     zeroes in place (`set_grad_none=False`)."""
 
-    def __init__(self, params: Iterable[Any], lr: float = required, momentum: float = 0.0, dampening: float = 0.0,
+    def __init__(self, params: Iterable[Any], lr: Any = required, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: bool = False) -> None:
         if lr is not required and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
+            raise ConfigError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
+            raise ConfigError(f"Invalid momentum value: {momentum}")
         if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+            raise ConfigError(f"Invalid weight_decay value: {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+            raise ConfigError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, set_grad_none)
         self.wd_after_momentum = wd_after_momentum
@@ -67,7 +68,7 @@ class FusedSGD(ApexOptimizer):
                     if not chosen:
                         continue
                     moms = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in chosen]
-                    K.multi_tensor_sgd(0, self._dummy_overflow_buf, [[p.grad for p in chosen], chosen, moms],
+                    K.multi_tensor_sgd(0, self._dummy_overflow_buf, [grads_of(chosen), chosen, moms],
                                        group["weight_decay"], group["momentum"], group["dampening"], group["lr"],
                                        group["nesterov"], first_run, self.wd_after_momentum,
                                        1.0 / self.most_recent_scale)

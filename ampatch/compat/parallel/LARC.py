@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ampatch.errors import ConfigTypeError
+
 __all__ = ["LARC"]
 
 
@@ -23,14 +25,14 @@ class LARC(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True,
                  eps: float = 1e-8) -> None:  # no Optimizer.__init__: groups and state are the wrapped one's
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"LARC wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+            raise ConfigTypeError(f"LARC wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         self.optim = optimizer
         self.trust_coefficient = trust_coefficient
         self.eps = eps
         self.clip = clip
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optim.param_groups
 
     @param_groups.setter
@@ -54,10 +56,10 @@ class LARC(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"LARC({self.optim!r}, trust_coefficient={self.trust_coefficient}, clip={self.clip})"
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         return self.optim.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optim.load_state_dict(state_dict)
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
@@ -67,7 +69,7 @@ class LARC(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optim.add_param_group(param_group)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         decays = []
         with torch.no_grad():
             for group in self.optim.param_groups:

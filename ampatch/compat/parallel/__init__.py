@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...errors import ConfigError
 from . import LARC  # noqa: N812 - in Apex, apex.parallel.LARC is a module
 from .distributed import (
     ApexAllreduce,
@@ -73,8 +74,8 @@ def create_syncbn_process_group(group_size: int) -> Any:
         return None
     world_size = dist.get_world_size()
     if group_size > world_size or world_size % group_size:
-        raise ValueError(f"create_syncbn_process_group: group_size {group_size} must divide the world size "
-                         f"{world_size}.")
+        raise ConfigError(f"create_syncbn_process_group: group_size {group_size} must divide the world size "
+                          f"{world_size}.")
     group = None
     for group_num in range(world_size // group_size):
         ranks = list(range(group_num * group_size, (group_num + 1) * group_size))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ...errors import ConfigError
 from ..extensions.apex_C import flatten, unflatten
 from .sync_batchnorm import SyncBatchNorm
 
@@ -178,8 +179,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                  gradient_predivide_factor: float = 1.0, gradient_average_split_factor: Any = None,
                  prof: bool = False, **torch_kwargs: Any) -> None:
         if shared_param is not None:
-            raise ValueError("shared_param is no longer supported by Apex's DistributedDataParallel (Apex raised "
-                             "too); torch's DistributedDataParallel handles shared parameters: drop the argument.")
+            raise ConfigError("shared_param is no longer supported by Apex's DistributedDataParallel (Apex raised "
+                              "too); torch's DistributedDataParallel handles shared parameters: drop the argument.")
         given = {k: v for k, v in locals().items() if k in _NO_EFFECT}  # the arguments named in _NO_EFFECT
         ignored = [k for k, v in given.items() if v is not _NO_EFFECT[k] and v != _NO_EFFECT[k]]
         if ignored:

@@ -3,6 +3,8 @@
 and `main()` (or running the module) says so instead of launching anything."""
 from __future__ import annotations
 
+from ampatch.errors import NotSupportedError
+
 __all__ = ["main"]
 
 _MESSAGE = ("apex.parallel.multiproc is Apex's old launcher and is not provided by ampatch; launch with PyTorch's: "
@@ -11,7 +13,7 @@ _MESSAGE = ("apex.parallel.multiproc is Apex's old launcher and is not provided 
 
 def main() -> None:
     """Raise: use `torchrun --nproc_per_node=N script.py`."""
-    raise NotImplementedError(_MESSAGE)
+    raise NotSupportedError(_MESSAGE)
 
 
 if __name__ == "__main__":

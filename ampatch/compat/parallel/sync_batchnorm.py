@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ampatch.errors import NotSupportedError
+
 __all__ = ["SyncBatchNorm"]
 
 
@@ -38,9 +40,9 @@ class SyncBatchNorm(nn.SyncBatchNorm):
                  track_running_stats: bool = True, process_group: Any = None, channel_last: bool = False,
                  fuse_relu: bool = False, **torch_kwargs: Any) -> None:
         if channel_last:
-            raise NotImplementedError("SyncBatchNorm(channel_last=True) is Apex's NHWC kernel; torch's "
-                                      "SyncBatchNorm takes channels-last tensors as they are: keep the input in "
-                                      "NCHW shape with memory_format=torch.channels_last and drop channel_last.")
+            raise NotSupportedError("SyncBatchNorm(channel_last=True) is Apex's NHWC kernel; torch's "
+                                    "SyncBatchNorm takes channels-last tensors as they are: keep the input in "
+                                    "NCHW shape with memory_format=torch.channels_last and drop channel_last.")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, **torch_kwargs)
         self.fuse_relu = fuse_relu
 
@@ -74,10 +76,12 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if self.affine:
             out = out * self.weight.float().view(shape) + self.bias.float().view(shape)
         if self.track_running_stats:
+            tracked, running_mean, running_var = self.num_batches_tracked, self.running_mean, self.running_var
+            assert tracked is not None and running_mean is not None and running_var is not None  # as torch's own
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                tracked.add_(1)
+                factor = self.momentum if self.momentum is not None else 1.0 / float(tracked)
                 unbiased = var * (n / (n - 1).clamp_min(1.0))
-                self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
-                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+                running_mean.lerp_(mean.to(running_mean.dtype), factor)
+                running_var.lerp_(unbiased.to(running_var.dtype), factor)
         return out.to(x.dtype)
