@@ -1,6 +1,6 @@
 """One object holding everything an `initialize` call set up; its one job: set up, step, close.
 
-Opened on a checked call (`build.Prepared`): `build.build` makes the model and optimizer
+Opened on a checked call (`prepare.Prepared`): `build.build` makes the model and optimizer
 handles, plain or sharded; what watches from outside (report at exit, the diagnose
 recorder, end after N steps) is a list of `observers`; `telemetry` assembles the report.
 `current()` is the live session of the process (one reference, not scattered globals):
@@ -36,6 +36,8 @@ from ..optim.handle import OptimizerHandle
 from ..optim.masters import state_bytes
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
 from . import build, observers
+from .param_guard import ParamGuard
+from .prepare import Prepared, check_incoming_dtypes
 from .report import Report
 from .telemetry import Telemetry
 
@@ -74,13 +76,13 @@ class Session:
         self.kept: list[keep.Kept] = []  # the modules kept in FP32 (keep_fp32, AMPATCH_KEEP_FP32)
         self.observers: list[observers.Observer] = []
         self.fp8: fp8.Fp8Layers | None = None  # the layers run in FP8 (fp8=, AMPATCH_FP8)
-        self.guard: build.ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
+        self.guard: ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
         self.device: hardware.SessionDevice | None = None  # hardware.check_half: the device, its half dtype
         self.closed = False
         self._last_loss: torch.Tensor | None = None
 
     @classmethod
-    def open(cls, prepared: build.Prepared, attributes: Callable[[OptimizerHandle], dict[str, Any]] | None = None,
+    def open(cls, prepared: Prepared, attributes: Callable[[OptimizerHandle], dict[str, Any]] | None = None,
              recorder: observers.RecorderFactory | None = None) -> Session:
         """A session set up on the prepared models and optimizers: models cast, masters made,
         optimizers and (O1/O4) torch patched. One that fails half-way is closed (everything it
@@ -101,7 +103,7 @@ class Session:
         self.device = hardware.check_half(models, props.half_dtype if props.enabled and props.half_name else None,
                                           self.verbosity)
         if props.enabled:
-            build.check_incoming_dtypes(models)
+            check_incoming_dtypes(models)
         if self.options.keep_fp32 is not None or self.overrides.keep_fp32:
             self.kept = keep.select(models, self.options.keep_fp32, self.overrides.keep_fp32,
                                     props.enabled and props.casts_model, self.warn, self.overrides.keep_source)
@@ -121,7 +123,7 @@ class Session:
                     raise
                 raise ValueError(f"{self.overrides.given('fp8_modules')}: {exc}") from None
             self._announce_fp8()
-        self.guard = build.ParamGuard(models, self.optimizers)
+        self.guard = ParamGuard(models, self.optimizers)
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
         lost = tips.eps_lost_in_float16(optimizers) if props.half_dtype == torch.float16 else []
