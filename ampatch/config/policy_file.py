@@ -264,7 +264,7 @@ def from_outside(overrides: env.Overrides) -> env.Overrides:
         if getattr(overrides, name) is None and value is not None:
             fields[name] = value
             shown = (getattr(pol, name) if name in ("opt_level", "half_dtype")
-                     else repr(list(value) if name == "fp8_modules" else getattr(pol, name)))
+                     else repr(list(pol.fp8_modules or ()) if name == "fp8_modules" else getattr(pol, name)))
             sources[name] = f"{given} ({name} {shown})"
     fields["keep_fp32"] = tuple(dict.fromkeys((*overrides.keep_fp32, *pol.keep_fp32)))
     from_file = {name: f"{given} (keep_fp32)" for name in pol.keep_fp32 if name not in overrides.keep_fp32}

@@ -24,6 +24,7 @@ shape (a `generate` method, a `config` with a `dtype`) gets the same treatment.
 from __future__ import annotations
 
 import logging
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,7 +100,8 @@ def cast_entry_points(model: nn.Module, patcher: Any, cast_entry: Callable[[Call
     for name in entry_points(model):
         patcher.patch(model, name, cast_entry(getattr(model, name)))
     if original_dtype is not None and saves_config_dtype(model):
-        patcher.patch(model, "save_pretrained", SavePretrained(model.save_pretrained, original_dtype))
+        patcher.patch(model, "save_pretrained", SavePretrained(typing.cast(Callable[..., Any], model.save_pretrained),
+                                                                original_dtype))
 
 
 def check_not_accelerated(models: Sequence[nn.Module], optimizers: Sequence[Any]) -> None:

@@ -27,11 +27,13 @@ from ..optim.handle import OptimizerHandle
 from ..optim.masters import check_one_master_each, master_ids
 from ..optim.sharded import ShardedOptimizerHandle
 
-__all__ = ["build", "undo", "keep_forwards", "wrap_model_outputs"]
+__all__ = ["build", "undo", "keep_forwards", "wrap_model_outputs", "NO_CONTEXT"]
+
+NO_CONTEXT = HandleContext()  # optimizers built with no session around them
 
 
 def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-          patcher: Patcher, context: HandleContext = HandleContext(), kept: Collection[int] = frozenset(),
+          patcher: Patcher, context: HandleContext = NO_CONTEXT, kept: Collection[int] = frozenset(),
           first_index: int = 0) -> tuple[list[Any], list[OptimizerHandle]]:
     """The level on `models` and `optimizers`: returns the models' handles (`ModelHandle`, or
     `sharded.ShardedModel` for FSDP2-sharded models; none where the models are not cast) and
@@ -45,13 +47,14 @@ def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
     has_masters = mode is MasterMode.FP32 or mode.low_memory
     ids = [master_ids(opt, cast_ids) if has_masters else None for opt in optimizers]
     if has_masters:
-        check_one_master_each(optimizers, set().union(*ids) if ids else set())
+        check_one_master_each(optimizers, set().union(*(s for s in ids if s is not None)))
     handles: list[OptimizerHandle] = []
     model_handles: list[ModelHandle] = []
     try:
         for i, opt in enumerate(optimizers):  # masters from the FP32 weights, before the cast
             handles.append(OptimizerHandle(opt, first_index + i, ids[i], context, mode, props.optimizer_states))
-        if props.casts_model:
+        half = props.cast_model_type
+        if props.casts_model and half is not None:  # (casts_model: half is a half dtype)
             def trained(p: torch.Tensor) -> Any:
                 return next((k for h in handles if (k := h.masters.keeps(p)) is not None), None)
             watch = DataWatch()
@@ -60,7 +63,7 @@ def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
             tied: dict[int, Weight] = {}  # their records
             for m in models:
                 # the low-memory modes keep no FP32 values of the cast params (like O3): frozen ones included
-                model_handles.append(ModelHandle(m, props.cast_model_type, keep_bn, props.cast_model_outputs, patcher,
+                model_handles.append(ModelHandle(m, half, keep_bn, props.cast_model_outputs, patcher,
                                                  trained, mode is MasterMode.FP32, seen, kept, watch, tied))
             for h in handles:
                 h.masters.attach(lambda p: tied.get(id(p)))
@@ -112,8 +115,11 @@ def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: S
         for h in handles:
             h.recast_state()
         if mode.low_memory:
+            def resync(incoming: Any, params: Any) -> None:
+                for h in handles:
+                    h.resync_from_model(incoming, params)
             for m in models_built:
-                m.on_load(lambda incoming, params: [h.resync_from_model(incoming, params) for h in handles])
+                m.on_load(resync)
     return models_built, handles
 
 

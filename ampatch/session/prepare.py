@@ -133,7 +133,7 @@ def check_incoming_dtypes(models: Sequence[nn.Module]) -> None:
     if SETTINGS.allow_incoming_model_not_fp32:
         return
     for model in models:
-        tensors = [("param", n, t) for n, t in model.named_parameters()]
+        tensors: list[tuple[str, str, torch.Tensor]] = [("param", n, t) for n, t in model.named_parameters()]
         tensors += [("buffer", n, t) for n, t in model.named_buffers()]
         for kind, name, t in tensors:
             if t.dtype == torch.float16:

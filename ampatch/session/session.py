@@ -21,7 +21,7 @@ from torch import nn
 from ..base.notices import warn
 from ..base.patcher import Patcher
 from ..config import levels
-from ..config.env import Overrides
+from ..config.env import NO_OVERRIDES, Overrides
 from ..config.options import Options, Properties
 from ..machine import hardware, tips
 from ..model import fp8, keep
@@ -43,6 +43,8 @@ from .telemetry import Telemetry
 
 logger = logging.getLogger("ampatch")
 
+DEFAULT_OPTIONS = Options()  # a session made without a call's options (tests, tools)
+
 
 class _Live:
     session: Session | None = None
@@ -62,7 +64,7 @@ def set_current(session: Session | None) -> Session | None:
 class Session:
     """The state of one `initialize`: properties, patches, cache, scalers, handles, telemetry."""
 
-    def __init__(self, properties: Properties, options: Options = Options(), overrides: Overrides = Overrides(),
+    def __init__(self, properties: Properties, options: Options = DEFAULT_OPTIONS, overrides: Overrides = NO_OVERRIDES,
                  attributes: Callable[[OptimizerHandle], dict[str, Any]] | None = None) -> None:
         self.properties, self.options, self.overrides = properties, options, overrides
         self.attributes = attributes  # what each patched optimizer carries besides (Apex's _amp_stash)
@@ -139,6 +141,8 @@ class Session:
         """The start-up notice of fp8: a warning where it is emulated or converts nothing (a run
         slower than without it, or no different), the layers with their reasons at INFO."""
         layers = self.fp8
+        if layers is None:
+            return
         if layers.emulated or not layers.converted:
             self.warn(f"ampatch: {layers.summary()}; report() lists the layers with their reasons.")
         elif self.verbosity >= 1:
@@ -152,7 +156,8 @@ class Session:
     def _handle_context(self) -> HandleContext:
         """What each optimizer handle needs from this session."""
         return HandleContext(process_group=self.options.process_group, on_step=self.on_step,
-                             on_skips=self._warn_skipping, scales_loss=lambda: any(not s.is_identity for s in self.scalers),
+                             on_skips=self._warn_skipping,
+                             scales_loss=lambda: any(not s.is_identity for s in self.scalers),
                              master_owner=self._master_owner, level=self.properties.opt_level,
                              attributes=self.attributes)
 
@@ -258,7 +263,8 @@ class Session:
             found_inf = None
             for h in handles:
                 found_inf = h.after_backward(scale, found_inf, delay_unscale)
-            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):  # sharded, sync off: kept scaled
+            # sharded with its sync off: the grads are kept scaled
+            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):
                 verdict = Verdict(scaler, found_inf, process_group=self.options.process_group,
                                   iteration=lambda: self.iteration, on_overflow=self._skipper(handles, loss_id))
                 if delay_overflow_check:
@@ -321,11 +327,12 @@ class Session:
         self.resolve_pending()
         o1 = self.__dict__.get("o1")
         cache = {"hits": o1.cache.hits, "misses": o1.cache.misses} if o1 is not None else {"hits": 0, "misses": 0}
+        underflow = [h.states.underflow() for h in self.optimizers]  # (elements at the bottom, elements) each
         return self.telemetry.report(self.properties, cache,
                                      self.scalers, self.device, [k.label for k in self.kept],
                                      [h.masters.footprint() for h in self.optimizers],
-                                     sum(state_bytes(h.optimizer) + h.states.nbytes() for h in self.optimizers), self.fp8,
-                                     tuple(map(sum, zip((0, 0), *(h.states.underflow() for h in self.optimizers)))))
+                                     sum(state_bytes(h.optimizer) + h.states.nbytes() for h in self.optimizers),
+                                     self.fp8, (sum(u[0] for u in underflow), sum(u[1] for u in underflow)))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
