@@ -216,10 +216,7 @@ def __getattr__(name: str) -> Any:
     way. Both lent by `frameworks.apex` (`session.addons.module_attribute`)."""
     if name.startswith("__"):  # dunder probes (copy, pickle, doctest) are not Apex names
         raise AttributeError(f"module 'ampatch' has no attribute {name!r}")
-    value = addons.module_attribute(name)
-    if name == "_amp_state":
-        globals()[name] = value  # kept: later reads find it without this hook
-    return value
+    return addons.module_attribute(name)  # made once and kept there
 
 
 def _decorator(kind: str) -> Callable[[Callable], Callable]:
