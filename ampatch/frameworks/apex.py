@@ -34,8 +34,12 @@ def _optimizer_attribute(name: str) -> Any:
     return make
 
 
-addons.lend_module_attribute("_amp_state", lambda: _compat().AmpState(current))  # Apex's global state: a view
-addons.lend_module_attribute("init", lambda: _compat().init)  # Apex's older O1-only entry point
-addons.lend_fallback(lambda name: _compat().legacy_attribute(name))  # Apex amp names ampatch lacks: the hint
-for _name, _method in OPTIMIZER_ATTRIBUTES.items():
-    addons.lend_optimizer_attribute(_name, _optimizer_attribute(_name), _method)
+def _register() -> None:
+    addons.lend_module_attribute("_amp_state", lambda: _compat().AmpState(current))  # Apex's global state: a view
+    addons.lend_module_attribute("init", lambda: _compat().init)  # Apex's older O1-only entry point
+    addons.lend_fallback(lambda name: _compat().legacy_attribute(name))  # Apex amp names ampatch lacks: the hint
+    for name, method in OPTIMIZER_ATTRIBUTES.items():
+        addons.lend_optimizer_attribute(name, _optimizer_attribute(name), method)
+
+
+_register()
