@@ -6,31 +6,33 @@
     optimizer.step()
 
 This module is the public API and nothing else: `initialize` turns its keywords into one
-checked `config.options.Options`, with the environment read once (`session.build.outside`);
-`session.build.prepare` checks the call as a whole before anything changes, and each
+checked `config.options.Options`, with the environment read once (`session.outside.outside`);
+`session.prepare.prepare` checks the call as a whole before anything changes, and each
 function delegates to the live `Session` (`session.session.current()`).
-Apex's compatibility names (`_amp_state`, `init`, the optimizers' `_amp_stash`) come from
-`ampatch.compat`, and diagnose's recorder from `ampatch.record`, each imported only when
-first used; no framework is imported here either.
+Apex's compatibility names (`_amp_state`, `init`, the optimizers' `_amp_stash`) are lent by
+`ampatch.frameworks.apex` (`session.addons`: compat is loaded when one is first used, never
+imported here), and diagnose's recorder comes from `ampatch.record` on first use; no
+framework is imported here either.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
-import wrapt
 
 from . import types
 from .base.notices import set_verbosity
 from .config.options import Options
 from .config.values import DEFAULT_MAX_LOSS_SCALE
 from .errors import OrderError
+from .frameworks import apex, hf_conventions, scheduler_guard  # noqa: F401 - they register with the core
 from .optim.scaler import check_loss_id as _check_loss_id
-from .session.build import outside, prepare, takes_policy
+from .session import addons
+from .session.outside import outside, takes_policy
+from .session.prepare import prepare
 from .session.report import Report
 from .session.session import Session
 from .session.session import current as _current
@@ -64,24 +66,6 @@ __all__ = [
 
 logger = logging.getLogger("ampatch")
 logger.addHandler(logging.NullHandler())
-
-
-# What Apex hung on each optimizer it patched; True: the attribute is a method (called, not read).
-_APEX_OPTIMIZER_ATTRIBUTES = {"_amp_stash": False, "_lazy_init_maybe_master_weights": True, "_amp_lazy_init": True,
-                              "_master_params_to_model_params": True}
-
-
-def _apex_attributes(handle: Any) -> dict[str, Any]:
-    """What Apex hung on an optimizer (`_amp_stash`, ...), for every optimizer a session patches:
-    each a lazy proxy that ampatch.compat fills on first use, so the attributes are there
-    whatever was imported before, and compat is imported only by a script that uses them."""
-    def maker(name: str) -> Callable[[], Any]:
-        def make() -> Any:
-            from .compat.amp.stash import ATTRIBUTES
-            return ATTRIBUTES[name](handle)
-        return make
-    return {name: wrapt.LazyObjectProxy(maker(name), **({"interface": Callable} if method else {}))
-            for name, method in _APEX_OPTIMIZER_ATTRIBUTES.items()}
 
 
 def _session(what: str) -> Session:
@@ -201,7 +185,7 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     deinitialize()  # first: a model cast by the previous session is back in FP32
     set_verbosity(options.verbosity)
     prepared.announce()
-    _set_current(Session.open(prepared, attributes=_apex_attributes, recorder=_recorder))
+    _set_current(Session.open(prepared, attributes=addons.optimizer_attributes, recorder=_recorder))
     return prepared.returned()
 
 
@@ -383,7 +367,7 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
 
         >>> handle = amp.init()
     """
-    from .compat import init as apex_init
+    apex_init = addons.module_attribute("init")  # ampatch.compat's, lent by frameworks.apex
     return apex_init(enabled, loss_scale, enable_caching, verbose, allow_banned, patch_type)
 
 
@@ -405,13 +389,9 @@ def report() -> Report:
 
 
 def __getattr__(name: str) -> Any:
-    """`_amp_state`, Apex's global state, made on first use as a view of the live session
-    (`ampatch.compat.amp._amp_state.AmpState`); Apex `amp` names ampatch does not have (AmpHandle, LossScaler,
-    ...) fail with the ampatch way."""
+    """`_amp_state`, Apex's global state, made on first use as a view of the live session;
+    Apex `amp` names ampatch does not have (AmpHandle, LossScaler, ...) fail with the ampatch
+    way. Both lent by `frameworks.apex` (`session.addons.module_attribute`)."""
     if name.startswith("__"):  # dunder probes (copy, pickle, doctest) are not Apex names
         raise AttributeError(f"module 'ampatch' has no attribute {name!r}")
-    compat = importlib.import_module("ampatch.compat")  # not `from . import`: that asks this hook again
-    if name == "_amp_state":
-        state = globals()["_amp_state"] = compat.AmpState(_current)
-        return state
-    return compat.legacy_attribute(name)
+    return addons.module_attribute(name)  # made once and kept there

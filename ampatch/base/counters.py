@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+import typing
 
 __all__ = ["Counters", "count_value"]
 
 
 def count_value(counter: itertools.count) -> int:
     """The next value an itertools.count would return, without advancing it."""
-    return counter.__reduce__()[1][0]
+    reduced = typing.cast(tuple, counter.__reduce__())  # count pickles as (count, (next value,))
+    return int(reduced[1][0])
 
 
 class Counters:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import types
 import warnings
 
 logger = logging.getLogger("ampatch")
@@ -66,7 +67,7 @@ def _handlers(start: logging.Logger) -> list[logging.Handler]:
         found.extend(current.handlers)
         if not current.propagate:
             break
-        current = current.parent  # type: ignore[assignment]
+        current = current.parent
     return found
 
 
@@ -99,7 +100,8 @@ def user_stacklevel() -> int:
     """The `stacklevel` that makes `warnings.warn`, called by the function that calls this,
     name the first frame outside the ampatch package (1 would name that function, 2 its
     caller)."""
-    frame, level = sys._getframe(2), 2
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level

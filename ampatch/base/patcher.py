@@ -4,7 +4,9 @@
 exactly as it was; the core and the framework plugins share it. Some names are inherited
 (`torch.Tensor.matmul` lives on `torch._C.TensorBase`), others are the owner's own: each
 record says which, so a restore deletes what was not there instead of setting it.
-`disable_casts()` turns casting off for a block in the calling thread only.
+`disable_casts()` turns casting off for a block in the calling thread only. A patch someone
+else replaced is restored with a warning, unless a registered `tolerate` predicate expects
+that replacement (what other libraries do to patched attributes, registered from above).
 """
 from __future__ import annotations
 
@@ -20,7 +22,17 @@ from ampatch.errors import OrderError
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Patcher", "resolve_owner", "CastSwitch", "cast_switch", "disable_casts"]
+__all__ = ["Patcher", "resolve_owner", "tolerate", "CastSwitch", "cast_switch", "disable_casts"]
+
+# Predicates on what replaced a patch: True where the replacement is expected, not news.
+_tolerated: list[Callable[[Any], bool]] = []
+
+
+def tolerate(expected: Callable[[Any], bool]) -> None:
+    """Restore a patch that someone replaced without a warning where `expected(replacement)`
+    (e.g. an LR scheduler's wrapper around a patched `optimizer.step`)."""
+    if expected not in _tolerated:
+        _tolerated.append(expected)
 
 
 def resolve_owner(path: str) -> Any:
@@ -78,8 +90,7 @@ class Patcher:
             rec = self._records.pop()
             del self._index[(id(rec.owner), rec.name)]
             current = vars(rec.owner).get(rec.name)
-            if current is not rec.patched and not getattr(current, "_wrapped_by_lr_sched", False):
-                # (an LR scheduler wrapping a patched optimizer.step is expected, not news)
+            if current is not rec.patched and not any(expected(current) for expected in _tolerated):
                 logger.warning("ampatch: %s.%s was replaced by someone else after ampatch patched it; "
                                "restoring the original anyway.", getattr(rec.owner, "__name__", rec.owner), rec.name)
             if rec.had_own:

@@ -15,7 +15,7 @@ item of a container.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ def map_tensors(x: Any, leaf: Leaf, batch: Callable[[Any], Any] | None = None) -
     """
     if isinstance(x, _Tensor):
         return leaf(x)
+    items: Iterable[Any]
     if isinstance(x, dict):
         items = x.values()
     elif isinstance(x, (list, tuple)):

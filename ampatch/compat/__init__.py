@@ -7,7 +7,9 @@
   does not provide (`apex.contrib`, ...) and what replaces it.
 - `amp/`: Apex's amp modules (`_amp_state`, `handle`, `opt`, `amp`, `frontend`, `scaler`,
   `lists/`, `utils`, `wrap`, ...); `amp.stash` gives each optimizer a session patches
-  Apex's `_amp_stash` (the core asks it for the attributes when it patches an optimizer).
+  Apex's `_amp_stash`. The core never imports this package: `ampatch.frameworks.apex` lends
+  `amp._amp_state`, `amp.init`, the hints of `legacy_attribute` and the optimizers'
+  attributes to it by name, and loads this package when a script first uses one.
 - `optimizers/`, `fp16_utils/`, `parallel/`, `normalization/`, `multi_tensor_apply/`: thin
   layers over PyTorch with Apex's names and keyword arguments, one module per Apex module.
 - `extensions/`: the one place of Apex's compiled modules, `amp_C` (the multi-tensor kernels

@@ -29,8 +29,8 @@ from .values import (
 )
 
 __all__ = ["OPT_LEVEL", "HALF_DTYPE", "KEEP_FP32", "LOSS_SCALE", "MASTER_WEIGHTS", "MAX_STEPS", "REPORT", "PROGRESS",
-           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "OPTIMIZER_STATES", "WITNESS", "ALL", "Overrides",
-           "read", "without_ampatch"]
+           "TIME_WRAPPERS", "DIAGNOSE", "POLICY", "FP8", "FP8_MODULES", "OPTIMIZER_STATES", "WITNESS", "ALL",
+           "Overrides", "NO_OVERRIDES", "read", "without_ampatch"]
 
 OPT_LEVEL = "AMPATCH_OPT_LEVEL"          # force every initialize to this level
 HALF_DTYPE = "AMPATCH_HALF_DTYPE"        # force the half dtype of O1-O3 (float16/bfloat16)
@@ -48,8 +48,8 @@ FP8_MODULES = "AMPATCH_FP8_MODULES"      # force fp8_modules: the layers run in 
 OPTIMIZER_STATES = "AMPATCH_OPTIMIZER_STATES"  # force optimizer_states: float32, bfloat16 or int8
 WITNESS = "AMPATCH_WITNESS"              # write a projection of the stepped weights here at exit (session.witness)
 
-ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MASTER_WEIGHTS, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS, DIAGNOSE,
-       POLICY, FP8, FP8_MODULES, OPTIMIZER_STATES, WITNESS)
+ALL = (OPT_LEVEL, HALF_DTYPE, KEEP_FP32, LOSS_SCALE, MASTER_WEIGHTS, MAX_STEPS, REPORT, PROGRESS, TIME_WRAPPERS,
+       DIAGNOSE, POLICY, FP8, FP8_MODULES, OPTIMIZER_STATES, WITNESS)
 PREFIX = "AMPATCH_"
 
 
@@ -97,6 +97,9 @@ class Overrides:
             return self.sources[field_name]
         name = self.VARIABLES[field_name]
         return f"{name}={self.raw.get(name, '')}"
+
+
+NO_OVERRIDES = Overrides()  # nothing asked from outside (the default where no environment was read)
 
 
 def _value(environ: Mapping[str, str], name: str) -> str | None:

@@ -9,7 +9,7 @@ the rest, or a policy file through ``AMPATCH_POLICY``) beat the script by one ru
 once in `_outside_wins`. Property values mean what they meant in Apex (`frontend.py`); the
 overrides Apex refused raise `OverrideError` (a warning with `hard_override`). All of it
 runs before anything changes. A policy given as `policy=` is applied to the keywords first
-(`session.build.takes_policy`).
+(`session.outside.takes_policy`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..base.dtypes import LOW, short_name
 from ..base.notices import warn
 from ..errors import ConfigError, ConfigTypeError, OverrideError, PlatformError, reason
 from . import levels
-from .env import Overrides
+from .env import NO_OVERRIDES, Overrides
 from .settings import SETTINGS
 from .values import (
     DEFAULT_MAX_LOSS_SCALE,
@@ -192,7 +192,7 @@ class Properties:
         return "Properties(" + ", ".join(fields) + ")"
 
 
-def resolve(options: Options, device: torch.device | None = None, overrides: Overrides = Overrides(),
+def resolve(options: Options, device: torch.device | None = None, overrides: Overrides = NO_OVERRIDES,
             hard_override: bool | None = None) -> tuple[Properties, list[str]]:
     """The session's `Properties` for `options` on `device`, and the notes to log about what
     the environment changed. `hard_override`: Apex's flag (None: `SETTINGS.hard_override`).
@@ -203,7 +203,7 @@ def resolve(options: Options, device: torch.device | None = None, overrides: Ove
     notes: list[str] = []
     hard = SETTINGS.hard_override if hard_override is None else hard_override
     forced = overrides.opt_level is not None
-    if forced and levels.half_dtype_conflict(overrides.opt_level, options.half_dtype):
+    if overrides.opt_level is not None and levels.half_dtype_conflict(overrides.opt_level, options.half_dtype):
         notes.append(f"ampatch: dropping half_dtype={options.half_dtype}, which conflicts with forced "
                      f"{overrides.opt_level}.")
         options = options.replace(half_dtype=None)
@@ -276,7 +276,8 @@ def _build(options: Options, device: Any, hard_override: bool) -> Properties:
     _check(level, merged, given, half, hard_override)
     cast = merged["cast_model_type"]
     if options.fp8 is not None:
-        computes = half if merged["patch_torch_functions"] or cast not in (None, NO_CAST, torch.float32) else torch.float32
+        runs_half = merged["patch_torch_functions"] or cast not in (None, NO_CAST, torch.float32)
+        computes = half if runs_half else torch.float32
         check_fp8(level, options.fp8, computes)
     return Properties(
         enabled=options.enabled, opt_level=level, half_dtype=half,

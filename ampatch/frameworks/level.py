@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampatch.errors import ConfigTypeError
+from ampatch.errors import ConfigTypeError, OrderError
+
+from ..session.session import current, set_current
 
 __all__ = ["DEFAULT_LEVEL", "RESERVED", "LevelChoice", "end_session"]
 
@@ -47,10 +49,15 @@ class LevelChoice:
 
 
 def end_session() -> Any:
-    """Take the session's `report()`, then `amp.deinitialize()`, and return the report: a
-    framework ends the session when training ends (teardown, train() returning), after which
-    `amp.report()` has no session to ask, so the plugin keeps the last one for its user."""
-    import ampatch as amp
-    report = amp.report()
-    amp.deinitialize()
+    """Take the session's `report()`, then end it (`amp.deinitialize()`), and return the
+    report: a framework ends the session when training ends (teardown, train() returning),
+    after which `amp.report()` has no session to ask, so the plugin keeps the last one for its
+    user."""
+    session = current()
+    if session is None:
+        raise OrderError("amp.report() was called with no ampatch session: the plugin's session already ended "
+                           "(its `last_report` keeps the report).")
+    report = session.report()
+    set_current(None)
+    session.close()
     return report

@@ -6,6 +6,8 @@ learning rate must stay where it was, as it does for a hand-written loop that ch
 `amp.last_step_skipped(optimizer)` (and torch must not warn that the scheduler stepped
 before its optimizer). `hold_on_skip` puts that check in the scheduler's own `step`, as
 an instance attribute that its `state_dict` leaves out, so checkpoints stay plain data.
+`wrapped_by_scheduler`, registered with the patcher on `import ampatch`: a scheduler made
+before `initialize` wraps the patched `optimizer.step` (to see it called), which is expected.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..base.patcher import Patcher
+from ..base.patcher import Patcher, tolerate
 
 logger = logging.getLogger("ampatch")
 
@@ -36,3 +38,12 @@ def hold_on_skip(scheduler: Any, skipped: Callable[[], bool], patcher: Patcher) 
 
     patcher.patch(scheduler, "step", step)
     patcher.patch(scheduler, "state_dict", state_dict)
+
+
+def wrapped_by_scheduler(replacement: Any) -> bool:
+    """Whether `replacement` is torch's LR-scheduler wrapper of an optimizer's `step` (it marks
+    it `_wrapped_by_lr_sched`): restoring the patch under it is expected, not news."""
+    return bool(getattr(replacement, "_wrapped_by_lr_sched", False))
+
+
+tolerate(wrapped_by_scheduler)

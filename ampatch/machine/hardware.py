@@ -41,6 +41,9 @@ _X86_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "a
 _ARM_FLAGS = ("asimd", "asimdhp", "fphp", "bf16", "sve", "sve2")
 
 
+Dtype = torch.dtype  # for annotations inside DeviceInfo, whose field `torch` hides the module there
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     """One device, as far as mixed precision cares."""
@@ -55,7 +58,7 @@ class DeviceInfo:
     basis: dict[str, str]        # why, per dtype, in a few words
     torch: str
 
-    def is_native(self, dtype: torch.dtype | str | None) -> bool | None:
+    def is_native(self, dtype: Dtype | str | None) -> bool | None:
         """True/False for a half dtype on this device; None for FP32, None or unknown."""
         key = half_key(dtype)
         return self.native.get(key) if key else None
@@ -111,7 +114,7 @@ class Machine:
         """A policy's ``machine`` read back; None when it has none (written by hand)."""
         if not isinstance(data, Mapping) or not data.get("type"):
             return None
-        native = data.get("native") if isinstance(data.get("native"), Mapping) else {}
+        native = data["native"] if isinstance(data.get("native"), Mapping) else {}
         return cls(str(data["type"]), str(data.get("name") or ""), {k: v for k, v in native.items()})
 
 
@@ -142,7 +145,7 @@ class SessionDevice:
 
 def _cpuinfo() -> tuple[str, set[str]]:
     """Model name and flags of the first CPU in /proc/cpuinfo ("", {} where there is none)."""
-    name, flags = "", set()
+    name, flags = "", set[str]()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -205,11 +208,12 @@ def _describe_cuda(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
     major, minor = props.major, props.minor
     if getattr(torch.version, "hip", None):  # ROCm: matrix cores take both on the GPUs it supports
-        native = {"bfloat16": True, "float16": True}
+        native: dict[str, bool | None] = {"bfloat16": True, "float16": True}
         basis = {"bfloat16": "ROCm matrix cores", "float16": "ROCm matrix cores"}
     else:
         native = {"bfloat16": major >= 8, "float16": major >= 7}
-        basis = {"bfloat16": "tensor cores (8.0+)" if major >= 8 else "bfloat16 tensor cores need compute capability 8.0+",
+        basis = {"bfloat16": ("tensor cores (8.0+)" if major >= 8
+                              else "bfloat16 tensor cores need compute capability 8.0+"),
                  "float16": "tensor cores (7.0+)" if major >= 7 else "no tensor cores before compute capability 7.0"}
     return DeviceInfo("cuda", props.name, props.multi_processor_count, f"{major}.{minor}", (), (),
                       native, basis, torch.__version__)
@@ -253,10 +257,10 @@ def check_half(models: Iterable[nn.Module], half_dtype: torch.dtype | None, verb
     logging configuration sees it too (float16 on a CPU without it: an epoch of 1.5 s takes 120)."""
     info = describe(model_device(models))
     half = half_key(half_dtype)
-    if half and verbosity >= 1:
-        key = (info.type, info.name, half)
+    key = (info.type, info.name, half or "")
+    if half and verbosity >= 1 and info.is_native(half) is False and key not in _logged:  # advice only then
         advice = half_advice(info, half)
-        if advice and key not in _logged:
+        if advice:
             _logged.add(key)
             warn(advice, verbosity)
     return SessionDevice(info, half)

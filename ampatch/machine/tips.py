@@ -54,7 +54,8 @@ def dims_not_multiple_of_8(models: nn.Module | Iterable[nn.Module]) -> list[str]
                 dims = (("in_channels", m.in_channels), ("out_channels", m.out_channels))
             else:
                 continue
-            if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+            # (torch types has_uninitialized_params's self as a private protocol a Module does not match)
+            if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():  # type: ignore[misc]
                 continue
             bad = [f"{k}={v}" for k, v in dims if v % _MULTIPLE]
             if bad:
@@ -113,7 +114,7 @@ def skipping_warning(count: int, loss: torch.Tensor | None, scalers: Sequence[An
     `scalers` are the session's loss scalers, `optimizer` the index of the optimizer that
     skipped (None when it is the only one)."""
     finite = None if loss is None else torch.isfinite(loss)
-    if finite is not None and not bool(finite.all()):
+    if loss is not None and finite is not None and not bool(finite.all()):
         bad = float(loss[~finite].flatten()[0])
         cause = (f"the loss itself is {bad}: no loss scale can fix that. Look for inf/NaN in the data or the "
                  "labels, a log/sqrt/division of zero in the loss, or a learning rate that made the weights diverge")

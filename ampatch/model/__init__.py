@@ -5,7 +5,8 @@
 - `forwards`: the wrapped forward of a cast model (inputs to half, outputs to FP32) and of
   the modules kept in FP32; `default_dtype`: torch's default dtype while a cast model runs;
 - `keep`: which modules `keep_fp32` names (the kept-FP32 modules);
-- `hf_conventions`: the Hugging Face model conventions a cast model must honour;
+- other libraries' model conventions (Hugging Face's: `frameworks.hf_conventions`) register
+  with `cast.add_convention`;
 - `fp8_choice`: which Linear layers `fp8=` runs in FP8, each with its reason; `fp8`: torchao's
   float8 training on them, converted in place and put back.
 """

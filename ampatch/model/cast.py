@@ -18,12 +18,23 @@ import torch
 from torch import nn
 
 from ..errors import OrderError
-from . import hf_conventions
 from .forwards import CastForward, install_forward
 from .weight_table import DataWatch, Weights
 from .weights import Keeps, Weight, keep_exact
 
 logger = logging.getLogger("ampatch")
+
+# What other libraries' models need once cast (other entry points, save hooks), registered from
+# above (`ampatch.frameworks`): each runs as convention(model, patcher, cast_entry, original_dtype),
+# `cast_entry(method)` casting a method's inputs like forward's.
+Convention = Callable[[nn.Module, Any, Callable[[Callable[..., Any]], Any], torch.dtype | None], None]
+CONVENTIONS: list[Convention] = []
+
+
+def add_convention(convention: Convention) -> None:
+    """Run `convention` on every model a `ModelHandle` casts (see `CONVENTIONS`)."""
+    if convention not in CONVENTIONS:
+        CONVENTIONS.append(convention)
 
 
 def is_batchnorm(module: nn.Module) -> bool:
@@ -132,14 +143,9 @@ class ModelHandle:
         model = self.model
         inner = model.forward  # bound method (or an instance attribute someone set)
         install_forward(model, CastForward(inner, self.dtype, output_dtype, weights=self.weights), patcher)
-        # Hugging Face entry points that reach submodules without passing forward (generate,
-        # get_image_features, ...): inputs cast the same way; their calls of forward cast as usual
-        for name in hf_conventions.entry_points(model):
-            patcher.patch(model, name, CastForward(getattr(model, name), self.dtype, output_dtype, nests=False,
-                                                   weights=self.weights))
-        if self.original_dtype is not None and hf_conventions.saves_config_dtype(model):
-            patcher.patch(model, "save_pretrained", hf_conventions.SavePretrained(model.save_pretrained,
-                                                                               self.original_dtype))
+        for convention in CONVENTIONS:  # what other libraries' models need (CONVENTIONS)
+            convention(model, patcher, lambda method: CastForward(method, self.dtype, output_dtype, nests=False,
+                                                                  weights=self.weights), self.original_dtype)
 
     def restore(self) -> None:
         """Back to the original dtypes, each tensor from what its record keeps (`Weight.restore`),

@@ -28,7 +28,7 @@ class OptState(Enum):
 
 
 class StepGuard(Protocol):
-    """Checked at each step() (`session.build.ParamGuard`: the model still holds what the optimizer steps)."""
+    """Checked at each step() (`session.param_guard.ParamGuard`: the model still holds what the optimizer steps)."""
 
     def check(self, handle: "OptimizerHandle") -> None: ...
 

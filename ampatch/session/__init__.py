@@ -2,8 +2,11 @@
 
 - `session`: the `Session` object (its one job: set up, step, close) and `current()`, the
   live session of the process;
-- `build`: the build step (the call checked, the level built on plain or FSDP2-sharded
-  models, the guard that the model still holds what each optimizer steps, the undo);
+- `outside`: what the environment and a policy ask of the call, read once;
+- `prepare`: the call checked as a whole before anything changes;
+- `build`: the level built on plain or FSDP2-sharded models and optimizers, and the undo;
+- `param_guard`: at run time, that the model still holds what each optimizer steps;
+- `addons`: what the rooms above register (Apex's names, other libraries' checks);
 - `observers`: what watches the session from outside (report at exit, diagnose, step limit);
 - `telemetry` / `report`: counters while it runs, and `report()`;
 - `user_casts`: the user's own cast rules (`amp.register_*_function`, the decorators,

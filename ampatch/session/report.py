@@ -50,7 +50,8 @@ class Report:
     trained_params: int = 0
     bytes_per_param: float = 0.0
     optimizer_state_bytes: int = 0  # the optimizers' state tensors (Adam's moments, momentum buffers, ...)
-    optimizer_states: str = ""  # what the state is kept in (config.values.StatePrecision: "float32", "bfloat16", "int8")
+    # what the state is kept in (config.values.StatePrecision: "float32", "bfloat16", "int8")
+    optimizer_states: str = ""
     # int8: the share of the kept elements at the bottom of their block's range (values it could not hold)
     optimizer_state_underflow: float = 0.0
     # fp8=: the recipe ("" when off; "custom" for a torchao config), whether it was emulated (no FP8
@@ -147,13 +148,15 @@ class Report:
         lines = [f"ampatch report: opt_level={self.opt_level} half_dtype={self.half_dtype} "
                  f"enabled={self.enabled}",
                  *([f"  device: {self.device.to_dict()['summary']}"] if self.device is not None else []),
-                 *([f"  kept in FP32: {', '.join(n or '(the whole model)' for n in self.keep_fp32)}"] if self.keep_fp32 else []),
+                 *([f"  kept in FP32: {', '.join(n or '(the whole model)' for n in self.keep_fp32)}"]
+                   if self.keep_fp32 else []),
                  *([f"  master weights: {self.master_weights}, {self.bytes_per_param:.2f} bytes per trained "
                     f"parameter ({self.trained_params:,} parameters), "
                     f"{self.training_bytes_per_param:.2f} with the optimizer's state"] if self.trained_params else []),
-                 *([f"  optimizer state: {self.optimizer_states or 'float32'}, {self.state_bytes_per_param:.2f} bytes per "
-                    "trained parameter" + (f", {self.optimizer_state_underflow:.1%} of its int8 elements at the bottom "
-                                           "of their block's range" if self.optimizer_states == "int8" else "")]
+                 *([f"  optimizer state: {self.optimizer_states or 'float32'}, "
+                    f"{self.state_bytes_per_param:.2f} bytes per trained parameter"
+                    + (f", {self.optimizer_state_underflow:.1%} of its int8 elements at the bottom of their block's "
+                       "range" if self.optimizer_states == "int8" else "")]
                    if self.trained_params else []),
                  *self._fp8_lines(),
                  f"  steps {self.steps}, skipped {len(self.skipped_steps)}"

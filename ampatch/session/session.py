@@ -1,6 +1,6 @@
 """One object holding everything an `initialize` call set up; its one job: set up, step, close.
 
-Opened on a checked call (`build.Prepared`): `build.build` makes the model and optimizer
+Opened on a checked call (`prepare.Prepared`): `build.build` makes the model and optimizer
 handles, plain or sharded; what watches from outside (report at exit, the diagnose
 recorder, end after N steps) is a list of `observers`; `telemetry` assembles the report.
 `current()` is the live session of the process (one reference, not scattered globals):
@@ -21,7 +21,7 @@ from torch import nn
 from ..base.notices import warn
 from ..base.patcher import Patcher
 from ..config import levels
-from ..config.env import Overrides
+from ..config.env import NO_OVERRIDES, Overrides
 from ..config.options import Options, Properties
 from ..errors import ConfigError, ConfigTypeError, OrderError, reason
 from ..machine import hardware, tips
@@ -37,10 +37,14 @@ from ..optim.handle import OptimizerHandle
 from ..optim.masters import state_bytes
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
 from . import build, observers
+from .param_guard import ParamGuard
+from .prepare import Prepared, check_incoming_dtypes
 from .report import Report
 from .telemetry import Telemetry
 
 logger = logging.getLogger("ampatch")
+
+DEFAULT_OPTIONS = Options()  # a session made without a call's options (tests, tools)
 
 
 class _Live:
@@ -61,7 +65,7 @@ def set_current(session: Session | None) -> Session | None:
 class Session:
     """The state of one `initialize`: properties, patches, cache, scalers, handles, telemetry."""
 
-    def __init__(self, properties: Properties, options: Options = Options(), overrides: Overrides = Overrides(),
+    def __init__(self, properties: Properties, options: Options = DEFAULT_OPTIONS, overrides: Overrides = NO_OVERRIDES,
                  attributes: Callable[[OptimizerHandle], dict[str, Any]] | None = None) -> None:
         self.properties, self.options, self.overrides = properties, options, overrides
         self.attributes = attributes  # what each patched optimizer carries besides (Apex's _amp_stash)
@@ -75,13 +79,13 @@ class Session:
         self.kept: list[keep.Kept] = []  # the modules kept in FP32 (keep_fp32, AMPATCH_KEEP_FP32)
         self.observers: list[observers.Observer] = []
         self.fp8: fp8.Fp8Layers | None = None  # the layers run in FP8 (fp8=, AMPATCH_FP8)
-        self.guard: build.ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
+        self.guard: ParamGuard | None = None  # parameters swapped after initialize (fully_shard, ...)
         self.device: hardware.SessionDevice | None = None  # hardware.check_half: the device, its half dtype
         self.closed = False
         self._last_loss: torch.Tensor | None = None
 
     @classmethod
-    def open(cls, prepared: build.Prepared, attributes: Callable[[OptimizerHandle], dict[str, Any]] | None = None,
+    def open(cls, prepared: Prepared, attributes: Callable[[OptimizerHandle], dict[str, Any]] | None = None,
              recorder: observers.RecorderFactory | None = None) -> Session:
         """A session set up on the prepared models and optimizers: models cast, masters made,
         optimizers and (O1/O4) torch patched. One that fails half-way is closed (everything it
@@ -102,7 +106,7 @@ class Session:
         self.device = hardware.check_half(models, props.half_dtype if props.enabled and props.half_name else None,
                                           self.verbosity)
         if props.enabled:
-            build.check_incoming_dtypes(models)
+            check_incoming_dtypes(models)
         if self.options.keep_fp32 is not None or self.overrides.keep_fp32:
             self.kept = keep.select(models, self.options.keep_fp32, self.overrides.keep_fp32,
                                     props.enabled and props.casts_model, self.warn, self.overrides.keep_source)
@@ -122,7 +126,7 @@ class Session:
                     raise
                 raise ConfigError(f"{self.overrides.given('fp8_modules')}: {reason(exc)}") from None
             self._announce_fp8()
-        self.guard = build.ParamGuard(models, self.optimizers)
+        self.guard = ParamGuard(models, self.optimizers)
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
         lost = tips.eps_lost_in_float16(optimizers) if props.half_dtype == torch.float16 else []
@@ -138,6 +142,8 @@ class Session:
         """The start-up notice of fp8: a warning where it is emulated or converts nothing (a run
         slower than without it, or no different), the layers with their reasons at INFO."""
         layers = self.fp8
+        if layers is None:
+            return
         if layers.emulated or not layers.converted:
             self.warn(f"ampatch: {layers.summary()}; report() lists the layers with their reasons.")
         elif self.verbosity >= 1:
@@ -151,7 +157,8 @@ class Session:
     def _handle_context(self) -> HandleContext:
         """What each optimizer handle needs from this session."""
         return HandleContext(process_group=self.options.process_group, on_step=self.on_step,
-                             on_skips=self._warn_skipping, scales_loss=lambda: any(not s.is_identity for s in self.scalers),
+                             on_skips=self._warn_skipping,
+                             scales_loss=lambda: any(not s.is_identity for s in self.scalers),
                              master_owner=self._master_owner, level=self.properties.opt_level,
                              attributes=self.attributes)
 
@@ -257,7 +264,8 @@ class Session:
             found_inf = None
             for h in handles:
                 found_inf = h.after_backward(scale, found_inf, delay_unscale)
-            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):  # sharded, sync off: kept scaled
+            # sharded with its sync off: the grads are kept scaled
+            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):
                 verdict = Verdict(scaler, found_inf, process_group=self.options.process_group,
                                   iteration=lambda: self.iteration, on_overflow=self._skipper(handles, loss_id))
                 if delay_overflow_check:
@@ -320,11 +328,12 @@ class Session:
         self.resolve_pending()
         o1 = self.__dict__.get("o1")
         cache = {"hits": o1.cache.hits, "misses": o1.cache.misses} if o1 is not None else {"hits": 0, "misses": 0}
+        underflow = [h.states.underflow() for h in self.optimizers]  # (elements at the bottom, elements) each
         return self.telemetry.report(self.properties, cache,
                                      self.scalers, self.device, [k.label for k in self.kept],
                                      [h.masters.footprint() for h in self.optimizers],
-                                     sum(state_bytes(h.optimizer) + h.states.nbytes() for h in self.optimizers), self.fp8,
-                                     tuple(map(sum, zip((0, 0), *(h.states.underflow() for h in self.optimizers)))))
+                                     sum(state_bytes(h.optimizer) + h.states.nbytes() for h in self.optimizers),
+                                     self.fp8, (sum(u[0] for u in underflow), sum(u[1] for u in underflow)))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

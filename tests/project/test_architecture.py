@@ -3,11 +3,13 @@
 - no module imports another module's underscore name (`from .o1 import _switch`, or
   `o1._switch` on an imported ampatch module): what a module shares is public; the same
   holds for `scripts/` (the benchmark and the tools use ampatch's public names);
-- the module-level imports inside `ampatch/` form no cycle;
+- the module-level imports inside `ampatch/` form no cycle, and neither do all its imports,
+  function-level ones included (a package importing its own modules counts too);
 - the rooms are layers (`LAYERS`, bottom first): a room imports only rooms below it,
   function-level imports included, so no cycle runs through rooms either; rooms on one
-  layer (`session` and `record`, ...) never import each other. The one exception: the
-  public API loads `compat` (Apex's names) and `record` (diagnose's recorder) on first use;
+  layer (`session` and `record`, ...) never import each other. `frameworks` registers what
+  the core must know of other libraries (Apex's names, lent by `compat` on first use, loaded
+  by name) and sits below the public API, which imports it;
 - no file in `ampatch/` grows past the size where it should be split by job.
 """
 from __future__ import annotations
@@ -26,13 +28,13 @@ MAX_LINES = 420  # "~400 lines": split a file by job before it grows further
 # The rooms, bottom first; a room imports only rooms on a lower line. "api" is ampatch/__init__.py;
 # "types" (ampatch/types.py, the public type aliases) and "errors" (ampatch/errors.py, the error family
 # every room raises) import nothing of ampatch.
-LAYERS = (("types", "errors"), ("base",), ("machine",), ("config",), ("o1",), ("model",), ("optim",), ("session", "record"),
-          ("api",), ("compat", "frameworks", "workloads"), ("lightning", "huggingface", "runs"), ("compare",),
+LAYERS = (("types", "errors"), ("base",), ("machine",), ("config",), ("o1",), ("model",), ("optim",),
+          ("session", "record"), ("frameworks",), ("api",), ("compat", "workloads"), ("lightning", "huggingface", "runs"), ("compare",),
           ("diagnose",), ("tune",), ("cli",))
 RANK = {room: i for i, line in enumerate(LAYERS) for room in line}
-# What a room may import above itself, inside a function, first used: the public API's Apex
-# names (`amp._amp_state`, `amp.init`, `_amp_stash`) and diagnose's recorder.
-LAZY_UPWARD_ALLOWED = {("api", "compat"), ("api", "record")}
+# What a room may import above itself, inside a function, first used: nothing (the public
+# API's Apex names are lent through `session.addons`, so the API never imports compat).
+LAZY_UPWARD_ALLOWED: set[tuple[str, str]] = set()
 
 
 def _modules(root: Path, base: Path) -> dict[str, Path]:
@@ -95,6 +97,52 @@ def _imports(module: str, top_level_only: bool) -> list[tuple[str, str | None, i
     return found
 
 
+def _running_imports(module: str) -> list[str]:
+    """The modules every import statement in `module` names, at module level or inside a
+    function, where it can run (not under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(_known()[module].read_text())
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node)  # `from pkg import mod` names mod; `from pkg import name`, pkg
+            found.extend(f"{target}.{a.name}" if f"{target}.{a.name}" in _known() else target for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` (a list of modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
 def _is_ours(name: str) -> bool:
     return name == "ampatch" or name.startswith("ampatch.") or name in SCRIPT_MODULES
 
@@ -155,6 +203,26 @@ def test_module_level_imports_have_no_cycle() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def _full_graph() -> dict[str, set[str]]:
+    """Module -> the ampatch modules it imports where it runs, at module level or in a function."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module in MODULES:
+        for target in _running_imports(module):
+            while target and target not in MODULES and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in MODULES and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def test_no_import_cycle_function_level_imports_included() -> None:
+    """No chain of imports, module-level or inside functions, leads back to where it started:
+    a lazy import only hides a cycle until the function runs (the public API lends Apex's
+    names through `session.addons` instead of importing `compat`, which imports the API)."""
+    cycle = _cycle(_full_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
 def _room(module: str) -> str:
@@ -223,6 +291,12 @@ def test_the_checks_above_can_fail(tmp_path: Path) -> None:
             test_no_module_imports_another_modules_underscore_names()
         with pytest.raises(pytest.fail.Exception, match="import cycle"):
             test_module_level_imports_have_no_cycle()
+        (tmp_path / "b.py").write_text("def f():\n    from ampatch import a\n")
+        (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n")
+        test_no_import_cycle_function_level_imports_included()  # a TYPE_CHECKING import never runs
+        (tmp_path / "a.py").write_text("def g():\n    import ampatch.b\n")
+        with pytest.raises(AssertionError, match="import cycle: ampatch.a -> ampatch.b -> ampatch.a"):
+            test_no_import_cycle_function_level_imports_included()
         (tmp_path / "low.py").write_text("def f():\n    from ampatch.cli import main\n")
         MODULES = {"ampatch.base.low": tmp_path / "low.py"}
         with pytest.raises(AssertionError, match="base.low:2 .base. imports cli: upward"):

@@ -1,5 +1,5 @@
 """The session: one object per `initialize` (`session.session.Session`), the live one held by
-`current()`, opened on a checked call (`session.build.prepare`) and closed by `deinitialize`
+`current()`, opened on a checked call (`session.prepare.prepare`) and closed by `deinitialize`
 or the next `initialize`; what it builds only where it is used."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 import ampatch as amp
 from ampatch.config.env import Overrides
 from ampatch.config.options import Options
-from ampatch.session import build, observers
+from ampatch.session import observers, prepare
 from ampatch.session.session import Session, current
 
 
@@ -103,7 +103,7 @@ def test_a_session_opened_without_a_recorder_refuses_to_diagnose() -> None:
     """The session never imports the recorder (it sits beside it): the public API hands it in."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    prepared = build.prepare(Options(opt_level="O2"), model, opt, Overrides(diagnose="/dev/null"))
+    prepared = prepare.prepare(Options(opt_level="O2"), model, opt, Overrides(diagnose="/dev/null"))
     with pytest.raises(RuntimeError, match="without a recorder"):
         Session.open(prepared)
     assert model[0].weight.dtype == torch.float32 and "step" not in vars(opt)   # closed again

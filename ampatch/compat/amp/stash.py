@@ -5,9 +5,9 @@ NVIDIA's BERT pretraining steps `all_fp32_from_fp16_params` after its own all-re
 their grads on overflow, and on resume calls `optimizer._lazy_init_maybe_master_weights()`
 and sets `_amp_stash.lazy_init_called = True`. Here the stash is a view of the handle's
 masters (recomputed on each read, no copy), and the lazy init is a no-op: ampatch makes the
-masters at `initialize`. The core asks `attributes()` for them each time it patches an
-optimizer (a lazy import from the core: compat sits above it), so every optimizer a
-session patches has them, whatever was imported before, and loses them when the session ends.
+masters at `initialize`. `ampatch.frameworks.apex` lends `ATTRIBUTES` to the core by name
+(the core never imports compat, which sits above it), so every optimizer a session patches
+has them, whatever was imported before, and loses them when the session ends.
 """
 from __future__ import annotations
 

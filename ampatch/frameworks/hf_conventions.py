@@ -1,8 +1,10 @@
-"""Hugging Face `transformers` conventions that a model cast to half (O2/O3/O5) must keep.
+"""Hugging Face conventions the core must keep: Transformers models cast to half (O2/O3/O5),
+and what Accelerate's `prepare` made. Registered with the core on `import ampatch`
+(`model.cast.CONVENTIONS`, `session.addons.add_check`), which names neither.
 
-transformers is never imported: a model is recognized by the methods and attributes it
-has, so other models pay nothing and a user's own model with the same shape (a
-`generate` method, a `config` with a `dtype`) gets the same treatment.
+Neither transformers nor accelerate is ever imported: a model is recognized by the methods
+and attributes it has, so other models pay nothing and a user's own model with the same
+shape (a `generate` method, a `config` with a `dtype`) gets the same treatment.
 
 - Entry points besides `forward` (`ENTRY_POINTS`): `generate` and the `get_*_features`
   methods of multimodal models call submodules directly (Whisper's `generate` runs
@@ -15,16 +17,23 @@ has, so other models pay nothing and a user's own model with the same shape (a
   its config names, so it would turn the FP32 checkpoint into a half model (which O1 would
   then train in pure half, and O2 would give masters rounded to half). The config records
   the dtype the model had before the cast instead, like the checkpoint of an FP32 run.
+- `check_not_accelerated`: what Accelerate prepared is refused, with the order that works.
 
-(`ampatch.huggingface` is the Trainer integration; this module is core and needs nothing.)
+(`ampatch.huggingface` is the Trainer integration, imported only when used.)
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..model import cast
+from ..session import addons
 
 logger = logging.getLogger("ampatch")
 
@@ -82,3 +91,41 @@ class SavePretrained:
                            "config.json that names the half dtype; the local copy names %s. Push that folder "
                            "again, or push after amp.deinitialize().", self.dtype_name)
         return out
+
+
+def cast_entry_points(model: nn.Module, patcher: Any, cast_entry: Callable[[Callable[..., Any]], Any],
+                      original_dtype: torch.dtype | None) -> None:
+    """The model convention `model.cast.ModelHandle` runs on each model it casts: the entry
+    points cast like forward (`cast_entry`), and `save_pretrained` naming the dtype before
+    the cast."""
+    for name in entry_points(model):
+        patcher.patch(model, name, cast_entry(getattr(model, name)))
+    if original_dtype is not None and saves_config_dtype(model):
+        patcher.patch(model, "save_pretrained", SavePretrained(typing.cast(Callable[..., Any], model.save_pretrained),
+                                                                original_dtype))
+
+
+def check_not_accelerated(models: Sequence[nn.Module], optimizers: Sequence[Any]) -> None:
+    """Refuse what Hugging Face Accelerate's `prepare` made, where it would fight ampatch:
+    a model whose forward Accelerate wrapped in autocast (`Accelerator(mixed_precision=
+    "fp16"/"bf16")`: two AMPs at once), or an `AcceleratedOptimizer` (its step and
+    zero_grad belong to Accelerate's wrapper, and under DDP the model inside was wrapped
+    with its FP32 params). Recognized by what Accelerate leaves behind, without importing it.
+    """
+    for model in models:
+        if "_original_forward" in vars(model):
+            raise ConfigError(
+                f"amp.initialize got a {type(model).__name__} whose forward Hugging Face Accelerate wrapped in "
+                "autocast (Accelerator(mixed_precision='fp16'/'bf16')): two mixed-precision schemes at once. "
+                "Use Accelerator(mixed_precision='no') and call amp.initialize on the model and optimizer "
+                "before accelerator.prepare(...).")
+    for optimizer in optimizers:
+        if type(optimizer).__name__ == "AcceleratedOptimizer" and type(optimizer).__module__.startswith("accelerate"):
+            raise ConfigError(
+                "amp.initialize got an AcceleratedOptimizer (the result of accelerator.prepare): call "
+                "amp.initialize on the bare model and optimizer first, then accelerator.prepare(...) on what it "
+                "returns, with Accelerator(mixed_precision='no'); pass the initialized optimizer to scale_loss.")
+
+
+cast.add_convention(cast_entry_points)
+addons.add_check(check_not_accelerated)
