@@ -20,7 +20,7 @@ from ..base.notices import warn
 from ..base.patcher import Patcher, disable_casts
 from ..config.values import MasterMode, StatePrecision
 from . import calls, state_checkpoint
-from .context import HandleContext, OptState, StepGuard
+from .context import BACK, ON_ITS_OWN, GradStage, HandleContext, StageCall, StepGuard, expect_stage
 from .lowmem import LowMemMasters, take_state_entries
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
 from .scaler import distributed, unscale_
@@ -59,29 +59,23 @@ class OptimizerHandle:
         handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
                                  context=HandleContext(scales_loss=lambda: not scaler.is_identity))
         model.half(); handle.install(Patcher())
-        handle.resolve(); handle.before_backward(scaler.scale)
+        handle.run_deferred(); handle.before_backward(scaler.scale)
         (loss.float() * scaler.scale).backward()
         found_inf = handle.after_backward(scaler.scale, None, delay_unscale=False)
         Verdict(scaler, found_inf, on_overflow=lambda *_: handle.skip_next_step())()
         opt.step()  # skipped after an overflow
 
-    The stage (`stage`, an `OptState`) and what moves it (anything else leaves it as it is):
-
-        FRESH  --before_backward-->  READY  (under torch.distributed the masters agree first)
-        READY, OVERFLOWED  --after_backward(delay_unscale=True)-->  SCALED  (the stage left is kept)
-        SCALED  --after_backward(delay_unscale=False), zero_grad-->  the stage it left
-        FRESH, READY  --skip_next_step-->  OVERFLOWED  (in SCALED: the stage it goes back to)
-        OVERFLOWED  --step, settle_skip-->  READY  (skipped: params and optimizer state untouched)
-
-    step() in SCALED raises: it would apply scaled grads. From before_backward to the unscale
-    that ends the scale_loss, the grads that were there before are kept apart (`_stash`).
-    Overflow verdicts can wait (`defer`, delay_overflow_check) until `resolve`, which step()
-    and the next scale_loss call first. Skipped steps in a row are counted
-    (`consecutive_skips`) and reported to `HandleContext.on_skips` as they pile up.
+    Where its gradients stand is `stage` (a `GradStage`); the calls that move it, and the
+    order they are allowed in, are the table in `optim.context` (`STAGE_MOVES`), checked at
+    every call. From before_backward to the unscale that ends the scale_loss, the grads that
+    were there before are kept apart (`_stash`). Overflow verdicts can wait (`defer`,
+    delay_overflow_check) until `run_deferred`, which step() and the next scale_loss call
+    first. Skipped steps in a row are counted (`consecutive_skips`) and reported to
+    `HandleContext.on_skips` as they pile up.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int = 0, master_ids: set[int] | None = None,
-                 context: HandleContext = HandleContext(), mode: MasterMode = MasterMode.FP32,
+                 context: HandleContext = ON_ITS_OWN, mode: MasterMode = MasterMode.FP32,
                  states: StatePrecision = StatePrecision.FLOAT32) -> None:
         self.optimizer = optimizer
         self.index = index
@@ -92,8 +86,8 @@ class OptimizerHandle:
         self.use_masters = self.masters.enabled  # every unscale is checked, even at a static 1.0
         self._ctx = context
         self._guard: StepGuard | None = None
-        self._stage = OptState.FRESH
-        self._resume = OptState.READY  # where SCALED goes back to
+        self._stage = GradStage.FRESH
+        self._back = GradStage.READY  # where SCALED goes back to
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._deferred: list[Callable[[], None]] = []
         self._steps = 0
@@ -101,8 +95,18 @@ class OptimizerHandle:
         self._warn_at = SKIP_WARNING_AFTER
 
     @property
-    def stage(self) -> OptState:
+    def stage(self) -> GradStage:
         return self._stage
+
+    def _move(self, call: StageCall) -> None:
+        """The stage after `call`, as `STAGE_MOVES` says (checked first: `expect_stage`)."""
+        stage = self._stage
+        target = expect_stage(call, stage)[stage]
+        if target is BACK:
+            target = self._back
+        elif target is GradStage.SCALED and stage is not GradStage.SCALED:
+            self._back = stage
+        self._stage = target
 
     @property
     def steps(self) -> int:
@@ -136,11 +140,11 @@ class OptimizerHandle:
     def before_backward(self, scale: float) -> None:
         """Keep already-unscaled grads apart from the coming scaled backward (under
         torch.distributed: scale them to `scale` in place instead, see the module docstring)."""
-        if self._stage is OptState.FRESH:
-            self._stage = OptState.READY
-            if self.use_masters:
-                self.masters.agree(self._ctx.process_group)
-        if self._stage is OptState.SCALED:
+        fresh = self._stage is GradStage.FRESH
+        self._move(StageCall.BEFORE_BACKWARD)
+        if fresh and self.use_masters:
+            self.masters.agree(self._ctx.process_group)
+        if self._stage is GradStage.SCALED:
             return
         if distributed():
             self._rescale_in_place(scale)
@@ -172,11 +176,9 @@ class OptimizerHandle:
         inf/NaN flag (ORed into `found_inf`). With `delay_unscale` (or `unscale_waits`) the
         grads stay scaled."""
         if delay_unscale or self.unscale_waits():
-            if self._stage is not OptState.SCALED:
-                self._resume, self._stage = self._stage, OptState.SCALED
+            self._move(StageCall.KEEP_SCALED)
             return found_inf
-        if self._stage is OptState.SCALED:  # those grads are unscaled and checked with the new ones
-            self._stage = self._resume
+        self._move(StageCall.UNSCALE)  # grads a delayed unscale left are unscaled and checked with the new ones
         inv = 1.0 / scale
         pairs, params = self.masters.split()
         own = []  # the new grads of the params that are their own masters
@@ -192,21 +194,21 @@ class OptimizerHandle:
         stash, self._stash = self._stash, []
         add_grads([p for p, _ in stash], [g for _, g in stash])
         if found_inf is None:
-            found_inf = torch.zeros((), dtype=torch.float32)  # never the default dtype: a framework step may have made it half
+            # never the default dtype: a framework step may have made it half
+            found_inf = torch.zeros((), dtype=torch.float32)
         return found_inf
 
     def skip_next_step(self) -> None:
         """The next step() is skipped (its grads were found non-finite)."""
-        if self._stage is OptState.SCALED:
-            self._resume = OptState.OVERFLOWED
-        else:
-            self._stage = OptState.OVERFLOWED
+        self._move(StageCall.SKIP_NEXT_STEP)
+        if self._stage is GradStage.SCALED:
+            self._back = GradStage.OVERFLOWED
 
     def defer(self, verdict: Callable[[], None]) -> None:
         """Run an overflow verdict later (delay_overflow_check): at step() or the next scale_loss."""
         self._deferred.append(verdict)
 
-    def resolve(self) -> None:
+    def run_deferred(self) -> None:
         """Run the deferred verdicts now."""
         verdicts, self._deferred = self._deferred, []
         for verdict in verdicts:
@@ -242,10 +244,13 @@ class OptimizerHandle:
                 "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "
                 "backward bypasses scale_loss. Call backward inside `with amp.scale_loss(...)` before "
                 "step(), or use a level without scaling (O0, O3, O4).")
-        if self._stage is OptState.SCALED:
+        if self._stage is GradStage.SCALED:  # the table's "raises", with the fix for the user
             raise RuntimeError(self.still_scaled_message())
-        self.resolve()
-        if self.settle_skip():
+        self.run_deferred()
+        skip = self._stage is GradStage.OVERFLOWED
+        self._move(StageCall.STEP)
+        if skip:
+            self._skipped()
             return None
         self._steps += 1
         if self.masters.steps_itself:  # stochastic/kahan: the optimizer steps a chunk at a time
@@ -278,14 +283,18 @@ class OptimizerHandle:
         and optimizer state untouched, master grads dropped, counted as a skipped step. For a
         caller that skips the step itself (Apex's `update_scale()` returning should_skip);
         returns whether a step was skipped."""
-        if self._stage is not OptState.OVERFLOWED:
-            return False
-        self._stage = OptState.READY
+        skip = self._stage is GradStage.OVERFLOWED
+        self._move(StageCall.SETTLE_SKIP)
+        if skip:
+            self._skipped()
+        return skip
+
+    def _skipped(self) -> None:
+        """A skipped step: counted, master grads dropped, params and optimizer state untouched."""
         self._steps += 1
         for _, m in self.pairs():
             m.grad = None
         self._stepped(skipped=True)
-        return True
 
     def _stepped(self, skipped: bool) -> None:
         """Count the skip streak (reported with back-off: 50, 100, 200, ... in a row), then tell on_step."""
@@ -310,8 +319,7 @@ class OptimizerHandle:
             else:
                 mp.grad.detach_().zero_()
         self._stash = []
-        if self._stage is OptState.SCALED:
-            self._stage = self._resume
+        self._move(StageCall.ZERO_GRAD)
 
     def _add_param_group(self, inner: Callable, *args: Any, **kwargs: Any) -> None:
         group, call = calls.first_argument(inner, args, kwargs, "param_group")

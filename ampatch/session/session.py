@@ -31,7 +31,7 @@ from ..o1.cache import CastCache
 from ..o1.install import O1Patches
 from ..o1.lists import user as user_policy
 from ..o1.wrappers import WrapContext
-from ..optim.context import HandleContext, OptState
+from ..optim.context import GradStage, HandleContext
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import state_bytes
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
@@ -238,7 +238,7 @@ class Session:
             return
         start = time.perf_counter()
         for h in handles:
-            h.resolve()  # a deferred verdict may still change the scale
+            h.run_deferred()  # a deferred verdict may still change the scale
         scale = scaler.scale
         for h in handles:
             h.before_backward(scale)
@@ -256,7 +256,7 @@ class Session:
             found_inf = None
             for h in handles:
                 found_inf = h.after_backward(scale, found_inf, delay_unscale)
-            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):  # sharded, sync off: kept scaled
+            if not delay_unscale and not any(h.stage is GradStage.SCALED for h in handles):  # sharded, sync off: kept scaled
                 verdict = Verdict(scaler, found_inf, process_group=self.options.process_group,
                                   iteration=lambda: self.iteration, on_overflow=self._skipper(handles, loss_id))
                 if delay_overflow_check:
@@ -306,7 +306,7 @@ class Session:
     # ------------------------------------------------------------------ state
     def resolve_pending(self) -> None:
         for h in self.optimizers:
-            h.resolve()
+            h.run_deferred()
 
     def state_dict(self) -> dict[str, dict[str, float | int]]:
         self.resolve_pending()

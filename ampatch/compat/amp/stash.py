@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...base.dtypes import LOW
-from ...optim.context import OptState
+from ...optim.context import GradStage
 from ...optim.handle import OptimizerHandle
 from .scaler import device_of
 
@@ -93,7 +93,7 @@ class AmpStash:
     @property
     def params_have_scaled_gradients(self) -> bool:
         """A `delay_unscale` backward left scaled gradients."""
-        return self._handle.stage is OptState.SCALED
+        return self._handle.stage is GradStage.SCALED
 
     @property
     def dummy_overflow_buf(self) -> torch.Tensor:

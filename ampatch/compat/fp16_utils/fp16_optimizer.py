@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...config.values import DEFAULT_MAX_LOSS_SCALE, check_scale_value
-from ...optim.context import OptState
+from ...optim.context import GradStage
 from ...optim.scaler import LossScaler, StateDictKeyError
 from ..amp.scaler import LossScalerView
 from .loss_scaler import apex_scaler
@@ -140,7 +140,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the masters and copy them into the half model; skipped while `overflow`."""
-        if self._handle.stage is OptState.SCALED:
+        if self._handle.stage is GradStage.SCALED:
             raise RuntimeError("FP16_Optimizer.step(): backward(loss, update_master_grads=False) left gradients "
                                "that are not in the masters yet; call optimizer.update_master_grads() first.")
         if self.overflow:
