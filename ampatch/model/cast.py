@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import hf_conventions
-from .forwards import CastForward, install_forward
+from .forwards import HalfForward, install_forward
 from .weight_table import DataWatch, Weights
 from .weights import Keeps, Weight, keep_exact
 
@@ -130,11 +130,11 @@ class ModelHandle:
     def _wrap_forward(self, patcher, output_dtype: torch.dtype | None) -> None:
         model = self.model
         inner = model.forward  # bound method (or an instance attribute someone set)
-        install_forward(model, CastForward(inner, self.dtype, output_dtype, weights=self.weights), patcher)
+        install_forward(model, HalfForward(inner, self.dtype, output_dtype, weights=self.weights), patcher)
         # Hugging Face entry points that reach submodules without passing forward (generate,
         # get_image_features, ...): inputs cast the same way; their calls of forward cast as usual
         for name in hf_conventions.entry_points(model):
-            patcher.patch(model, name, CastForward(getattr(model, name), self.dtype, output_dtype, nests=False,
+            patcher.patch(model, name, HalfForward(getattr(model, name), self.dtype, output_dtype, nests=False,
                                                    weights=self.weights))
         if self.original_dtype is not None and hf_conventions.saves_config_dtype(model):
             patcher.patch(model, "save_pretrained", hf_conventions.SavePretrained(model.save_pretrained,

@@ -26,7 +26,7 @@ lazy compile of the backward graph, run with casts off in their thread, as torch
 with autocast off (`_BACKEND_COMPILE`).
 
 A module kept in FP32 (`keep_fp32`) runs with casts off, but Dynamo chooses the casts of
-what it traces when it traces (`proxies.CastFunctionWrapper._torchdynamo_inline`), not where a
+what it traces when it traces (`proxies.TwinProxy._torchdynamo_inline`), not where a
 module runs: so its forward wrapper (`model.forwards.UncastForward`, handed in as `eager`) runs eagerly,
 outside the graph, with casts off as in eager mode (`torch.compiler.disable`: a graph break).
 """

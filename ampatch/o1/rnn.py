@@ -25,8 +25,8 @@ import torch
 
 from ..base.patcher import Patcher, cast_switch
 from ..base.tree import map_tensors
-from .plans import HALF, CastPlan, plan
-from .proxies import ModuleFunctionWrapper
+from .plans import HALF, OpPlan, plan
+from .proxies import ModuleTwinProxy
 from .twins import traced
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
@@ -44,7 +44,7 @@ def _half_view(module: torch.nn.Module, flat_weights: list) -> torch.nn.Module:
 
 
 @traced
-def _traceable_forward(original: Callable, p: CastPlan) -> Callable:
+def _traceable_forward(original: Callable, p: OpPlan) -> Callable:
     """The forward Dynamo traces: casts as graph nodes, `_flat_weights` swapped and restored."""
     target = p.target
     leaf = p.leaf(lambda t: t.to(target))
@@ -77,7 +77,7 @@ def patch_rnn_modules(patcher: Patcher, cast_for: Callable[[torch.dtype], Callab
 
     for cls in RNN_CLASSES:
         original = vars(cls)["forward"]
-        twin = ModuleFunctionWrapper(original, forward_in_half, _traceable_forward(original, p))
+        twin = ModuleTwinProxy(original, forward_in_half, _traceable_forward(original, p))
         patcher.patch(cls, "forward", _class_forward(original, twin))
 
 

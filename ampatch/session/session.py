@@ -27,7 +27,7 @@ from ..machine import hardware, tips
 from ..model import fp8, keep
 from ..model.forwards import EAGER_UNDER_COMPILE
 from ..o1 import lists
-from ..o1.cache import CastCache
+from ..o1.cache import ParamCastCache
 from ..o1.install import O1Patches
 from ..o1.lists import user as user_policy
 from ..o1.wrappers import WrapContext
@@ -119,7 +119,7 @@ class Session:
             except ValueError as exc:  # a layer choice from outside: the message names where it came from
                 if self.overrides.fp8_modules is None or props.fp8_modules != self.overrides.fp8_modules:
                     raise
-                raise ValueError(f"{self.overrides.given('fp8_modules')}: {exc}") from None
+                raise ValueError(f"{self.overrides.quote('fp8_modules')}: {exc}") from None
             self._announce_fp8()
         self.guard = build.ParamGuard(models, self.optimizers)
         for h in self.optimizers:
@@ -173,14 +173,14 @@ class Session:
     def o1(self) -> O1Patches:
         """This session's O1 patches and cast cache (made on first use: O1/O4 patch torch,
         decorators wrap; a cast model has no casts to cache)."""
-        cache = CastCache()
+        cache = ParamCastCache()
         timer = self.telemetry.add_wrapper_time if self.telemetry.time_wrappers else None
         ctx = WrapContext(cache.caster, self.properties.half_dtype, self.telemetry.counters,
                           self.options.allow_banned, timer)
         return O1Patches(self.patcher, cache, ctx)
 
     @property
-    def cache(self) -> CastCache:
+    def cache(self) -> ParamCastCache:
         """The O1 cast cache."""
         return self.o1.cache
 
