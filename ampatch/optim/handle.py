@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -140,9 +140,9 @@ class OptimizerHandle:
     def before_backward(self, scale: float) -> None:
         """Keep already-unscaled grads apart from the coming scaled backward (under
         torch.distributed: scale them to `scale` in place instead, see the module docstring)."""
-        fresh = self._stage is GradStage.FRESH
+        first = self._stage is GradStage.FRESH
         self._move(StageCall.BEFORE_BACKWARD)
-        if fresh and self.use_masters:
+        if first and self.use_masters:
             self.masters.agree(self._ctx.process_group)
         if self._stage is GradStage.SCALED:
             return
@@ -150,7 +150,7 @@ class OptimizerHandle:
             self._rescale_in_place(scale)
             return
         pairs, own = self.masters.split()
-        stash = [(p, p.grad) for p in own if p.grad is not None]
+        stash = [(p, g) for p in own if (g := p.grad) is not None]
         for p, _ in stash:
             p.grad = None
         fresh = [(mp, p) for mp, p in pairs if mp.grad is not None]  # a plain backward outside scale_loss
@@ -161,7 +161,7 @@ class OptimizerHandle:
     def _rescale_in_place(self, scale: float) -> None:
         """Existing (unscaled) grads times `scale`, left where the coming backward accumulates."""
         pairs, params = self.masters.split()
-        own = [p for p in params if p.grad is not None]
+        own = [g for p in params if (g := p.grad) is not None]
         for mp, p in pairs:
             if mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
                 self.masters.move_grads([(mp, p)])
@@ -169,7 +169,7 @@ class OptimizerHandle:
                 mp.grad = (p.grad * scale).to(mp.dtype)  # may overflow: then this unscale skips
                 p.grad = None
         if own and scale != 1.0:
-            torch._foreach_mul_([p.grad for p in own], scale)
+            torch._foreach_mul_(own, scale)
 
     def after_backward(self, scale: float, found_inf: torch.Tensor | None, delay_unscale: bool) -> torch.Tensor | None:
         """Unscale the new grads (into masters), check them, add the stash back; returns the
@@ -407,7 +407,7 @@ class OptimizerHandle:
                         "params (this session, %s, has no masters).", self._ctx.level or "its level")
 
     # ------------------------------------------------------------------ undo
-    def unswap(self) -> dict[int, torch.Tensor]:
+    def unswap(self) -> Mapping[int, torch.Tensor]:
         """Kept state back to FP32, model params back into param_groups; returns masters by model param id."""
         self.states.restore(self.params())
         return self.masters.unswap()
