@@ -136,9 +136,9 @@ class ModelHandle:
         for name in hf_conventions.entry_points(model):
             patcher.patch(model, name, HalfForward(getattr(model, name), self.dtype, output_dtype, nests=False,
                                                    weights=self.weights))
-        if self.original_dtype is not None and hf_conventions.saves_config_dtype(model):
-            patcher.patch(model, "save_pretrained", hf_conventions.SavePretrained(model.save_pretrained,
-                                                                               self.original_dtype))
+        save = model.save_pretrained if hf_conventions.saves_config_dtype(model) else None
+        if self.original_dtype is not None and callable(save):
+            patcher.patch(model, "save_pretrained", hf_conventions.SavePretrained(save, self.original_dtype))
 
     def restore(self) -> None:
         """Back to the original dtypes, each tensor from what its record keeps (`Weight.restore`),

@@ -35,8 +35,8 @@ from ..machine.tips import add_note, changed_model_hint, hint_dtype_error
 from .default_dtype import DEFAULT_DTYPE
 from .weight_table import Weights
 
-__all__ = ["HalfForward", "KeepForward", "UncastForward", "EAGER_UNDER_COMPILE", "InputCast", "Replicate", "cast_tree", "wrap_outputs",
-           "install_forward", "keep_in_fp32", "forward_casts_bypassed", "is_wrapped"]
+__all__ = ["HalfForward", "KeepForward", "UncastForward", "EAGER_UNDER_COMPILE", "InputCast", "Replicate", "cast_tree",
+           "wrap_outputs", "install_forward", "keep_in_fp32", "forward_casts_bypassed", "is_wrapped"]
 
 
 class _Bypass(threading.local):
@@ -151,8 +151,10 @@ class HalfForward:
         except BaseException as exc:
             if isinstance(exc, (RuntimeError, TypeError, ValueError)):  # e.g. an FP32 constant meets half
                 hint_dtype_error(exc, model_dtype=self.dtype)
-                if weights is not None and isinstance(self.__wrapped__, types.MethodType):
-                    changed = weights.changes(self.__wrapped__.__self__)
+                owner = getattr(self.__wrapped__, "__self__", None)  # the model, for its bound forward
+                if weights is not None and isinstance(self.__wrapped__, types.MethodType) \
+                        and isinstance(owner, nn.Module):
+                    changed = weights.changes(owner)
                     if changed:  # the model was changed after initialize: say how to do that
                         add_note(exc, changed_model_hint(changed, self.dtype))
             if not depth and not compiling and _kept_outputs.by_id:
@@ -232,8 +234,8 @@ class KeepForward:
     """`forward` of a module that `keep_fp32` keeps in FP32, where the session does not patch
     torch (O2/O3/O5): its parameters and buffers were left FP32; floating half inputs go to
     FP32 at entry, tensors it creates are FP32 (inside a cast model, whose default dtype is
-    half, it asks `default_dtype` for FP32 back), and with `output_dtype` FP32 outputs go to it at exit (the model's half
-    dtype, as an FP32 batch norm returns its input's dtype). Dynamo traces it, so under
+    half, it asks `default_dtype` for FP32 back), and with `output_dtype` FP32 outputs go to
+    it at exit (the model's half dtype, as an FP32 batch norm returns its input's dtype). Dynamo traces it, so under
     torch.compile the casts are nodes of the graph. A plain object, copyable and picklable
     like `HalfForward`."""
 

@@ -158,7 +158,7 @@ def with_tied(models: Sequence[nn.Module], kept: Sequence[Kept]) -> tuple[list[K
                 and any(id(p) in params for p in e.module.parameters(recurse=False)):
             by_module[id(e.module)] = e
             added.append(by_module[id(e.module)])
-    first = {}
+    first: dict[int, int] = {}
     for i, e in enumerate(entries):
         first.setdefault(id(e.module), i)
     return outermost(sorted(by_module.values(), key=lambda k: first[id(k.module)])), added

@@ -114,8 +114,8 @@ class ParamCastCache:
     def _make_caster(self, dtype: torch.dtype) -> Cast:
         entries = self._maps.setdefault(dtype, {})
         get = entries.get
-        fast = _CONVERTERS.get(dtype)
-        plain = _PLAIN if fast is not None else ()
+        fast = converter(dtype)  # used only where `plain` matches: the exact types with a conversion method
+        plain = _PLAIN if dtype in _CONVERTERS else ()
         hits, stale, gone = self._hits, self._stale, self._gone
         grad_enabled = torch.is_grad_enabled
         parameter = torch.nn.Parameter

@@ -150,7 +150,7 @@ def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = (),
     if "torch._dynamo" in sys.modules:
         _install_now(patcher, eager, after_compile)
         return
-    lock, done = threading.Lock(), []
+    lock, done = threading.Lock(), list[bool]()
 
     def compile_first(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         with lock:

@@ -46,7 +46,7 @@ def install(patcher: Patcher, cache: ParamCastCache) -> None:
 
     patcher.on_restore(unregister)
 
-    warned = []
+    warned: list[bool] = []
 
     def script(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         if not warned:

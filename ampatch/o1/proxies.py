@@ -25,6 +25,7 @@ behaves that way.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import types
 from collections.abc import Callable
@@ -55,7 +56,8 @@ class TwinProxy(wrapt.FunctionWrapper):
 
 def _init_builtin(proxy: TwinProxy, wrapped: Any, wrapper: Callable, traceable: Callable | None) -> None:
     """Initialise `proxy` as wrapt initialises a wrapper of a C function (see the module doc)."""
-    super(wrapt.FunctionWrapper, proxy).__init__(wrapped, None, wrapper, None, "builtin")
+    # wrapt's stubs declare only the public constructor, not its base's that takes the binding
+    super(wrapt.FunctionWrapper, proxy).__init__(wrapped, None, wrapper, None, "builtin")  # type: ignore[call-arg]
     proxy._self_traceable = traceable
 
 
@@ -76,6 +78,7 @@ def check_builtin_binding(*classes: type[TwinProxy]) -> None:
     def record(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped, instance, args, kwargs
 
+    seen: tuple[str, Any] | TypeError
     for cls in classes or (ModuleTwinProxy,):
         try:
             proxy = cls(probe, record)
@@ -84,9 +87,9 @@ def check_builtin_binding(*classes: type[TwinProxy]) -> None:
             seen = exc
         if seen != ("builtin", (probe, None, (1,), {"k": 2})):
             raise ImportError(
-                f"ampatch: wrapt {wrapt.__version__} no longer builds a wrapper with the \"builtin\" binding the "
-                f"way ampatch.o1.proxies relies on ({cls.__name__} gave {seen!r}). Install a wrapt release "
-                "this ampatch supports (pip install 'wrapt>=2.0,<3'), or report the wrapt version.")
+                f"ampatch: wrapt {importlib.metadata.version('wrapt')} no longer builds a wrapper with the "
+                f"\"builtin\" binding the way ampatch.o1.proxies relies on ({cls.__name__} gave {seen!r}). Install "
+                "a wrapt release this ampatch supports (pip install 'wrapt>=2.0,<3'), or report the wrapt version.")
 
 
 check_builtin_binding()

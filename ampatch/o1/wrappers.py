@@ -80,13 +80,14 @@ def make_function(p: OpPlan, original: Any, ctx: WrapContext) -> Callable:
     `original(self, *args)`, so that the tensor itself is cast too)."""
     shape = generate.Shape(p.action, layout_of(original, generate.RESERVED), in_place=p.in_place,
                            cpu_only=p.cpu_only, timed=ctx.timer is not None)
-    tick = ctx.counters.counter(p.op, p.label) if p.action is Action.CAST else None
-    cast = ctx.cast_for(p.target) if p.action is Action.CAST else None
+    target = p.target if p.action is Action.CAST else None  # a CAST plan always has one
+    tick = ctx.counters.counter(p.op, short_name(target)) if target is not None else None
+    cast = ctx.cast_for(target) if target is not None else None
     leaf = p.leaf(cast) if cast is not None else None
-    inline = ctx.inline(p.target) if cast is not None else None
+    inline = ctx.inline(target) if target is not None else None
     values = generate.Values(
         op=original, switch=cast_switch, M=NOT_GIVEN, atoms=_ATOMS, Tensor=torch.Tensor, Parameter=torch.nn.Parameter,
-        needs=p.needs, convert=converter(p.target) if cast is not None else None, cache=inline,
+        needs=p.needs, convert=converter(target) if target is not None else None, cache=inline,
         walk=(lambda x: map_tensors(x, leaf)) if leaf is not None else None,
         general=general_path(p, original, ctx, tick, cast), tick=tick,
         clock=time.perf_counter if ctx.timer is not None else None, timer=ctx.timer, off_cpu=off_cpu)
