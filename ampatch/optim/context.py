@@ -75,17 +75,19 @@ STAGE_MOVES: Mapping[StageCall, Mapping[GradStage, GradStage | None]] = {
 }
 
 
-def expect_stage(call: StageCall, stage: GradStage) -> Mapping[GradStage, GradStage | None]:
-    """`call`'s row of `STAGE_MOVES`, after checking that `stage` is one it is allowed in; else
-    RuntimeError naming both (as FSDP2's `_assert_in_states`): a driver called the handle out
-    of order, a bug in it, caught before anything changed."""
-    moves = STAGE_MOVES[call]
-    if stage not in moves:
-        allowed = ", ".join(s.name for s in moves)
+def expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
+    """The stage `call` leaves a handle in `stage` in (BACK: the one SCALED was entered from),
+    after checking that `stage` is one `call` is allowed in; else RuntimeError naming both (as
+    FSDP2's `_assert_in_states`): a driver called the handle out of order, a bug in it, caught
+    before anything changed. Two dict lookups: it runs at every step, zero_grad and scale_loss."""
+    try:
+        return STAGE_MOVES[call][stage]
+    except KeyError:
+        allowed = ", ".join(s.name for s in STAGE_MOVES[call])
         raise RuntimeError(f"ampatch: internal error: OptimizerHandle.{call.value} called in stage {stage.name}; "
                            f"it is allowed only in {allowed}. Whatever drives this handle called it out of order "
-                           "(before_backward comes before after_backward): please report it with the traceback.")
-    return moves
+                           "(before_backward comes before after_backward): please report it with the "
+                           "traceback.") from None
 
 
 class StepGuard(Protocol):

@@ -101,7 +101,7 @@ class OptimizerHandle:
     def _move(self, call: StageCall) -> None:
         """The stage after `call`, as `STAGE_MOVES` says (checked first: `expect_stage`)."""
         stage = self._stage
-        target = expect_stage(call, stage)[stage]
+        target = expect_stage(call, stage)
         if target is BACK:
             target = self._back
         elif target is GradStage.SCALED and stage is not GradStage.SCALED:
