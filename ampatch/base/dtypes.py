@@ -6,6 +6,8 @@ double is a deliberate choice that casts leave alone).
 """
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 __all__ = ["LOW", "CASTABLE", "FLOATS", "HALF_NAMES", "is_low", "short_name", "from_short_name", "half_key"]
@@ -21,6 +23,12 @@ def is_low(dtype: torch.dtype) -> bool:
     return dtype in LOW
 
 
+@overload
+def short_name(dtype: torch.dtype) -> str: ...
+@overload
+def short_name(dtype: None) -> None: ...
+@overload
+def short_name(dtype: torch.dtype | None) -> str | None: ...
 def short_name(dtype: torch.dtype | None) -> str | None:
     """"bfloat16" for torch.bfloat16 (the form reports and tables use); None passes."""
     return None if dtype is None else str(dtype).removeprefix("torch.")

@@ -91,7 +91,7 @@ class Overrides:
         "diagnose": DIAGNOSE, "policy": POLICY, "fp8": FP8,
         "fp8_modules": FP8_MODULES, "optimizer_states": OPTIMIZER_STATES, "witness": WITNESS}
 
-    def given(self, field_name: str) -> str:
+    def quote(self, field_name: str) -> str:
         """"AMPATCH_X=value" for a field, as the user set it: what messages quote."""
         if field_name in self.sources:
             return self.sources[field_name]

@@ -240,20 +240,20 @@ def _outside_wins(options: Options, overrides: Overrides, notes: list[str]) -> O
             continue
         if name == "fp8" and value is False:  # AMPATCH_FP8=0: forced off
             if options.fp8 is not None:
-                notes.append(f"ampatch: {overrides.given(name)} turns off the script's fp8={options.fp8!r}.")
+                notes.append(f"ampatch: {overrides.quote(name)} turns off the script's fp8={options.fp8!r}.")
             changes.update(fp8=None, fp8_modules=None)
             continue
         if name == "fp8_modules" and changes.get("fp8", options.fp8) is None:  # "fp8" comes first in OUTSIDE
-            notes.append(f"ampatch: {overrides.given(name)} ignored: fp8 is off (set AMPATCH_FP8 with it).")
+            notes.append(f"ampatch: {overrides.quote(name)} ignored: fp8 is off (set AMPATCH_FP8 with it).")
             changes["fp8_modules"] = None
             continue
         if name == "half_dtype" and levels.half_dtype_conflict(level, value):
-            notes.append(f"ampatch: {overrides.given(name)} does not apply to {level}, which always runs in "
+            notes.append(f"ampatch: {overrides.quote(name)} does not apply to {level}, which always runs in "
                          "bfloat16; ignored.")
             continue
         mine = getattr(options, name)
         if mine not in (None, UNSET.get(name)) and mine != value:
-            notes.append(f"ampatch: {overrides.given(name)} overrides the script's {name}={mine}.")
+            notes.append(f"ampatch: {overrides.quote(name)} overrides the script's {name}={mine}.")
         changes[name] = value
     return options.replace(**changes) if changes else options
 

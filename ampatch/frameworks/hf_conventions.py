@@ -69,7 +69,7 @@ class SavePretrained:
     transformers does). The live config names it too, so it stays right after
     `deinitialize`.
 
-    A plain object like `forwards.CastForward`, so the model stays copyable: `copy.deepcopy`
+    A plain object like `forwards.HalfForward`, so the model stays copyable: `copy.deepcopy`
     rebinds `__wrapped__`, a bound method, to the copy.
     """
 

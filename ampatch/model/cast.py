@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import OrderError
-from .forwards import CastForward, install_forward
+from .forwards import HalfForward, install_forward
 from .weight_table import DataWatch, Weights
 from .weights import Keeps, Weight, keep_exact
 
@@ -142,9 +142,9 @@ class ModelHandle:
     def _wrap_forward(self, patcher, output_dtype: torch.dtype | None) -> None:
         model = self.model
         inner = model.forward  # bound method (or an instance attribute someone set)
-        install_forward(model, CastForward(inner, self.dtype, output_dtype, weights=self.weights), patcher)
+        install_forward(model, HalfForward(inner, self.dtype, output_dtype, weights=self.weights), patcher)
         for convention in CONVENTIONS:  # what other libraries' models need (CONVENTIONS)
-            convention(model, patcher, lambda method: CastForward(method, self.dtype, output_dtype, nests=False,
+            convention(model, patcher, lambda method: HalfForward(method, self.dtype, output_dtype, nests=False,
                                                                   weights=self.weights), self.original_dtype)
 
     def restore(self) -> None:

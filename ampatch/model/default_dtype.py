@@ -4,7 +4,7 @@ Model code creates float tensors inside its own forward: `torch.zeros(...)` for 
 built positional encoding (Lightning's `demos.Transformer`), masks, noise. Under
 `torch.autocast` the next matmul casts them; under Lightning's `bf16-true` they are made
 half because the default dtype is half while the model runs. A cast model does the same:
-its forward (`forwards.CastForward`) runs inside `default_dtype(half)`, so those tensors
+its forward (`forwards.HalfForward`) runs inside `default_dtype(half)`, so those tensors
 reach its half modules as half. One context per model forward, nothing per op (O2's
 per-op cost stays zero).
 

@@ -1,6 +1,6 @@
 """The forward wrappers ampatch puts on models, and the one switch that silences them.
 
-- `CastForward`: a cast model's (O2/O3/O5) `forward`: floating inputs to half, half outputs to
+- `HalfForward`: a cast model's (O2/O3/O5) `forward`: floating inputs to half, half outputs to
   FP32 (or `cast_model_outputs`), and the half dtype as torch's default dtype while it runs
   (tensors the model creates inside are half: `default_dtype.py`); `wrap_outputs` puts one
   on a model that is not cast (outputs only);
@@ -35,8 +35,8 @@ from ..machine.tips import add_note, changed_model_hint, hint_dtype_error
 from .default_dtype import DEFAULT_DTYPE
 from .weight_table import Weights
 
-__all__ = ["CastForward", "KeepForward", "UncastForward", "EAGER_UNDER_COMPILE", "InputCast", "Replicate", "cast_tree", "wrap_outputs",
-           "install_forward", "keep_in_fp32", "forward_casts_bypassed", "is_wrapped"]
+__all__ = ["HalfForward", "KeepForward", "UncastForward", "EAGER_UNDER_COMPILE", "InputCast", "Replicate", "cast_tree",
+           "wrap_outputs", "install_forward", "keep_in_fp32", "forward_casts_bypassed", "is_wrapped"]
 
 
 class _Bypass(threading.local):
@@ -83,10 +83,10 @@ def wrap_outputs(model: nn.Module, output_dtype: torch.dtype | None, patcher,
     floating outputs are cast to `output_dtype`, inputs pass untouched. With `input_dtype`
     (FSDP2-sharded models at O2/O3/O5, see fsdp.py) inputs are cast to it and half outputs
     to `output_dtype` or FP32, as `ModelHandle` does."""
-    install_forward(model, CastForward(model.forward, input_dtype, output_dtype), patcher)
+    install_forward(model, HalfForward(model.forward, input_dtype, output_dtype), patcher)
 
 
-def install_forward(module: nn.Module, forward: "CastForward | KeepForward | InputCast", patcher) -> None:
+def install_forward(module: nn.Module, forward: "HalfForward | KeepForward | InputCast", patcher) -> None:
     """Put `forward` (a wrapper around `module.forward`) on `module`, undone by `patcher`.
     nn.DataParallel copies the instance __dict__ into each replica: each replica gets the
     wrapper bound to itself, or every replica would run the original's weights (Apex's O2 +
@@ -98,7 +98,7 @@ def install_forward(module: nn.Module, forward: "CastForward | KeepForward | Inp
 _nesting = threading.local()  # per thread: how many wrapped forwards are running
 
 
-class CastForward:
+class HalfForward:
     """`model.forward` under O2/O3/O5: floating inputs to half, half outputs to FP32 (or
     `cast_model_outputs`), the half dtype torch's default while it runs (one
     `default_dtype` request per forward); with `dtype=None` (see `wrap_outputs`) only the
@@ -151,8 +151,10 @@ class CastForward:
         except BaseException as exc:
             if isinstance(exc, (RuntimeError, TypeError, ValueError)):  # e.g. an FP32 constant meets half
                 hint_dtype_error(exc, model_dtype=self.dtype)
-                if weights is not None and isinstance(self.__wrapped__, types.MethodType):
-                    changed = weights.changes(self.__wrapped__.__self__)
+                owner = getattr(self.__wrapped__, "__self__", None)  # the model, for its bound forward
+                if weights is not None and isinstance(self.__wrapped__, types.MethodType) \
+                        and isinstance(owner, nn.Module):
+                    changed = weights.changes(owner)
                     if changed:  # the model was changed after initialize: say how to do that
                         add_note(exc, changed_model_hint(changed, self.dtype))
             if not depth and not compiling and _kept_outputs.by_id:
@@ -173,7 +175,7 @@ class CastForward:
             out = map_tensors(out, lambda t: _fp32_original(t, originals))
         return cast_tree(out, self.output_dtype, self.only_low)
 
-    def bound_to(self, replica: nn.Module) -> "CastForward":
+    def bound_to(self, replica: nn.Module) -> "HalfForward":
         """The same wrapper around `replica`'s own forward."""
         return _bound_to(self, replica)
 
@@ -232,10 +234,10 @@ class KeepForward:
     """`forward` of a module that `keep_fp32` keeps in FP32, where the session does not patch
     torch (O2/O3/O5): its parameters and buffers were left FP32; floating half inputs go to
     FP32 at entry, tensors it creates are FP32 (inside a cast model, whose default dtype is
-    half, it asks `default_dtype` for FP32 back), and with `output_dtype` FP32 outputs go to it at exit (the model's half
-    dtype, as an FP32 batch norm returns its input's dtype). Dynamo traces it, so under
+    half, it asks `default_dtype` for FP32 back), and with `output_dtype` FP32 outputs go to
+    it at exit (the model's half dtype, as an FP32 batch norm returns its input's dtype). Dynamo traces it, so under
     torch.compile the casts are nodes of the graph. A plain object, copyable and picklable
-    like `CastForward`."""
+    like `HalfForward`."""
 
     def __init__(self, inner: Callable[..., Any], output_dtype: torch.dtype | None) -> None:
         self.__wrapped__ = inner
@@ -316,7 +318,7 @@ class InputCast:
     forward calls directly, e.g. a LightningModule's `training_step` running
     `self.discriminator(self(z))`, where `self(z)` handed back FP32 outputs: floating inputs
     to `dtype`, outputs as they are (half, as from any part of the half model). A plain
-    object, copyable and picklable like `CastForward`."""
+    object, copyable and picklable like `HalfForward`."""
 
     def __init__(self, inner: Callable[..., Any], dtype: torch.dtype) -> None:
         self.__wrapped__ = inner
@@ -334,7 +336,7 @@ class InputCast:
 
 def is_wrapped(module: nn.Module) -> bool:
     """Whether `module`'s forward is one of ampatch's wrappers."""
-    return isinstance(module.__dict__.get("forward"), (CastForward, KeepForward, InputCast))
+    return isinstance(module.__dict__.get("forward"), (HalfForward, KeepForward, InputCast))
 
 
 class Replicate:
@@ -347,7 +349,7 @@ class Replicate:
     def __call__(self) -> nn.Module:
         replica = self.inner()
         forward = replica.__dict__.get("forward")
-        if isinstance(forward, (CastForward, KeepForward, InputCast)):
+        if isinstance(forward, (HalfForward, KeepForward, InputCast)):
             replica.__dict__["forward"] = forward.bound_to(replica)
         replica.__dict__.pop("_replicate_for_data_parallel", None)
         return replica

@@ -23,7 +23,7 @@ import importlib
 import logging
 import re
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -123,7 +123,7 @@ def _float8_attributes(config: Any) -> dict[str, Any]:
 
 
 @functools.cache
-def float8_conv1d_class() -> type:
+def float8_conv1d_class() -> type[nn.Module]:
     """`Float8Conv1D`: Transformers' Conv1D (y = x @ W + b, W of shape (in, out)) through
     torchao's float8 matmul. W is the `weight.t()` a Float8Linear hands torchao, so the
     Conv1D's own parameter goes in as it is: no copy, no transposed parameter."""
@@ -131,6 +131,9 @@ def float8_conv1d_class() -> type:
     from transformers.pytorch_utils import Conv1D
 
     class Float8Conv1D(Conv1D):
+        ampatch_source_class = Conv1D
+        __reduce_ex__ = _reduce_float8  # pickles as the float8 class of Conv1D, made again where loaded
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             out = matmul_with_hp_or_float8_args.apply(x, self.weight, self.linear_mm_config, self.config)
             return out + self.bias.to(out.dtype) if self.bias is not None else out
@@ -139,7 +142,7 @@ def float8_conv1d_class() -> type:
 
 
 @functools.cache
-def _float8_class(cls: type) -> type:
+def _float8_class(cls: type) -> type[nn.Module]:
     """The float8 class a layer of class `cls` becomes: `Float8Linear` for `nn.Linear` (and
     `Float8Conv1D` for Conv1D); for a subclass without a forward of its own, one deriving from
     both, so its other methods and `isinstance` checks still hold."""
@@ -148,20 +151,18 @@ def _float8_class(cls: type) -> type:
     else:
         from torchao.float8.float8_linear import Float8Linear
         base = Float8Linear
-    if cls is base.__mro__[1] and base.__module__ != __name__:  # nn.Linear: torchao's own, importable class
+    if cls is base.__mro__[1]:  # nn.Linear: torchao's own class; Conv1D: our Float8Conv1D, made at run time
         return base
-    if cls is base.__mro__[1]:  # Conv1D: our Float8Conv1D, made at run time
-        base.__reduce_ex__ = _reduce_float8  # type: ignore[method-assign]
-        base.ampatch_source_class = cls  # type: ignore[attr-defined]
-        return base
-    return type(f"Float8{cls.__name__}", (base, cls), {"__module__": __name__, "__reduce_ex__": _reduce_float8,
+    made = type(f"Float8{cls.__name__}", (base, cls), {"__module__": __name__, "__reduce_ex__": _reduce_float8,
                                                        "ampatch_source_class": cls})
+    assert issubclass(made, nn.Module)  # for the type checker: `base` is one
+    return made
 
 
-def _reduce_float8(self: nn.Module, protocol: int) -> tuple:
+def _reduce_float8(self: nn.Module, protocol: SupportsIndex) -> tuple:
     """How a layer of a float8 class made at run time pickles (`torch.save(model)`, deepcopy):
     as the float8 class of its own, importable class, made again where it is loaded."""
-    return (float8_layer, (type(self).ampatch_source_class,), self.__dict__.copy())
+    return (float8_layer, (vars(type(self))["ampatch_source_class"],), self.__dict__.copy())
 
 
 def float8_layer(source: type) -> nn.Module:
@@ -236,7 +237,7 @@ class Fp8Layers:
 
     def _convert(self, layer: nn.Module, attributes: dict[str, Any]) -> None:
         had = {k: vars(layer)[k] for k in self._names if k in vars(layer)}
-        cls = type(layer)
+        cls: type = type(layer)
         layer.__class__ = _float8_class(cls)
         self.converted.append((layer, cls, had))
         for k, v in attributes.items():
@@ -255,7 +256,7 @@ class Fp8Layers:
         units = {id(fp.sharded_param): u for u in self._units for fp in u.params}
         for layer, cls, _ in self.converted:
             w = layer.weight
-            if _is_conv1d_class(cls) or id(w) not in units:
+            if not isinstance(w, nn.Parameter) or _is_conv1d_class(cls) or id(w) not in units:
                 continue  # a Conv1D (weight transposed) or a layer outside the sharded units: gathered as is
             units[id(w)].replace_local(w, functools.partial(WeightWithDynamicFloat8CastTensor,
                                                             linear_mm_config=layer.linear_mm_config, dtype=dtype))

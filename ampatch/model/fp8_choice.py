@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ampatch.errors import ConfigError
@@ -68,8 +69,9 @@ def features(module: nn.Module) -> tuple[str, int, int] | None:
     """(kind, in features, out features) of a Linear-like layer, None for any other module."""
     if isinstance(module, nn.Linear):
         return "Linear", module.in_features, module.out_features
-    if is_conv1d(module):
-        return "Conv1D", module.weight.shape[0], module.weight.shape[1]
+    weight = getattr(module, "weight", None)
+    if is_conv1d(module) and isinstance(weight, torch.Tensor):
+        return "Conv1D", weight.shape[0], weight.shape[1]
     return None
 
 
@@ -95,8 +97,9 @@ def _reason(module: nn.Module, kind: str, fin: int, fout: int, parent: nn.Module
     own = _own_forward(module, kind)
     if own:
         return f"{own} has its own forward, which converting would replace"
-    if not module.weight.is_floating_point():
-        return f"weight is {module.weight.dtype}, not floating point"
+    weight = module.weight
+    if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
+        return f"weight is {weight.dtype}, not floating point"
     if fin % MULTIPLE or fout % MULTIPLE:
         return f"in/out features {fin}x{fout} are not multiples of {MULTIPLE} (FP8 GEMMs need them)"
     return None
@@ -145,7 +148,10 @@ def choose(models: Sequence[nn.Module], fp8_modules: Any = None, kept: Collectio
     heads = {i: _output_head(m, [(n, mod) for j, n, _, mod, _ in found if j == i]) for i, m in enumerate(models)}
     out = []
     for i, name, label, module, parent in found:
-        kind, fin, fout = features(module)
+        dims = features(module)
+        if dims is None:  # not reached: `found` holds Linear-like layers only
+            continue
+        kind, fin, fout = dims
         head, why_head = heads[i]
         reason = _reason(module, kind, fin, fout, parent, names_of, kept)
         if reason is None and kind == "Conv1D" and not conv1d:

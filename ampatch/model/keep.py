@@ -23,7 +23,7 @@ from ..errors import ConfigError, ConfigTypeError
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Kept", "labelled", "resolve", "select", "outermost", "kept_module_ids", "with_tied"]
+__all__ = ["Kept", "labelled", "matching", "select", "outermost", "kept_module_ids", "with_tied"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _call(fn: Callable[[str, nn.Module], Any], name: str, module: nn.Module) -> 
     return result
 
 
-def resolve(models: Sequence[nn.Module], spec: Any, forced: Sequence[str] = (),
+def matching(models: Sequence[nn.Module], spec: Any, forced: Sequence[str] = (),
             source_of: Callable[[str], str] = lambda name: env.KEEP_FP32) -> list[Kept]:
     """The outermost modules of `models` that `spec` and the `forced` names (from outside:
     AMPATCH_KEEP_FP32, a policy file; `source_of(name)` says which, for messages) select, in
@@ -159,7 +159,7 @@ def with_tied(models: Sequence[nn.Module], kept: Sequence[Kept]) -> tuple[list[K
                 and any(id(p) in params for p in e.module.parameters(recurse=False)):
             by_module[id(e.module)] = e
             added.append(by_module[id(e.module)])
-    first = {}
+    first: dict[int, int] = {}
     for i, e in enumerate(entries):
         first.setdefault(id(e.module), i)
     return outermost(sorted(by_module.values(), key=lambda k: first[id(k.module)])), added
@@ -167,7 +167,7 @@ def with_tied(models: Sequence[nn.Module], kept: Sequence[Kept]) -> tuple[list[K
 
 def select(models: Sequence[nn.Module], spec: Any, forced: Sequence[str], casts_model: bool,
            warn: Callable[[str], None], source_of: Callable[[str], str] = lambda name: env.KEEP_FP32) -> list[Kept]:
-    """What a session keeps in FP32: `resolve(models, spec, forced, source_of)`, and where the
+    """What a session keeps in FP32: `matching(models, spec, forced, source_of)`, and where the
     models are cast to half (`casts_model`), the modules tied to those (`with_tied`, said
     through `warn`). `forced` (from outside: `source_of` names where) is logged, and ignored
     without models (amp.init())."""
@@ -180,7 +180,7 @@ def select(models: Sequence[nn.Module], spec: Any, forced: Sequence[str], casts_
         logger.warning("ampatch: %s sets keep_fp32, but this session has no models (amp.init()): nothing kept in "
                        "FP32.", where)
         forced = ()
-    kept = resolve(models, spec, forced, source_of)
+    kept = matching(models, spec, forced, source_of)
     if forced:
         logger.warning("ampatch: %s: these modules run in FP32 too (added to the script's keep_fp32).", where)
     if casts_model:

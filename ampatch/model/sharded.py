@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,10 @@ from ..errors import ConfigError, OrderError, PlatformError
 from .cast import LoadHook, is_batchnorm, modules_to_cast, params_to_cast
 from .forwards import wrap_outputs
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
 logger = logging.getLogger("ampatch")
 
 ORDER = ("shard the model first (fully_shard on its blocks, then on the model), then build the optimizer "
@@ -32,23 +36,26 @@ ORDER = ("shard the model first (fully_shard on its blocks, then on the model), 
          "...)`")
 
 
-def _fsdp_module_class() -> type | None:
+def _fsdp_module_class() -> type[FSDPModule] | None:
     """`FSDPModule`, if FSDP2 was imported (a model can only be sharded if it was): no import cost otherwise."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return getattr(fsdp, "FSDPModule", None)
 
 
-def _dtensor_class() -> type | None:
+def _dtensor_class() -> type[DTensor] | None:
     tensor = sys.modules.get("torch.distributed.tensor")
     return getattr(tensor, "DTensor", None)
 
 
+def _units_of(model: nn.Module) -> list[FSDPModule]:
+    """The modules of `model` that `fully_shard` was applied to, as FSDP2 types them."""
+    cls = _fsdp_module_class()
+    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
+
+
 def sharded_modules(model: nn.Module) -> list[nn.Module]:
     """The modules of `model` that `fully_shard` was applied to."""
-    cls = _fsdp_module_class()
-    if cls is None:
-        return []
-    return [m for m in model.modules() if isinstance(m, cls)]
+    return [m for m in _units_of(model) if isinstance(m, nn.Module)]
 
 
 def is_sharded(models: Iterable[nn.Module]) -> bool:
@@ -62,7 +69,7 @@ class Units:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.modules = sharded_modules(model)
+        self.modules = _units_of(model)
         try:
             states, seen = [], set()
             for m in self.modules:
@@ -155,6 +162,9 @@ class Units:
         when `fully_shard` meets a wrapped parameter. `refresh_params` afterwards."""
         fp = next(fp for fp in self.params if fp.sharded_param is param)
         dim = fp.fsdp_placement.dim
+        dtensor = _dtensor_class()
+        if dtensor is None or not isinstance(param, dtensor):
+            raise TypeError("ampatch: internal error: replace_local takes a sharded (DTensor) parameter.")
         new = make(fp._sharded_param_data.view(fp.padded_sharded_param_size))
         length = param._local_tensor.size(dim)
         fp._sharded_param_data = new.view(-1)

@@ -135,8 +135,9 @@ class Weights:
         return self.standalone(memo)
 
     def __reduce__(self) -> tuple:
+        kept = (Keeps.MASTER, Keeps.VALUE)
         entries = [(r.module, r.name, r.is_param, r.dtype, r.half_dtype, r.label,
-                    r.exact.detach().clone() if r.exact is not None and r.keeps in (Keeps.MASTER, Keeps.VALUE) else None)
+                    r.exact.detach().clone() if r.exact is not None and r.keeps in kept else None)
                    for r in self.records]
         ties = [(module, name, self.records.index(r)) for module, name, r in self.ties]
         return (_unpickled, (entries, ties))

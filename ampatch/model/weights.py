@@ -80,7 +80,8 @@ class Weight:
                  keeps: Keeps, exact: torch.Tensor | None = None, label: str = "") -> None:
         self.module, self.name, self.is_param = module, name, is_param
         self.dtype, self.half_dtype = dtype, half_dtype
-        self.keeps, self.exact, self.comp = keeps, exact, None
+        self.keeps, self.exact = keeps, exact
+        self.comp: torch.Tensor | None = None  # a kahan weight's compensation
         self.label = label or name
         self.widened = False  # settle widened the half tensor into the exact copy (masters.agree asks, under DDP)
         self._store: dict | None = None  # the module's _parameters or _buffers, found at first use
@@ -147,22 +148,24 @@ class Weight:
             self._before = None
             return state
         t = self.half()
+        if t is None:  # observe() said otherwise: not reached
+            return Sync.RETIRED
         with torch.no_grad():
             if state is Sync.HALF_AHEAD:
                 if self.keeps is Keeps.COMPENSATED and self.comp is not None:
-                    self._drop_compensation(t)
+                    self._drop_compensation(t, self.comp)
                 elif self.exact is not None:
                     self._follow_device(t)
                     self.widened = _widen_changed(t, self.exact) or self.widened
-            else:
+            elif self.exact is not None:  # written: there is an exact copy
                 t.copy_(self.exact)
         self.note()
         return state
 
-    def _drop_compensation(self, t: torch.Tensor) -> None:
+    def _drop_compensation(self, t: torch.Tensor, comp: torch.Tensor) -> None:
         """The kahan weight was written: its compensation goes where the weight changed (known
         against the snapshot `.data` took), everywhere when a write moved its version counter."""
-        before, comp = self._before, self.comp
+        before = self._before
         if before is not None and before.shape == t.shape:
             comp.masked_fill_(before != t, 0)
         else:
@@ -239,26 +242,26 @@ class Weight:
         value = self.restored()
         if value is None:
             return
+        if not self.is_param:
+            self.module._buffers[self.name] = value
+            return
         t = self.half()
-        if self.is_param:
+        if t is not None:
             set_data(t, value)
             t.grad = None
-        else:
-            self.module._buffers[self.name] = value
 
     def copied(self, memo: dict) -> "Weight":
         """This record in a deep copy of its model: an FP32 value of the copy's own where this
         one keeps an FP32 copy (a master included), the half tensor alone otherwise."""
         module = copy.deepcopy(self.module, memo)
-        kept = self.exact is not None and self.keeps in (Keeps.MASTER, Keeps.VALUE)
+        own = self.exact if self.keeps in (Keeps.MASTER, Keeps.VALUE) else None
         exact = None
-        if kept:
-            exact = memo.get(id(self.exact))
+        if own is not None:
+            exact = memo.get(id(own))
             if exact is None:
-                exact = self.exact.detach().clone()
-                memo[id(self.exact)] = exact
+                exact = memo[id(own)] = own.detach().clone()
         return Weight(module, self.name, self.is_param, self.dtype, self.half_dtype,
-                      Keeps.VALUE if kept else Keeps.HALF_ONLY, exact, self.label)
+                      Keeps.VALUE if own is not None else Keeps.HALF_ONLY, exact, self.label)
 
 
 def _widen_changed(half: torch.Tensor, exact: torch.Tensor) -> bool:

@@ -3,7 +3,7 @@
 Policy beside mechanism, as Apex's `amp/` kept `lists/` beside `wrap.py`:
 
 - `lists/`: which op casts to what, per namespace (data only), and the user's registrations;
-- `plans`: a kind and an op become a `CastPlan`, the one place each cast rule is decided;
+- `plans`: a kind and an op become a `OpPlan`, the one place each cast rule is decided;
 - `signatures`: how an op takes its arguments (which of them can hold a tensor);
 - `generate`: writes an op's O1 function from its plan and layout (the hot path: one pass,
   parameters' casts served from the cast cache inline);

@@ -46,7 +46,7 @@ import torch
 from ..base import data_watch
 from ..base.counters import count_value
 
-__all__ = ["CastCache", "Inline", "converter", "watch_data"]
+__all__ = ["ParamCastCache", "Inline", "converter", "watch_data"]
 
 Cast = Callable[[torch.Tensor], torch.Tensor]
 
@@ -83,7 +83,7 @@ class Inline(NamedTuple):
     no_grad_put: Callable[[torch.Tensor, int, torch.Tensor], None]
 
 
-class CastCache:
+class ParamCastCache:
     """Casts of parameters per target dtype (see the module doc)."""
 
     __slots__ = ("_maps", "_casters", "_inline", "_hits", "_stale", "_gone", "_settled", "_lock", "__weakref__")
@@ -114,8 +114,8 @@ class CastCache:
     def _make_caster(self, dtype: torch.dtype) -> Cast:
         entries = self._maps.setdefault(dtype, {})
         get = entries.get
-        fast = _CONVERTERS.get(dtype)
-        plain = _PLAIN if fast is not None else ()
+        fast = converter(dtype)  # used only where `plain` matches: the exact types with a conversion method
+        plain = _PLAIN if dtype in _CONVERTERS else ()
         hits, stale, gone = self._hits, self._stale, self._gone
         grad_enabled = torch.is_grad_enabled
         parameter = torch.nn.Parameter
@@ -192,7 +192,7 @@ class CastCache:
         return self._settled + count_value(self._gone) + count_value(self._stale) + len(self)
 
 
-def watch_data(cache: CastCache, patcher: Any) -> None:
+def watch_data(cache: ParamCastCache, patcher: Any) -> None:
     """Make `Tensor.data` drop the tensor's cached casts when it is read or assigned.
 
     `p.data` is the one common way to change a parameter that autograd does not see:

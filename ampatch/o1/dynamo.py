@@ -26,7 +26,7 @@ lazy compile of the backward graph, run with casts off in their thread, as torch
 with autocast off (`_BACKEND_COMPILE`).
 
 A module kept in FP32 (`keep_fp32`) runs with casts off, but Dynamo chooses the casts of
-what it traces when it traces (`proxies.CastFunctionWrapper._torchdynamo_inline`), not where a
+what it traces when it traces (`proxies.TwinProxy._torchdynamo_inline`), not where a
 module runs: so its forward wrapper (`model.forwards.UncastForward`, handed in as `eager`) runs eagerly,
 outside the graph, with casts off as in eager mode (`torch.compiler.disable`: a graph break).
 """
@@ -150,7 +150,7 @@ def install(patcher: Patcher, eager: Sequence[tuple[type, str]] = (),
     if "torch._dynamo" in sys.modules:
         _install_now(patcher, eager, after_compile)
         return
-    lock, done = threading.Lock(), []
+    lock, done = threading.Lock(), list[bool]()
 
     def compile_first(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         with lock:

@@ -314,5 +314,5 @@ def build(shape: Shape, values: Values, original: Any) -> types.FunctionType:
         value = getattr(original, attr, None)
         if isinstance(value, str) or (attr == "__doc__" and value is None):
             setattr(fn, attr, value)
-    fn.__wrapped__ = original
+    vars(fn)["__wrapped__"] = original
     return fn

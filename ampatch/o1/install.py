@@ -18,7 +18,7 @@ from typing import Any
 from ..base.patcher import Patcher, resolve_owner
 from ..machine import tips
 from . import captured, dynamo, jit
-from .cache import CastCache, watch_data
+from .cache import ParamCastCache, watch_data
 from .plans import BANNED, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE
 from .proxies import wrap
 from .rnn import patch_rnn_modules
@@ -79,7 +79,7 @@ class O1Patches:
     """A session's O1 patches: torch's ops, registrations made while it runs, and the
     wrappers of functions decorated with `amp.half_function` & co."""
 
-    def __init__(self, patcher: Patcher, cache: CastCache, ctx: WrapContext) -> None:
+    def __init__(self, patcher: Patcher, cache: ParamCastCache, ctx: WrapContext) -> None:
         self.patcher, self.cache, self.ctx = patcher, cache, ctx
         self._decorated: dict[tuple[str, Any], Callable] = {}
         self._originals: dict[int, tuple[Any, Any]] = {}  # id(O1 function) -> (it, the op it replaced)

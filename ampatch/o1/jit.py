@@ -23,12 +23,12 @@ import torch
 import wrapt
 
 from ..base.patcher import Patcher
-from .cache import CastCache
+from .cache import ParamCastCache
 
 logger = logging.getLogger("ampatch")
 
 
-def install(patcher: Patcher, cache: CastCache) -> None:
+def install(patcher: Patcher, cache: ParamCastCache) -> None:
     """Register the session's patches with TorchScript and wrap the tracing entry points."""
     from torch.jit import _builtins
 
@@ -46,7 +46,7 @@ def install(patcher: Patcher, cache: CastCache) -> None:
 
     patcher.on_restore(unregister)
 
-    warned = []
+    warned: list[bool] = []
 
     def script(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         if not warned:

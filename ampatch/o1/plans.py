@@ -1,4 +1,4 @@
-"""What an O1 wrapper does to one op's arguments, decided once per op: the `CastPlan`.
+"""What an O1 wrapper does to one op's arguments, decided once per op: the `OpPlan`.
 
 `plan(kind, op, half_dtype, allow_banned)` turns a policy kind (the lists of
 `ampatch.o1.lists`, a registration, a decorator) into a plan, and both builders read it: the
@@ -46,7 +46,7 @@ class Action(enum.Enum):
 
 
 @dataclass(frozen=True)
-class CastPlan:
+class OpPlan:
     """One op's wrapper, as data (see `plan`)."""
 
     kind: Kind
@@ -91,7 +91,7 @@ class CastPlan:
         return leaf
 
 
-def plan(kind: str, op: str, half_dtype: torch.dtype, allow_banned: bool = False, message: str = "") -> CastPlan:
+def plan(kind: str, op: str, half_dtype: torch.dtype, allow_banned: bool = False, message: str = "") -> OpPlan:
     """The plan of the `kind` wrapper of `op` in a session whose half dtype is `half_dtype`.
 
     float64 and non-floating tensors are never cast; a HALF cast starts from any of
@@ -104,13 +104,13 @@ def plan(kind: str, op: str, half_dtype: torch.dtype, allow_banned: bool = False
         raise ConfigError(f"unknown cast kind {kind!r}; one of {', '.join(k.value for k in Kind)}") from None
     if kind in (HALF, BFLOAT16):
         target = torch.bfloat16 if kind is BFLOAT16 else half_dtype
-        return CastPlan(kind, op, Action.CAST, target, frozenset(CASTABLE) - {target})
+        return OpPlan(kind, op, Action.CAST, target, frozenset(CASTABLE) - {target})
     if kind in (FLOAT, CPU_FLOAT) or (kind is BANNED and allow_banned):
-        return CastPlan(kind, op, Action.CAST, torch.float32, frozenset(LOW), cpu_only=kind is CPU_FLOAT)
+        return OpPlan(kind, op, Action.CAST, torch.float32, frozenset(LOW), cpu_only=kind is CPU_FLOAT)
     if kind in (PROMOTE, SEQUENCE_PROMOTE):
-        return CastPlan(kind, op, Action.PROMOTE, in_place=op.endswith("_") and not op.endswith("__"))
+        return OpPlan(kind, op, Action.PROMOTE, in_place=op.endswith("_") and not op.endswith("__"))
     # BANNED: FP32 inputs are safe (nothing to protect, as in Apex); half ones are refused
-    return CastPlan(kind, op, Action.REFUSE, needs=frozenset(LOW), message=message)
+    return OpPlan(kind, op, Action.REFUSE, needs=frozenset(LOW), message=message)
 
 
 # A call with an explicit `out=` tensor is never cast (as under torch.autocast, where such

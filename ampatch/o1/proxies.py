@@ -7,14 +7,14 @@ original takes it). It keeps the original's name, docs, module and `__wrapped__`
 
 Dynamo traces an object that carries `_torchdynamo_inline` through that attribute (the
 convention `torch.jit.script` and `torch.compile` wrappers use). The function's attribute is
-a `CastFunctionWrapper`: a wrapt proxy of the original op whose own `_torchdynamo_inline` is a
+a `TwinProxy`: a wrapt proxy of the original op whose own `_torchdynamo_inline` is a
 property that gives the twin while casts are on in the tracing thread, or the original op
 while they are off. Dynamo guards on what it read, so a compiled graph is reused only under
 the same choice (a call inside `disable_casts()`, or after `deinitialize`, recompiles without
 the casts). wrapt earns its place here: Dynamo takes an object for a function only if it
 looks like one (`isinstance(obj, types.FunctionType)`, which a wrapt proxy answers as its
 wrapped op does), and only a proxy's class can hold the per-thread property. It is never on
-the eager path. (The RNN modules' forward is such a proxy too, `ModuleFunctionWrapper`.)
+the eager path. (The RNN modules' forward is such a proxy too, `ModuleTwinProxy`.)
 
 wrapt labels how a wrapper binds when it is looked up on an object. A module's Python
 function gets the label wrapt gives C functions, "builtin": it never binds, and its calls
@@ -25,6 +25,7 @@ behaves that way.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import types
 from collections.abc import Callable
@@ -39,12 +40,12 @@ from .twins import make_traceable
 from .wrappers import WrapContext, make_function, with_dtype_hint
 
 
-class CastFunctionWrapper(wrapt.FunctionWrapper):
+class TwinProxy(wrapt.FunctionWrapper):
     """A `wrapt.FunctionWrapper` whose calls `torch.compile` traces through `traceable`
     (the plain-Python twin) while casts are on, and through the original op while off."""
 
     def __init__(self, wrapped: Any, wrapper: Callable, traceable: Callable | None = None) -> None:
-        super(CastFunctionWrapper, self).__init__(wrapped, wrapper)  # explicit: proxies override __class__
+        super(TwinProxy, self).__init__(wrapped, wrapper)  # explicit: proxies override __class__
         self._self_traceable = traceable
 
     @property
@@ -54,22 +55,23 @@ class CastFunctionWrapper(wrapt.FunctionWrapper):
         return self.__wrapped__
 
 
-def _init_builtin(proxy: CastFunctionWrapper, wrapped: Any, wrapper: Callable, traceable: Callable | None) -> None:
+def _init_builtin(proxy: TwinProxy, wrapped: Any, wrapper: Callable, traceable: Callable | None) -> None:
     """Initialise `proxy` as wrapt initialises a wrapper of a C function (see the module doc)."""
-    super(wrapt.FunctionWrapper, proxy).__init__(wrapped, None, wrapper, None, "builtin")
+    # wrapt's stubs declare only the public constructor, not its base's that takes the binding
+    super(wrapt.FunctionWrapper, proxy).__init__(wrapped, None, wrapper, None, "builtin")  # type: ignore[call-arg]
     proxy._self_traceable = traceable
 
 
-class ModuleFunctionWrapper(CastFunctionWrapper):
-    """A `CastFunctionWrapper` for a plain Python function that is a module attribute: a
+class ModuleTwinProxy(TwinProxy):
+    """A `TwinProxy` for a plain Python function that is a module attribute: a
     module attribute is never bound, so the "builtin" binding behaves the same, faster."""
 
     def __init__(self, wrapped: Any, wrapper: Callable, traceable: Callable | None = None) -> None:
         _init_builtin(self, wrapped, wrapper, traceable)
 
 
-def check_builtin_binding(*classes: type[CastFunctionWrapper]) -> None:
-    """Raise ImportError unless each class (by default `ModuleFunctionWrapper`) builds a wrapper with
+def check_builtin_binding(*classes: type[TwinProxy]) -> None:
+    """Raise ImportError unless each class (by default `ModuleTwinProxy`) builds a wrapper with
     wrapt's "builtin" binding that passes its calls to the wrapper function unbound."""
     def probe(a: Any, k: Any = None) -> Any:
         return a, k
@@ -77,7 +79,8 @@ def check_builtin_binding(*classes: type[CastFunctionWrapper]) -> None:
     def record(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return wrapped, instance, args, kwargs
 
-    for cls in classes or (ModuleFunctionWrapper,):
+    seen: tuple[str, Any] | TypeError
+    for cls in classes or (ModuleTwinProxy,):
         try:
             proxy = cls(probe, record)
             seen = (proxy._self_binding, proxy(1, k=2))
@@ -85,25 +88,25 @@ def check_builtin_binding(*classes: type[CastFunctionWrapper]) -> None:
             seen = exc
         if seen != ("builtin", (probe, None, (1,), {"k": 2})):
             raise MissingDependencyError(
-                f"ampatch: wrapt {wrapt.__version__} no longer builds a wrapper with the \"builtin\" binding the "
-                f"way ampatch.o1.proxies relies on ({cls.__name__} gave {seen!r}). Install a wrapt release "
-                "this ampatch supports (pip install 'wrapt>=2.0,<3'), or report the wrapt version.")
+                f"ampatch: wrapt {importlib.metadata.version('wrapt')} no longer builds a wrapper with the "
+                f"\"builtin\" binding the way ampatch.o1.proxies relies on ({cls.__name__} gave {seen!r}). Install "
+                "a wrapt release this ampatch supports (pip install 'wrapt>=2.0,<3'), or report the wrapt version.")
 
 
 check_builtin_binding()
 
 
-def twin_proxy(original: Any, traceable: Callable) -> CastFunctionWrapper:
+def twin_proxy(original: Any, traceable: Callable) -> TwinProxy:
     """The proxy an O1 function carries as `_torchdynamo_inline` (see the module doc). Called
     itself, it runs what Dynamo would trace: the twin while casts are on, else the original."""
     def call(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return (traceable if cast_switch.enabled else wrapped)(*args, **kwargs)
-    return ModuleFunctionWrapper(original, call, traceable)
+    return ModuleTwinProxy(original, call, traceable)
 
 
 def is_patch(obj: Any) -> bool:
     """Whether `obj` is an O1 function made by `wrap`."""
-    return isinstance(obj, types.FunctionType) and isinstance(vars(obj).get(_TWIN), CastFunctionWrapper)
+    return isinstance(obj, types.FunctionType) and isinstance(vars(obj).get(_TWIN), TwinProxy)
 
 
 _TWIN = "_torchdynamo_inline"

@@ -25,14 +25,14 @@ import torch
 
 from ..base.patcher import Patcher, cast_switch
 from ..base.tree import map_tensors
-from .plans import HALF, CastPlan, plan
-from .proxies import ModuleFunctionWrapper
+from .plans import HALF, OpPlan, plan
+from .proxies import ModuleTwinProxy
 from .twins import traced
 
 RNN_CLASSES = (torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU)
 
 
-def _half_view(module: torch.nn.Module, flat_weights: list) -> torch.nn.Module:
+def _half_view(module: torch.nn.RNNBase, flat_weights: list) -> torch.nn.RNNBase:
     """A shallow copy of `module` (same parameters, buffers, settings) with its own
     `_flat_weights`: the original forward runs on it and the module stays untouched."""
     module._update_flat_weights()  # refresh after a functional_call etc., as forward would
@@ -44,12 +44,12 @@ def _half_view(module: torch.nn.Module, flat_weights: list) -> torch.nn.Module:
 
 
 @traced
-def _traceable_forward(original: Callable, p: CastPlan) -> Callable:
+def _traceable_forward(original: Callable, p: OpPlan) -> Callable:
     """The forward Dynamo traces: casts as graph nodes, `_flat_weights` swapped and restored."""
     target = p.target
     leaf = p.leaf(lambda t: t.to(target))
 
-    def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def forward(module: torch.nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
         flat = module._flat_weights
         module._flat_weights = [None if w is None else leaf(w) for w in flat]
         try:
@@ -66,7 +66,7 @@ def patch_rnn_modules(patcher: Patcher, cast_for: Callable[[torch.dtype], Callab
     """Replace the forward of every RNN class so the whole recurrence runs in `dtype`
     (a HALF plan); `cast_for(dtype)` casts through the session's cast cache."""
     p = plan(HALF, "rnn", dtype)
-    leaf = p.leaf(cast_for(p.target))
+    leaf = p.leaf(cast_for(dtype))  # a HALF plan's target
 
     def forward_in_half(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
         module, args = args[0], args[1:]
@@ -77,7 +77,7 @@ def patch_rnn_modules(patcher: Patcher, cast_for: Callable[[torch.dtype], Callab
 
     for cls in RNN_CLASSES:
         original = vars(cls)["forward"]
-        twin = ModuleFunctionWrapper(original, forward_in_half, _traceable_forward(original, p))
+        twin = ModuleTwinProxy(original, forward_in_half, _traceable_forward(original, p))
         patcher.patch(cls, "forward", _class_forward(original, twin))
 
 

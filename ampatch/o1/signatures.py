@@ -113,7 +113,7 @@ def _builtin_layout(original: Any) -> Layout:
     stubs = table.get(name)
     if not schemas and not stubs:
         return Layout()
-    positions, checked = 0, set()
+    positions, checked = 0, set[int]()
     for schema in schemas:
         positional = [a for a in schema.arguments if not a.kwarg_only]
         positions = max(positions, len(positional))

@@ -1,7 +1,7 @@
 """The `torch.compile` twins: each O1 wrapper's plan as plain Python that Dynamo inlines,
 so the casts it makes become nodes of the graph `torch.compile` captures (on every backend).
 
-A twin reads the same `CastPlan` as the eager wrapper and walks arguments with the same
+A twin reads the same `OpPlan` as the eager wrapper and walks arguments with the same
 `map_tensors`, with ops Dynamo understands (`isinstance`, dtype tests, `Tensor.to`): no
 cast cache (the graph casts a weight once per use; the compiler merges repeated casts), no
 counters, no per-thread switch (the O1 function's `_torchdynamo_inline` picks the twin or
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..base.tree import map_tensors
-from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
+from .plans import OUT, Action, OpPlan, off_cpu, promote_dtype
 
 _TRACED = "_ampatch_traced"
 
@@ -33,7 +33,7 @@ def is_traced(obj: Any) -> bool:
 
 
 @traced
-def make_traceable(p: CastPlan, original: Any) -> Callable:
+def make_traceable(p: OpPlan, original: Any) -> Callable:
     """The twin of plan `p` around `original` (called unbound for Tensor methods, as the
     eager wrapper calls it)."""
     if p.action is Action.CAST:

@@ -1,5 +1,5 @@
 """The eager O1 function of an op: its generated fast path (`o1.generate`) and its general
-path, both from one `CastPlan`.
+path, both from one `OpPlan`.
 
 `make_function` gathers what the generated function closes over: the per-thread switch, the
 converter (the dtype's own method), the session's cast cache (`WrapContext.inline`), the
@@ -27,8 +27,8 @@ from ..base.patcher import cast_switch
 from ..base.tree import ATOMS, map_tensors
 from ..machine.tips import hint_dtype_error
 from . import generate
-from .cache import CastCache, Inline, converter
-from .plans import OUT, Action, CastPlan, off_cpu, promote_dtype
+from .cache import Inline, ParamCastCache, converter
+from .plans import OUT, Action, OpPlan, off_cpu, promote_dtype
 from .signatures import layout_of
 
 Caster = Callable[[torch.Tensor], torch.Tensor]
@@ -58,35 +58,36 @@ class _Discard(dict):
 class WrapContext:
     """What a wrapper needs from its session, captured once at patch time."""
 
-    cast_for: Callable[[torch.dtype], Caster]  # dtype -> its cast through the cache: `CastCache.caster`
+    cast_for: Callable[[torch.dtype], Caster]  # dtype -> its cast through the cache: `ParamCastCache.caster`
     half_dtype: torch.dtype
     counters: Counters
     allow_banned: bool
     timer: Callable[[float], None] | None = None  # given the seconds spent converting, when timing is on
 
     def inline(self, dtype: torch.dtype) -> Inline:
-        """`CastCache.inline(dtype)` of the cache behind `cast_for` (the O1 functions serve
+        """`ParamCastCache.inline(dtype)` of the cache behind `cast_for` (the O1 functions serve
         parameters inline); for any other `cast_for`, a cache that never hits nor keeps."""
         cache = getattr(self.cast_for, "__self__", None)
-        if isinstance(cache, CastCache):
+        if isinstance(cache, ParamCastCache):
             return cache.inline(dtype)
         entries = _Discard()
         return Inline(entries, entries.get, itertools.count(), itertools.count(), lambda t, key: None,
                       lambda t, key, cast: None)
 
 
-def make_function(p: CastPlan, original: Any, ctx: WrapContext) -> Callable:
+def make_function(p: OpPlan, original: Any, ctx: WrapContext) -> Callable:
     """The O1 function of plan `p` around `original` (for a Tensor method: called unbound,
     `original(self, *args)`, so that the tensor itself is cast too)."""
     shape = generate.Shape(p.action, layout_of(original, generate.RESERVED), in_place=p.in_place,
                            cpu_only=p.cpu_only, timed=ctx.timer is not None)
-    tick = ctx.counters.counter(p.op, p.label) if p.action is Action.CAST else None
-    cast = ctx.cast_for(p.target) if p.action is Action.CAST else None
+    target = p.target if p.action is Action.CAST else None  # a CAST plan always has one
+    tick = ctx.counters.counter(p.op, short_name(target)) if target is not None else None
+    cast = ctx.cast_for(target) if target is not None else None
     leaf = p.leaf(cast) if cast is not None else None
-    inline = ctx.inline(p.target) if cast is not None else None
+    inline = ctx.inline(target) if target is not None else None
     values = generate.Values(
         op=original, switch=cast_switch, M=NOT_GIVEN, atoms=_ATOMS, Tensor=torch.Tensor, Parameter=torch.nn.Parameter,
-        needs=p.needs, convert=converter(p.target) if cast is not None else None, cache=inline,
+        needs=p.needs, convert=converter(target) if target is not None else None, cache=inline,
         walk=(lambda x: map_tensors(x, leaf)) if leaf is not None else None,
         general=general_path(p, original, ctx, tick, cast), tick=tick,
         clock=time.perf_counter if ctx.timer is not None else None, timer=ctx.timer, off_cpu=off_cpu)
@@ -102,7 +103,7 @@ def _given(args: tuple) -> tuple:
     return args if end == len(args) else args[:end]
 
 
-def general_path(p: CastPlan, original: Any, ctx: WrapContext, tick: Any,
+def general_path(p: OpPlan, original: Any, ctx: WrapContext, tick: Any,
                  cast: Caster | None) -> Callable[[tuple, dict], Any]:
     """`(args, kwargs) -> result` for the calls the generated function hands over."""
     state, timer = cast_switch, ctx.timer

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -22,6 +23,8 @@ from ampatch.errors import InvalidCallError
 
 __all__ = ["plan_pieces", "plan_chunks", "narrowed", "step_hooks_once", "has_step_hooks", "chunk_numel",
            "CHUNK_NUMEL", "ELEMENTWISE", "is_elementwise", "Workspace"]
+
+_Hook = TypeVar("_Hook")  # an optimizer step hook, pre or post
 
 # Parameter elements stepped together, by device type: each chunk costs 8 bytes per element
 # (the workspace: FP32 values and FP32 grads) plus what the optimizer makes on the side while
@@ -85,6 +88,20 @@ def plan_chunks(sizes: Sequence[int], budget: int) -> list[list[int]]:
     return chunks
 
 
+def _set_aside(hooks: dict[int, _Hook]) -> Callable[[], None]:
+    """Empty `hooks` now; the function returned puts them back, ahead of any registered
+    meanwhile (those stay registered)."""
+    saved = dict(hooks)
+    hooks.clear()
+
+    def restore() -> None:
+        added = dict(hooks)
+        hooks.clear()
+        hooks.update(saved)
+        hooks.update(added)
+    return restore
+
+
 @contextlib.contextmanager
 def step_hooks_once(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Iterator[Callable[[], tuple]]:
     """Around several calls of `opt.step()` that together make one step: the optimizer's step
@@ -105,19 +122,12 @@ def step_hooks_once(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> It
                 raise InvalidCallError(f"an optimizer step pre-hook must return None or (args, kwargs), got "
                                        f"{result!r}.")
             full_args, kwargs = result
-    saved = {name: dict(d) for name, d in (("pre_own", pre_own), ("post_own", post_own),
-                                             ("pre_global", pre_global), ("post_global", post_global))}
-    for d in (pre_own, post_own, pre_global, post_global):
-        d.clear()
+    restores = [_set_aside(pre_own), _set_aside(post_own), _set_aside(pre_global), _set_aside(post_global)]
     try:
         yield lambda: (tuple(full_args[1:]), kwargs)
     finally:
-        for d, name in ((pre_own, "pre_own"), (post_own, "post_own"), (pre_global, "pre_global"),
-                        (post_global, "post_global")):
-            added = dict(d)  # hooks registered during the step stay registered
-            d.clear()
-            d.update(saved[name])
-            d.update(added)
+        for restore in restores:
+            restore()
     for hook in (*post_own.values(), *post_global.values()):
         hook(opt, full_args, kwargs)
 

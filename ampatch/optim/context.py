@@ -1,11 +1,32 @@
 """What an optimizer handle (`optim.handle.OptimizerHandle`) and whatever drives it (a
 `Session`, Apex's FP16_Optimizer, a caller of its own) say to each other: where the handle's
-gradients stand (`OptState`), what the driver gives it (`HandleContext`: process group,
-callbacks, attributes to carry), and the check it runs at each step (`StepGuard`).
-Kept apart from the mechanism so that a driver reads its contract in one screen."""
+gradients stand (`GradStage`) and which call moves them where (`STAGE_MOVES`), what the
+driver gives it (`HandleContext`: process group, callbacks, attributes to carry), and the
+check it runs at each step (`StepGuard`). Kept apart from the mechanism so that a driver
+reads its contract in one screen.
+
+The stage machine (a row per call, a column per stage it is called in: the stage it leaves;
+"raises": RuntimeError, nothing changed; "back": the stage SCALED was entered from):
+
+    call                   FRESH       READY       SCALED      OVERFLOWED
+    before_backward        READY       READY       SCALED      OVERFLOWED
+    after_backward(delay)  raises      SCALED      SCALED      SCALED
+    after_backward         raises      READY       back        OVERFLOWED
+    skip_next_step         OVERFLOWED  OVERFLOWED  SCALED      OVERFLOWED
+    step                   FRESH       READY       raises      READY
+    settle_skip            FRESH       READY       SCALED      READY
+    zero_grad              FRESH       READY       back        OVERFLOWED
+
+after_backward(delay) is `delay_unscale=True`, or a handle whose unscale waits
+(`unscale_waits`); skip_next_step in SCALED makes "back" OVERFLOWED; step and settle_skip
+in OVERFLOWED skip the step (params and optimizer state untouched). The first
+before_backward makes the masters agree across ranks; step() in SCALED would apply scaled
+gradients. Every call checks its row first (`expect_stage`): a driver calling out of order
+gets an error at the call, not wrong gradients later.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -15,16 +36,58 @@ import torch
 if TYPE_CHECKING:
     from .handle import OptimizerHandle
 
-__all__ = ["OptState", "StepGuard", "HandleContext"]
+__all__ = ["GradStage", "StageCall", "STAGE_MOVES", "expect_stage", "StepGuard", "HandleContext", "ON_ITS_OWN"]
 
 
-class OptState(Enum):
-    """Where an optimizer's gradients stand (see `OptimizerHandle` for the transitions)."""
+class GradStage(Enum):
+    """Where an optimizer's gradients stand (the module docstring has the transitions)."""
 
     FRESH = "fresh"            # no scale_loss yet
     READY = "ready"            # grads (if any) unscaled: step() applies them
     SCALED = "scaled"          # a delay_unscale backward left scaled grads: step() raises
     OVERFLOWED = "overflowed"  # an unscale found inf/NaN: the next step() is skipped
+
+
+class StageCall(Enum):
+    """The handle's calls that move its stage (the value: the call as the table names it)."""
+
+    BEFORE_BACKWARD = "before_backward"
+    KEEP_SCALED = "after_backward(delay)"
+    UNSCALE = "after_backward"
+    SKIP_NEXT_STEP = "skip_next_step"
+    STEP = "step"
+    SETTLE_SKIP = "settle_skip"
+    ZERO_GRAD = "zero_grad"
+
+
+FRESH, READY, SCALED, OVERFLOWED = GradStage.FRESH, GradStage.READY, GradStage.SCALED, GradStage.OVERFLOWED
+BACK = None  # a move's target: the stage SCALED was entered from (READY or OVERFLOWED)
+
+# call -> {stage it is allowed in: the stage it leaves}; a stage missing from a row: the call raises there
+STAGE_MOVES: Mapping[StageCall, Mapping[GradStage, GradStage | None]] = {
+    StageCall.BEFORE_BACKWARD: {FRESH: READY, READY: READY, SCALED: SCALED, OVERFLOWED: OVERFLOWED},
+    StageCall.KEEP_SCALED: {READY: SCALED, SCALED: SCALED, OVERFLOWED: SCALED},
+    StageCall.UNSCALE: {READY: READY, SCALED: BACK, OVERFLOWED: OVERFLOWED},
+    StageCall.SKIP_NEXT_STEP: {FRESH: OVERFLOWED, READY: OVERFLOWED, SCALED: SCALED, OVERFLOWED: OVERFLOWED},
+    StageCall.STEP: {FRESH: FRESH, READY: READY, OVERFLOWED: READY},
+    StageCall.SETTLE_SKIP: {FRESH: FRESH, READY: READY, SCALED: SCALED, OVERFLOWED: READY},
+    StageCall.ZERO_GRAD: {FRESH: FRESH, READY: READY, SCALED: BACK, OVERFLOWED: OVERFLOWED},
+}
+
+
+def expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
+    """The stage `call` leaves a handle in `stage` in (BACK: the one SCALED was entered from),
+    after checking that `stage` is one `call` is allowed in; else RuntimeError naming both (as
+    FSDP2's `_assert_in_states`): a driver called the handle out of order, a bug in it, caught
+    before anything changed. Two dict lookups: it runs at every step, zero_grad and scale_loss."""
+    try:
+        return STAGE_MOVES[call][stage]
+    except KeyError:
+        allowed = ", ".join(s.name for s in STAGE_MOVES[call])
+        raise RuntimeError(f"ampatch: internal error: OptimizerHandle.{call.value} called in stage {stage.name}; "
+                           f"it is allowed only in {allowed}. Whatever drives this handle called it out of order "
+                           "(before_backward comes before after_backward): please report it with the "
+                           "traceback.") from None
 
 
 class StepGuard(Protocol):
@@ -57,3 +120,6 @@ class HandleContext:
     # attributes to hang on the optimizer while it is patched, made per handle (the public API
     # passes Apex's `_amp_stash` maker, so the core needs no import of compat); None: none
     attributes: Callable[["OptimizerHandle"], dict[str, Any]] | None = None
+
+
+ON_ITS_OWN = HandleContext()  # the default context: one optimizer on its own, no driver

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from ..base.patcher import Patcher, disable_casts
 from ..config.values import MasterMode, StatePrecision
 from ..errors import ConfigError, ConfigTypeError, NotSupportedError, OrderError
 from . import calls, state_checkpoint
-from .context import HandleContext, OptState, StepGuard
+from .context import BACK, ON_ITS_OWN, GradStage, HandleContext, StageCall, StepGuard, expect_stage
 from .lowmem import LowMemMasters, take_state_entries
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
 from .scaler import distributed, unscale_
@@ -60,29 +60,23 @@ class OptimizerHandle:
         handle = OptimizerHandle(opt, master_ids={id(p) for p in model.parameters()},
                                  context=HandleContext(scales_loss=lambda: not scaler.is_identity))
         model.half(); handle.install(Patcher())
-        handle.resolve(); handle.before_backward(scaler.scale)
+        handle.run_deferred(); handle.before_backward(scaler.scale)
         (loss.float() * scaler.scale).backward()
         found_inf = handle.after_backward(scaler.scale, None, delay_unscale=False)
         Verdict(scaler, found_inf, on_overflow=lambda *_: handle.skip_next_step())()
         opt.step()  # skipped after an overflow
 
-    The stage (`stage`, an `OptState`) and what moves it (anything else leaves it as it is):
-
-        FRESH  --before_backward-->  READY  (under torch.distributed the masters agree first)
-        READY, OVERFLOWED  --after_backward(delay_unscale=True)-->  SCALED  (the stage left is kept)
-        SCALED  --after_backward(delay_unscale=False), zero_grad-->  the stage it left
-        FRESH, READY  --skip_next_step-->  OVERFLOWED  (in SCALED: the stage it goes back to)
-        OVERFLOWED  --step, settle_skip-->  READY  (skipped: params and optimizer state untouched)
-
-    step() in SCALED raises: it would apply scaled grads. From before_backward to the unscale
-    that ends the scale_loss, the grads that were there before are kept apart (`_stash`).
-    Overflow verdicts can wait (`defer`, delay_overflow_check) until `resolve`, which step()
-    and the next scale_loss call first. Skipped steps in a row are counted
-    (`consecutive_skips`) and reported to `HandleContext.on_skips` as they pile up.
+    Where its gradients stand is `stage` (a `GradStage`); the calls that move it, and the
+    order they are allowed in, are the table in `optim.context` (`STAGE_MOVES`), checked at
+    every call. From before_backward to the unscale that ends the scale_loss, the grads that
+    were there before are kept apart (`_stash`). Overflow verdicts can wait (`defer`,
+    delay_overflow_check) until `run_deferred`, which step() and the next scale_loss call
+    first. Skipped steps in a row are counted (`consecutive_skips`) and reported to
+    `HandleContext.on_skips` as they pile up.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int = 0, master_ids: set[int] | None = None,
-                 context: HandleContext = HandleContext(), mode: MasterMode = MasterMode.FP32,
+                 context: HandleContext = ON_ITS_OWN, mode: MasterMode = MasterMode.FP32,
                  states: StatePrecision = StatePrecision.FLOAT32) -> None:
         self.optimizer = optimizer
         self.index = index
@@ -93,8 +87,8 @@ class OptimizerHandle:
         self.use_masters = self.masters.enabled  # every unscale is checked, even at a static 1.0
         self._ctx = context
         self._guard: StepGuard | None = None
-        self._stage = OptState.FRESH
-        self._resume = OptState.READY  # where SCALED goes back to
+        self._stage = GradStage.FRESH
+        self._back = GradStage.READY  # where SCALED goes back to
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._deferred: list[Callable[[], None]] = []
         self._steps = 0
@@ -102,8 +96,18 @@ class OptimizerHandle:
         self._warn_at = SKIP_WARNING_AFTER
 
     @property
-    def stage(self) -> OptState:
+    def stage(self) -> GradStage:
         return self._stage
+
+    def _move(self, call: StageCall) -> None:
+        """The stage after `call`, as `STAGE_MOVES` says (checked first: `expect_stage`)."""
+        stage = self._stage
+        target = expect_stage(call, stage)
+        if target is BACK:
+            target = self._back
+        elif target is GradStage.SCALED and stage is not GradStage.SCALED:
+            self._back = stage
+        self._stage = target
 
     @property
     def steps(self) -> int:
@@ -137,17 +141,17 @@ class OptimizerHandle:
     def before_backward(self, scale: float) -> None:
         """Keep already-unscaled grads apart from the coming scaled backward (under
         torch.distributed: scale them to `scale` in place instead, see the module docstring)."""
-        if self._stage is OptState.FRESH:
-            self._stage = OptState.READY
-            if self.use_masters:
-                self.masters.agree(self._ctx.process_group)
-        if self._stage is OptState.SCALED:
+        first = self._stage is GradStage.FRESH
+        self._move(StageCall.BEFORE_BACKWARD)
+        if first and self.use_masters:
+            self.masters.agree(self._ctx.process_group)
+        if self._stage is GradStage.SCALED:
             return
         if distributed():
             self._rescale_in_place(scale)
             return
         pairs, own = self.masters.split()
-        stash = [(p, p.grad) for p in own if p.grad is not None]
+        stash = [(p, g) for p in own if (g := p.grad) is not None]
         for p, _ in stash:
             p.grad = None
         fresh = [(mp, p) for mp, p in pairs if mp.grad is not None]  # a plain backward outside scale_loss
@@ -158,7 +162,7 @@ class OptimizerHandle:
     def _rescale_in_place(self, scale: float) -> None:
         """Existing (unscaled) grads times `scale`, left where the coming backward accumulates."""
         pairs, params = self.masters.split()
-        own = [p for p in params if p.grad is not None]
+        own = [g for p in params if (g := p.grad) is not None]
         for mp, p in pairs:
             if mp.grad is not None:  # a plain backward outside scale_loss: unscaled already
                 self.masters.move_grads([(mp, p)])
@@ -166,18 +170,16 @@ class OptimizerHandle:
                 mp.grad = (p.grad * scale).to(mp.dtype)  # may overflow: then this unscale skips
                 p.grad = None
         if own and scale != 1.0:
-            torch._foreach_mul_([p.grad for p in own], scale)
+            torch._foreach_mul_(own, scale)
 
     def after_backward(self, scale: float, found_inf: torch.Tensor | None, delay_unscale: bool) -> torch.Tensor | None:
         """Unscale the new grads (into masters), check them, add the stash back; returns the
         inf/NaN flag (ORed into `found_inf`). With `delay_unscale` (or `unscale_waits`) the
         grads stay scaled."""
         if delay_unscale or self.unscale_waits():
-            if self._stage is not OptState.SCALED:
-                self._resume, self._stage = self._stage, OptState.SCALED
+            self._move(StageCall.KEEP_SCALED)
             return found_inf
-        if self._stage is OptState.SCALED:  # those grads are unscaled and checked with the new ones
-            self._stage = self._resume
+        self._move(StageCall.UNSCALE)  # grads a delayed unscale left are unscaled and checked with the new ones
         inv = 1.0 / scale
         pairs, params = self.masters.split()
         own = []  # the new grads of the params that are their own masters
@@ -193,21 +195,21 @@ class OptimizerHandle:
         stash, self._stash = self._stash, []
         add_grads([p for p, _ in stash], [g for _, g in stash])
         if found_inf is None:
-            found_inf = torch.zeros((), dtype=torch.float32)  # never the default dtype: a framework step may have made it half
+            # never the default dtype: a framework step may have made it half
+            found_inf = torch.zeros((), dtype=torch.float32)
         return found_inf
 
     def skip_next_step(self) -> None:
         """The next step() is skipped (its grads were found non-finite)."""
-        if self._stage is OptState.SCALED:
-            self._resume = OptState.OVERFLOWED
-        else:
-            self._stage = OptState.OVERFLOWED
+        self._move(StageCall.SKIP_NEXT_STEP)
+        if self._stage is GradStage.SCALED:
+            self._back = GradStage.OVERFLOWED
 
     def defer(self, verdict: Callable[[], None]) -> None:
         """Run an overflow verdict later (delay_overflow_check): at step() or the next scale_loss."""
         self._deferred.append(verdict)
 
-    def resolve(self) -> None:
+    def run_deferred(self) -> None:
         """Run the deferred verdicts now."""
         verdicts, self._deferred = self._deferred, []
         for verdict in verdicts:
@@ -239,13 +241,17 @@ class OptimizerHandle:
             self._guard.check(self)
         closure = calls.closure(inner, args, kwargs)
         if closure is not None and self.scaling_active() and not self._ctx.scaled_closures:
-            raise NotSupportedError("optimizer.step(closure) is not supported with loss scaling or master weights: the "
-                                    "closure's backward bypasses scale_loss. Call backward inside `with amp.scale_loss"
-                                    "(...)` before step(), or use a level without scaling (O0, O3, O4).")
-        if self._stage is OptState.SCALED:
+            raise NotSupportedError(
+                "optimizer.step(closure) is not supported with loss scaling or master weights: the closure's "
+                "backward bypasses scale_loss. Call backward inside `with amp.scale_loss(...)` before "
+                "step(), or use a level without scaling (O0, O3, O4).")
+        if self._stage is GradStage.SCALED:  # the table's "raises", with the fix for the user
             raise OrderError(self.still_scaled_message())
-        self.resolve()
-        if self.settle_skip():
+        self.run_deferred()
+        skip = self._stage is GradStage.OVERFLOWED
+        self._move(StageCall.STEP)
+        if skip:
+            self._skipped()
             return None
         self._steps += 1
         if self.masters.steps_itself:  # stochastic/kahan: the optimizer steps a chunk at a time
@@ -278,14 +284,18 @@ class OptimizerHandle:
         and optimizer state untouched, master grads dropped, counted as a skipped step. For a
         caller that skips the step itself (Apex's `update_scale()` returning should_skip);
         returns whether a step was skipped."""
-        if self._stage is not OptState.OVERFLOWED:
-            return False
-        self._stage = OptState.READY
+        skip = self._stage is GradStage.OVERFLOWED
+        self._move(StageCall.SETTLE_SKIP)
+        if skip:
+            self._skipped()
+        return skip
+
+    def _skipped(self) -> None:
+        """A skipped step: counted, master grads dropped, params and optimizer state untouched."""
         self._steps += 1
         for _, m in self.pairs():
             m.grad = None
         self._stepped(skipped=True)
-        return True
 
     def _stepped(self, skipped: bool) -> None:
         """Count the skip streak (reported with back-off: 50, 100, 200, ... in a row), then tell on_step."""
@@ -310,8 +320,7 @@ class OptimizerHandle:
             else:
                 mp.grad.detach_().zero_()
         self._stash = []
-        if self._stage is OptState.SCALED:
-            self._stage = self._resume
+        self._move(StageCall.ZERO_GRAD)
 
     def _add_param_group(self, inner: Callable, *args: Any, **kwargs: Any) -> None:
         group, call = calls.first_argument(inner, args, kwargs, "param_group")
@@ -399,7 +408,7 @@ class OptimizerHandle:
                         "params (this session, %s, has no masters).", self._ctx.level or "its level")
 
     # ------------------------------------------------------------------ undo
-    def unswap(self) -> dict[int, torch.Tensor]:
+    def unswap(self) -> Mapping[int, torch.Tensor]:
         """Kept state back to FP32, model params back into param_groups; returns masters by model param id."""
         self.states.restore(self.params())
         return self.masters.unswap()

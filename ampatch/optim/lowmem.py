@@ -271,7 +271,7 @@ class LowMemMasters(Masters):
                 if mp is None and not direct:
                     own.append((gi, p))
                 elif g is not None:
-                    w = p if direct else mp
+                    w = p if mp is None else mp  # direct: no model param, the FP32 param itself
                     split = elementwise and not g.is_sparse and g.is_contiguous() and w.is_contiguous()
                     targets.append(Target(p, gi, w, g, self.comp.get(id(p)), place if direct else self.ordinal[id(p)],
                                           0, split, direct))
@@ -317,7 +317,8 @@ class LowMemMasters(Masters):
             stale = any(r.widened for r in records)
             for r in records:
                 r.widened = False
-            if overflowed(torch.full((), float(stale), dtype=torch.float32, device=device), process_group):  # MAX: any rank
+            flag = torch.full((), float(stale), dtype=torch.float32, device=device)
+            if overflowed(flag, process_group):  # MAX: any rank
                 for c in self.comp.values():
                     c.zero_()
                 logger.info("ampatch: the kahan compensations were dropped on every rank (the ranks' weights "

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from .rounding import rotation
 from .scaler import distributed, overflowed
 from .stepper import Layout, Rounding, Target, step_in_chunks
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 logger = logging.getLogger("ampatch")
 
 __all__ = ["ShardedLowMem", "COMP_KEY", "SEED_KEY", "ROUNDS_KEY", "local", "local_footprint"]
@@ -47,8 +50,9 @@ F32, BF16 = torch.float32, torch.bfloat16
 SEED_KEY, ROUNDS_KEY = "ampatch_seed", "ampatch_rounds"  # stochastic: param group entries
 
 
-def _dtensor() -> type | None:
-    module = sys.modules.get("torch.distributed.tensor")  # imported already where a model is sharded
+def _dtensor() -> type[DTensor] | None:
+    """DTensor, where torch.distributed.tensor was imported already (a sharded model): never imported here."""
+    module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 
 
@@ -75,7 +79,7 @@ def shard_offset(p: torch.Tensor) -> int:
     cls = _dtensor()
     if cls is None or not isinstance(p, cls):
         return 0
-    coordinate = p.device_mesh.get_coordinate() or []
+    coordinate: Sequence[int] = p.device_mesh.get_coordinate() or ()
     rows, start, sharded = (p.shape[0] if p.dim() else 1), 0, False
     for dim, placement in enumerate(p.placements):
         if placement.is_replicate():

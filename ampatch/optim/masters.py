@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -88,7 +88,7 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
     is loaded): {"mode": str, "compensation": [None | tensor of the param's shape, ...] (kahan),
     "seed": int, "rounds": int >= 0 (stochastic)}."""
     bad = "it was not saved by ampatch's optimizer.state_dict(), or from another model. Nothing was loaded."
-    if not isinstance(entry, dict) or entry.get("mode") not in (m.value for m in MasterMode if m.low_memory):
+    if not isinstance(entry, dict) or entry.get("mode") not in [m.value for m in MasterMode if m.low_memory]:
         raise ConfigError(f"optimizer checkpoint: '{LOWMEM_KEY}' must be a dict with 'mode' 'stochastic' or 'kahan'; "
                          + bad)
     comp = entry.get("compensation")
@@ -99,7 +99,8 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
         for i, (p, c) in enumerate(zip(params, comp)):
             if c is None:
                 continue
-            what = (type(c).__name__ if not isinstance(c, torch.Tensor) else f"dtype {c.dtype}" if c.dtype != torch.bfloat16
+            what = (type(c).__name__ if not isinstance(c, torch.Tensor)
+                    else f"dtype {c.dtype}" if c.dtype != torch.bfloat16
                     else f"shape {tuple(c.shape)}" if c.shape != p.shape else None)
             if what is not None:
                 raise ConfigError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) is "
@@ -146,13 +147,16 @@ def _widened_in_chunks(masters: list[torch.Tensor], grads: list[torch.Tensor]) -
     chunk's half grads released as soon as it is copied: all the half grads and all their FP32
     copies never exist at once (O2's peak). Sparse grads (nn.Embedding(sparse=True)) go FP32
     and coalesced: the duplicates are summed without overflow. `grads` is emptied."""
-    new: list = [None] * len(masters)
+    new: dict[int, torch.Tensor] = {}
+    grads.reverse()  # popped in order: each half grad goes as soon as it is taken
     i, n = 0, len(masters)
     while i < n:
-        out, src, where, total = [], [], [], 0
+        out: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        where: list[int] = []
+        total = 0
         while i < n and (total < COPY_NUMEL or not out):
-            g = grads[i]
-            grads[i] = None
+            g = grads.pop()
             if g.is_sparse:
                 new[i] = g.to(masters[i].dtype).coalesce()
             else:
@@ -166,7 +170,7 @@ def _widened_in_chunks(masters: list[torch.Tensor], grads: list[torch.Tensor]) -
             for k, o in zip(where, out):
                 new[k] = o
         del src
-    return new
+    return [new[k] for k in range(n)]
 
 
 class Masters:
@@ -190,6 +194,12 @@ class Masters:
         if ids is not None:
             for group in optimizer.param_groups:
                 group["params"] = [self.make(p) if id(p) in ids else p for p in group["params"]]
+
+    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, states: Any = None) -> Any:
+        """One optimizer step by the masters themselves, where `steps_itself` (the low-memory
+        modes); these FP32 masters leave the step to the handle."""
+        raise NotImplementedError("ampatch: internal error: FP32 master weights do not step the optimizer "
+                                  "themselves (steps_itself is False).")
 
     def make(self, p: torch.Tensor) -> torch.Tensor:
         """The FP32 master of `p`, made on first request (optimizer state made before
@@ -298,7 +308,8 @@ class Masters:
             stale = any(r.widened for r in records)  # DDP's broadcast wrote the half weights of this rank
             for r in records:
                 r.widened = False
-            if overflowed(torch.full((), float(stale), dtype=torch.float32, device=pairs[0][1].device), process_group):  # MAX: any rank
+            flag = torch.full((), float(stale), dtype=torch.float32, device=pairs[0][1].device)
+            if overflowed(flag, process_group):  # MAX: any rank
                 torch._foreach_copy_([m for _, m in pairs], [mp for mp, _ in pairs])
                 note_all(records)
                 logger.info("ampatch: FP32 master weights taken from the model on every rank (the ranks' "
@@ -325,7 +336,6 @@ class Masters:
             del grads
             return scale_into(masters, new, inv_scale, found_inf, check)
         return scale_into(masters, _widened_in_chunks(masters, grads), inv_scale, found_inf, check)
-        return scale_into(masters, new, inv_scale, found_inf, check)
 
     def checkpoint(self) -> dict[str, Any]:
         """What `optimizer.state_dict()` carries besides torch's own entries (the masters,
@@ -378,7 +388,7 @@ class Masters:
         """The checkpoint entry (`MASTERS_KEY`): per param in param_groups order, its master or None."""
         return [p.detach() if id(p) in self.model_of else None for p in self.params()]
 
-    def unswap(self) -> dict[int, torch.Tensor]:
+    def unswap(self) -> Mapping[int, torch.Tensor]:
         """Put the model params back into param_groups (state re-keyed); returns masters by model param id."""
         if not self.model_of:
             return {}

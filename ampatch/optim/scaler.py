@@ -2,7 +2,8 @@
 
 A `LossScaler` is one scale (per `loss_id`): static, or dynamic (start 2**16, halve on
 overflow down to `min_loss_scale`, double after `growth_interval` clean steps up to
-`max_loss_scale`; Apex's FP16_Optimizer changes the start, the interval and the factor). State, in Apex's checkpoint format: `loss_scale` and `unskipped`.
+`max_loss_scale`; Apex's FP16_Optimizer changes the start, the interval and the factor).
+State, in Apex's checkpoint format: `loss_scale` and `unskipped`.
 
 Every scale stays in a usable range: `1/scale` and `loss * scale` are finite FP32 numbers
 for any sane loss. A dynamic scale has a floor even when `min_loss_scale` is None

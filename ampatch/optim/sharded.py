@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..config.values import MasterMode
-from .context import HandleContext
+from .context import ON_ITS_OWN, HandleContext
 from .handle import OptimizerHandle
 from .lowmem_sharded import ShardedLowMem, local_footprint
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters
@@ -41,7 +41,7 @@ class ShardedOptimizerHandle(OptimizerHandle):
     only copy (`ShardedLowMem`; `lowmem_ids`: the params the model cast turns bfloat16)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int, masters: bool, syncs_off: Callable[[], bool],
-                 context: HandleContext = HandleContext(), mode: MasterMode = MasterMode.FP32,
+                 context: HandleContext = ON_ITS_OWN, mode: MasterMode = MasterMode.FP32,
                  lowmem_ids: set[int] | None = None) -> None:
         super().__init__(optimizer, index, None, context)
         self.masters = (ShardedLowMem(optimizer, lowmem_ids or set(), mode) if mode.low_memory

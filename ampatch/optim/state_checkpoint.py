@@ -8,10 +8,10 @@ nothing)::
         "exp_avg": {"codes": int8 tensor, "absmax": FP32 tensor, "signed": True},  # int8: a scale per block
         "exp_avg_sq": {"values": bfloat16 tensor of the param's shape}}}}  # bfloat16
 
-Only tensors, dicts, ints and bools (torch's load mangles strings): a plain torch optimizer that loads the checkpoint (before
-`initialize`) keeps the entry, with its tensors cast to FP32 (exactly: codes are small
-integers, bfloat16 values FP32 numbers), and `initialize` takes it back from there
-(`take_from_state`); loaded after `initialize`, `take` takes it out before torch's own load
+Only tensors, dicts, ints and bools (torch's load mangles strings): a plain torch optimizer
+that loads the checkpoint (before `initialize`) keeps the entry, with its tensors cast to
+FP32 (exactly: codes are small integers, bfloat16 values FP32 numbers), and `initialize`
+takes it back from there (`take_from_state`); loaded after `initialize`, `take` takes it out before torch's own load
 sees it. Either way every entry is checked before anything is kept, and a malformed one
 (another model's shapes, codes out of range, NaN scales) is refused with an error naming it.
 """

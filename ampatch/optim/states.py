@@ -66,6 +66,12 @@ class Packed:
     def precision(self) -> StatePrecision:
         return StatePrecision.BFLOAT16 if self.absmax is None else StatePrecision.INT8
 
+    def block_maxima(self, a: int, b: int) -> torch.Tensor:
+        """The `absmax` of the blocks holding elements a..b (a on a block): int8 state only."""
+        if self.absmax is None:
+            raise RuntimeError("ampatch: internal error: bfloat16 optimizer state has no block maxima.")
+        return self.absmax[a // BLOCK:(b - 1) // BLOCK + 1]
+
     def nbytes(self) -> int:
         extra = 0 if self.absmax is None else self.absmax.numel() * self.absmax.element_size()
         return self.values.numel() * self.values.element_size() + extra
@@ -223,8 +229,9 @@ class StateStore:
                         if (p.b - p.a) % BLOCK]
                 if pads:
                     torch._foreach_zero_(pads)  # a block's unused end is 0: it never raises the block's largest
-                torch._foreach_copy_([absmax[p.offset // BLOCK:(p.offset + p.b - p.a - 1) // BLOCK + 1] for p in members],
-                                     [p.kept[name].absmax[p.a // BLOCK:(p.b - 1) // BLOCK + 1] for p in members])
+                torch._foreach_copy_(
+                    [absmax[p.offset // BLOCK:(p.offset + p.b - p.a - 1) // BLOCK + 1] for p in members],
+                    [p.kept[name].block_maxima(p.a, p.b) for p in members])
                 dequantize_(buf, codes, absmax, signed, workspace.buffer(device, "scratch", chunk.n, torch.int32))
             else:
                 torch._foreach_copy_(parts, kept)
@@ -256,7 +263,7 @@ class StateStore:
             quantized = quantize_(buf, absmax, signed, scratch)
             torch._foreach_copy_([p.kept[name].values[p.a:p.b] for p in members],
                                  [quantized[p.offset:p.offset + p.b - p.a] for p in members])
-            torch._foreach_copy_([p.kept[name].absmax[p.a // BLOCK:(p.b - 1) // BLOCK + 1] for p in members],
+            torch._foreach_copy_([p.kept[name].block_maxima(p.a, p.b) for p in members],
                                  [absmax[p.offset // BLOCK:(p.offset + p.b - p.a - 1) // BLOCK + 1] for p in members])
 
     def write(self, key: torch.Tensor, name: str, a: int, b: int, value: torch.Tensor, ordinal: int) -> None:

@@ -70,6 +70,8 @@ class Layout:
         return local
 
 
+PLAIN = Layout()  # plain tensor state: the default layout
+
 class Rounding(NamedTuple):
     """How the new FP32 values go back into bfloat16 (or a param's own half dtype)."""
 
@@ -80,7 +82,7 @@ class Rounding(NamedTuple):
 
 def step_in_chunks(opt: torch.optim.Optimizer, call: Callable[..., Any], args: tuple, kwargs: dict,
                    targets: Sequence[Target], own: Sequence[tuple[int, torch.Tensor]], budget: int,
-                   workspace: Workspace, rounding: Rounding, layout: Layout = Layout(),
+                   workspace: Workspace, rounding: Rounding, layout: Layout = PLAIN,
                    own_apart: bool = False, store: StateStore | None = None) -> Any:
     """One optimizer step over `targets`, a chunk of at most `budget` elements at a time
     (`call(*args, **kwargs)` is the optimizer's own step(), called once per chunk, its step
@@ -230,10 +232,10 @@ def _lift(targets: Sequence[Target], chunk: list[tuple[int, int, int]], workspac
         # would make an FP32 temporary of its bfloat16 operand
         if pieces:
             torch._foreach_copy_([p.value for p in pieces], [p.weight for p in pieces])
-        comps = [p for p in pieces if p.comp is not None]
+        comps = [(p, p.comp) for p in pieces if p.comp is not None]
         if comps:  # the compensation, through the grads' room (filled below)
-            torch._foreach_copy_([p.grad for p in comps], [p.comp for p in comps])
-            torch._foreach_add_([p.value for p in comps], [p.grad for p in comps])
+            torch._foreach_copy_([p.grad for p, _ in comps], [c for _, c in comps])
+            torch._foreach_add_([p.value for p, _ in comps], [p.grad for p, _ in comps])
         dense = [p for p in pieces if not targets[p.i].grad.is_sparse]
         if dense:
             torch._foreach_copy_([p.grad for p in dense], [_part(targets[p.i].grad, p.a, p.b) for p in dense])
@@ -265,12 +267,12 @@ def _lower(targets: Sequence[Target], lifted: list[_Lifted], rounding: Rounding,
             torch._foreach_copy_(weights, views)  # exact: the low bits are zero
         else:
             torch._foreach_copy_(weights, views)  # to nearest
-            pieces = [p for p in pieces if p.comp is not None]  # kahan: what rounding dropped, kept
-            if pieces:
-                views, rounded = [p.value for p in pieces], [p.grad for p in pieces]  # the grads' room, spent
-                torch._foreach_copy_(rounded, [p.weight for p in pieces])
+            comps = [(p, p.comp) for p in pieces if p.comp is not None]  # kahan: what rounding dropped, kept
+            if comps:
+                views, rounded = [p.value for p, _ in comps], [p.grad for p, _ in comps]  # the grads' room, spent
+                torch._foreach_copy_(rounded, [p.weight for p, _ in comps])
                 torch._foreach_sub_(views, rounded)   # exact in FP32
-                torch._foreach_copy_([p.comp for p in pieces], views)
+                torch._foreach_copy_([c for _, c in comps], views)
 
 
 class _PieceState:
@@ -312,10 +314,11 @@ class _PieceState:
     def lift(self, device: torch.device, pieces: list[_Piece]) -> dict[int, dict[str, torch.Tensor]]:
         """The kept state of `pieces` (one device's part of a chunk) in FP32: id(stand-in) -> name -> view."""
         with_kept = [p for p in pieces if self.kept.get(p.i)]
-        if not with_kept:
+        store, workspace = self.store, self.workspace
+        if not with_kept or store is None or workspace is None:  # kept only with a store
             return {}
-        chunk, views = self.store.lift(device, [Piece(self.kept[p.i], p.a, p.b, self.targets[p.i].ordinal)
-                                                for p in with_kept], self.workspace)
+        chunk, views = store.lift(device, [Piece(self.kept[p.i], p.a, p.b, self.targets[p.i].ordinal)
+                                           for p in with_kept], workspace)
         self.lifted.append(chunk)
         return {id(p.proxy): {k: v.view(p.proxy.shape) for k, v in mine.items()} for p, mine in zip(with_kept, views)}
 
@@ -378,8 +381,9 @@ class _PieceState:
                         self.layout.local(own[k]).view(-1)[p.a:p.b].copy_(v.view(-1))
                     else:
                         own[k] = v
-        for kept in self.lifted:
-            self.store.lower(kept, self.workspace)
+        if self.store is not None and self.workspace is not None:  # lifted only with a store
+            for kept in self.lifted:
+                self.store.lower(kept, self.workspace)
         self.lifted = []
 
 

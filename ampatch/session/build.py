@@ -129,7 +129,8 @@ def undo(models: Sequence[Any], optimizers: Sequence[OptimizerHandle]) -> None:
     dtypes (from what each record keeps; a sharded model from the values the masters give),
     optimizer state to the params' dtypes again."""
     # a view over each optimizer's values, not a merged copy: a sharded kahan optimizer's are made one at a time
-    masters = collections.ChainMap(*[h.unswap() for h in optimizers])
+    # (read only: typeshed's ChainMap asks for MutableMappings, which a lazy Mapping is not)
+    masters = collections.ChainMap[int, torch.Tensor](*[h.unswap() for h in optimizers])  # type: ignore[arg-type]
     for m in models:
         if isinstance(m, ModelHandle):
             m.restore()

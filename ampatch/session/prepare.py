@@ -89,7 +89,7 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
         if overrides.optimizer_states is None:
             raise ConfigError(f"{why}; use optimizer_states='float32' with fully_shard, or master_weights='stochastic' "
                              "for memory.")
-        notes.append(f"ampatch: dropping {overrides.given('optimizer_states')}: {why}; the optimizer keeps its FP32 "
+        notes.append(f"ampatch: dropping {overrides.quote('optimizer_states')}: {why}; the optimizer keeps its FP32 "
                      "state.")  # from outside (a variable, a policy: tune's candidates), as a level it cannot apply to
         props = dataclasses.replace(props, optimizer_states=StatePrecision.FLOAT32)
     return Prepared(options, props, overrides, model_list, opt_list, single_model, single_opt, optimizers is None,

@@ -28,11 +28,11 @@ from ..machine import hardware, tips
 from ..model import fp8, keep
 from ..model.forwards import EAGER_UNDER_COMPILE
 from ..o1 import lists
-from ..o1.cache import CastCache
+from ..o1.cache import ParamCastCache
 from ..o1.install import O1Patches
 from ..o1.lists import user as user_policy
 from ..o1.wrappers import WrapContext
-from ..optim.context import HandleContext, OptState
+from ..optim.context import GradStage, HandleContext
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import state_bytes
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
@@ -124,7 +124,7 @@ class Session:
             except ValueError as exc:  # a layer choice from outside: the message names where it came from
                 if self.overrides.fp8_modules is None or props.fp8_modules != self.overrides.fp8_modules:
                     raise
-                raise ConfigError(f"{self.overrides.given('fp8_modules')}: {reason(exc)}") from None
+                raise ConfigError(f"{self.overrides.quote('fp8_modules')}: {reason(exc)}") from None
             self._announce_fp8()
         self.guard = ParamGuard(models, self.optimizers)
         for h in self.optimizers:
@@ -181,14 +181,14 @@ class Session:
     def o1(self) -> O1Patches:
         """This session's O1 patches and cast cache (made on first use: O1/O4 patch torch,
         decorators wrap; a cast model has no casts to cache)."""
-        cache = CastCache()
+        cache = ParamCastCache()
         timer = self.telemetry.add_wrapper_time if self.telemetry.time_wrappers else None
         ctx = WrapContext(cache.caster, self.properties.half_dtype, self.telemetry.counters,
                           self.options.allow_banned, timer)
         return O1Patches(self.patcher, cache, ctx)
 
     @property
-    def cache(self) -> CastCache:
+    def cache(self) -> ParamCastCache:
         """The O1 cast cache."""
         return self.o1.cache
 
@@ -246,7 +246,7 @@ class Session:
             return
         start = time.perf_counter()
         for h in handles:
-            h.resolve()  # a deferred verdict may still change the scale
+            h.run_deferred()  # a deferred verdict may still change the scale
         scale = scaler.scale
         for h in handles:
             h.before_backward(scale)
@@ -265,7 +265,7 @@ class Session:
             for h in handles:
                 found_inf = h.after_backward(scale, found_inf, delay_unscale)
             # sharded with its sync off: the grads are kept scaled
-            if not delay_unscale and not any(h.stage is OptState.SCALED for h in handles):
+            if not delay_unscale and not any(h.stage is GradStage.SCALED for h in handles):
                 verdict = Verdict(scaler, found_inf, process_group=self.options.process_group,
                                   iteration=lambda: self.iteration, on_overflow=self._skipper(handles, loss_id))
                 if delay_overflow_check:
@@ -315,7 +315,7 @@ class Session:
     # ------------------------------------------------------------------ state
     def resolve_pending(self) -> None:
         for h in self.optimizers:
-            h.resolve()
+            h.run_deferred()
 
     def state_dict(self) -> dict[str, dict[str, float | int]]:
         self.resolve_pending()

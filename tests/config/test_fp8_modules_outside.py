@@ -48,7 +48,7 @@ def test_a_policy_file_carries_fp8_modules(tmp_path):
     assert pol.fp8_modules == ("fc1", "fc2") and pol.keywords()["fp8_modules"] == ["fc1", "fc2"]
     assert "fp8_modules=['fc1', 'fc2']" in pol.describe() and pol.to_dict()["fp8_modules"] == ["fc1", "fc2"]
     merged = policy_file.from_outside(env.read({env.POLICY: str(path)}))
-    assert merged.fp8_modules == ("fc1", "fc2") and "fp8_modules ['fc1', 'fc2']" in merged.given("fp8_modules")
+    assert merged.fp8_modules == ("fc1", "fc2") and "fp8_modules ['fc1', 'fc2']" in merged.quote("fp8_modules")
     mine = policy_file.from_outside(env.read({env.POLICY: str(path), env.FP8_MODULES: "fc2"}))
     assert mine.fp8_modules == ("fc2",)  # the variable, set as well, still wins
     assert policy_file.load({"opt_level": "O5"}).fp8_modules is None

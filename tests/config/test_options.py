@@ -85,7 +85,7 @@ def test_overrides_unset_and_parsed():
                   env.TIME_WRAPPERS: "1", env.DIAGNOSE: "d.json", "OTHER": "x"})
     assert (o.opt_level, o.half_dtype, o.keep_fp32, o.loss_scale, o.max_steps) == ("O2", F16, ("a", "b"), 128.0, 3)
     assert (o.report, o.progress, o.time_wrappers, o.diagnose) == ("r.json", "p.txt", True, "d.json")
-    assert o.given("opt_level") == "AMPATCH_OPT_LEVEL= o2 "
+    assert o.quote("opt_level") == "AMPATCH_OPT_LEVEL= o2 "
     assert env.read({env.PROGRESS: "p.txt", env.TIME_WRAPPERS: "0"}) == env.Overrides()  # progress: only with a report
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.opt_level = "O1"

@@ -78,63 +78,63 @@ def names(kept: list[keep.Kept]) -> list[str]:
 # ------------------------------------------------------------------ which modules
 def test_names_one_string_comma_separated_or_a_list():
     net = Net()
-    assert names(keep.resolve([net], "head")) == ["head"]
-    assert names(keep.resolve([net], "body, head.3")) == ["body", "head.3"]
-    assert names(keep.resolve([net], ["head.3", "body"])) == ["body", "head.3"]  # named_modules() order
-    assert keep.resolve([net], "head")[0].module is net.head
-    assert keep.resolve([net], None) == [] and keep.resolve([net], []) == []
+    assert names(keep.matching([net], "head")) == ["head"]
+    assert names(keep.matching([net], "body, head.3")) == ["body", "head.3"]
+    assert names(keep.matching([net], ["head.3", "body"])) == ["body", "head.3"]  # named_modules() order
+    assert keep.matching([net], "head")[0].module is net.head
+    assert keep.matching([net], None) == [] and keep.matching([net], []) == []
 
 
 def test_only_the_outermost_match_is_kept():
     net = Net()
-    assert names(keep.resolve([net], ["head.3", "head", "head.0"])) == ["head"]
+    assert names(keep.matching([net], ["head.3", "head", "head.0"])) == ["head"]
 
 
 def test_classes_and_callables():
     net = Net()
-    assert names(keep.resolve([net], nn.Linear)) == ["body", "head.3"]
-    assert names(keep.resolve([net], [Probe, nn.LayerNorm])) == ["head.0", "head.2"]
-    assert names(keep.resolve([net], lambda name, m: name.startswith("head"))) == ["head"]
-    assert names(keep.resolve([net], nn.Sequential)) == ["head"]
+    assert names(keep.matching([net], nn.Linear)) == ["body", "head.3"]
+    assert names(keep.matching([net], [Probe, nn.LayerNorm])) == ["head.0", "head.2"]
+    assert names(keep.matching([net], lambda name, m: name.startswith("head"))) == ["head"]
+    assert names(keep.matching([net], nn.Sequential)) == ["head"]
 
 
 def test_several_models_take_the_model_index_in_front():
     a, b = Net(), nn.ModuleDict({"first": nn.Linear(3, 3), "second": nn.Linear(3, 3)})
-    assert names(keep.resolve([a, b], "1.first")) == ["1.first"]
-    assert keep.resolve([a, b], "1.first")[0].module is b["first"]
-    assert names(keep.resolve([a, b], "head")) == ["0.head"]  # only model 0 has one: no index needed
-    assert names(keep.resolve([a, b], "second")) == ["1.second"]
-    assert names(keep.resolve([a, b], "1")) == ["1"]          # model 1 whole
-    k = keep.resolve([a, b], "1.second")[0]
+    assert names(keep.matching([a, b], "1.first")) == ["1.first"]
+    assert keep.matching([a, b], "1.first")[0].module is b["first"]
+    assert names(keep.matching([a, b], "head")) == ["0.head"]  # only model 0 has one: no index needed
+    assert names(keep.matching([a, b], "second")) == ["1.second"]
+    assert names(keep.matching([a, b], "1")) == ["1"]          # model 1 whole
+    k = keep.matching([a, b], "1.second")[0]
     assert (k.model, k.name, k.label) == (1, "second", "1.second")
     with pytest.raises(ValueError, match=r"several models.*'0\.body', '1\.body'"):
-        keep.resolve([a, Net()], "body")
+        keep.matching([a, Net()], "body")
     with pytest.raises(ValueError, match="ambiguous"):  # model 1's label "1", model 0's child "1"
-        keep.resolve([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 2)], "1")
+        keep.matching([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 2)], "1")
 
 
 def test_unknown_names_list_close_ones():
     with pytest.raises(ValueError, match=r"no module is named 'haed'.*Close names: 'head'") as exc:
-        keep.resolve([Net()], "haed")
+        keep.matching([Net()], "haed")
     assert "named_modules()" in str(exc.value)
     with pytest.raises(ValueError, match=r"'head\.9'.*Close names: 'head\.3', 'head\.2'"):
-        keep.resolve([Net()], ["body", "head.9"])
+        keep.matching([Net()], ["body", "head.9"])
     with pytest.raises(ValueError, match=r"AMPATCH_KEEP_FP32: no module is named 'bdy'"):
-        keep.resolve([Net()], None, forced=["bdy"])
+        keep.matching([Net()], None, forced=["bdy"])
 
 
 def test_bad_specifications_raise_type_errors(caplog):
     net = Net()
     with pytest.raises(TypeError, match="keep_fp32 takes module names"):
-        keep.resolve([net], 3)
+        keep.matching([net], 3)
     with pytest.raises(TypeError, match="keep_fp32 items are"):
-        keep.resolve([net], [net.head])           # a module object, not its name
+        keep.matching([net], [net.head])           # a module object, not its name
     with pytest.raises(TypeError, match="not an nn.Module class"):
-        keep.resolve([net], [int])
+        keep.matching([net], [int])
     with pytest.raises(TypeError, match="must return True or False"):
-        keep.resolve([net], lambda name, m: None)
+        keep.matching([net], lambda name, m: None)
     with caplog.at_level(logging.WARNING, logger="ampatch"):
-        assert keep.resolve([net], nn.Conv2d) == []
+        assert keep.matching([net], nn.Conv2d) == []
     assert "matches no module" in caplog.text
 
 

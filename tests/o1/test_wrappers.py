@@ -19,7 +19,7 @@ from ampatch.base.counters import Counters
 from ampatch.base.tree import map_tensors
 from ampatch.o1 import install as o1
 from ampatch.o1.plans import BANNED, BFLOAT16, CPU_FLOAT, FLOAT, HALF, PROMOTE, SEQUENCE_PROMOTE, Action, Kind, plan
-from ampatch.o1.proxies import CastFunctionWrapper, ModuleFunctionWrapper, check_builtin_binding, is_patch, wrap
+from ampatch.o1.proxies import ModuleTwinProxy, TwinProxy, check_builtin_binding, is_patch, wrap
 from ampatch.o1.twins import is_traced, traced
 from ampatch.o1.wrappers import WrapContext
 
@@ -200,16 +200,16 @@ def test_an_o1_function_is_a_plain_function_carrying_its_twin_behind_a_proxy() -
     assert type(fn) is types.FunctionType and is_patch(fn) and fn.__wrapped__ is module_function
     assert (fn.__name__, fn.__qualname__, fn.__module__) == ("module_function", "module_function", __name__)
     twin = fn._torchdynamo_inline
-    assert type(twin) is ModuleFunctionWrapper and twin._self_binding == "builtin"
+    assert type(twin) is ModuleTwinProxy and twin._self_binding == "builtin"
     assert twin.__wrapped__ is module_function
-    assert isinstance(twin, CastFunctionWrapper) and isinstance(twin, types.FunctionType)  # what Dynamo asks
+    assert isinstance(twin, TwinProxy) and isinstance(twin, types.FunctionType)  # what Dynamo asks
     assert fn(TB).dtype == F32 and twin(TB).dtype == F32
 
 
 def test_the_binding_check_fails_loudly_on_a_wrapt_that_binds_otherwise() -> None:
-    class Plain(ModuleFunctionWrapper):
+    class Plain(ModuleTwinProxy):
         def __init__(self, wrapped: Any, wrapper: Any, traceable: Any = None) -> None:
-            CastFunctionWrapper.__init__(self, wrapped, wrapper, traceable)  # wrapt's own choice: "function"
+            TwinProxy.__init__(self, wrapped, wrapper, traceable)  # wrapt's own choice: "function"
 
     with pytest.raises(ImportError, match=r"wrapt .* \"builtin\" binding .*Plain gave \('function'"):
         check_builtin_binding(Plain)

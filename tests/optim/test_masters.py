@@ -555,7 +555,7 @@ def test_a_handle_trains_and_skips_without_a_session():
     """OptimizerHandle + LossScaler + Verdict, no Session: the scaled backward is unscaled
     into FP32 masters, the step updates them and the half model, an overflow skips the step
     (masters and optimizer state untouched) and halves the scale."""
-    from ampatch.optim.context import OptState
+    from ampatch.optim.context import GradStage
     from ampatch.optim.scaler import LossScaler, Verdict
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
@@ -566,12 +566,12 @@ def test_a_handle_trains_and_skips_without_a_session():
     masters = list(amp.master_params(opt))
     pairs = list(handle.pairs())
     assert len(pairs) == 2 and all(mp is p for (mp, _), p in zip(pairs, model.parameters()))
-    assert handle.stage is OptState.FRESH
+    assert handle.stage is GradStage.FRESH
     assert all(m.dtype == F32 for m in masters) and torch.equal(masters[0], fp32.weight)  # not the rounded copy
     x, y = torch.randn(8, 4), torch.randn(8, 2)
 
     def backward(poison: bool = False) -> None:
-        handle.resolve()
+        handle.run_deferred()
         handle.before_backward(scaler.scale)
         (nn.functional.mse_loss(model(x.half()).float(), y) * scaler.scale).backward()
         if poison:
@@ -580,7 +580,7 @@ def test_a_handle_trains_and_skips_without_a_session():
         Verdict(scaler, found, on_overflow=lambda before, after: handle.skip_next_step())()
 
     backward()
-    assert model.weight.grad is None and masters[0].grad.dtype == F32 and handle.stage is OptState.READY
+    assert model.weight.grad is None and masters[0].grad.dtype == F32 and handle.stage is GradStage.READY
     ref = copy.deepcopy(fp32)
     with torch.no_grad():
         for rp, mp in zip(ref.parameters(), model.parameters()):
@@ -593,9 +593,9 @@ def test_a_handle_trains_and_skips_without_a_session():
     state = copy.deepcopy(opt.state_dict())
     opt.zero_grad()
     backward(poison=True)
-    assert handle.stage is OptState.OVERFLOWED and scaler.scale == 2.0 ** 15
+    assert handle.stage is GradStage.OVERFLOWED and scaler.scale == 2.0 ** 15
     opt.step()
-    assert handle.stage is OptState.READY and handle.steps == 2 and handle.consecutive_skips == 1
+    assert handle.stage is GradStage.READY and handle.steps == 2 and handle.consecutive_skips == 1
     saved = opt.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(saved["ampatch_masters"], state["ampatch_masters"]))
     assert torch.equal(saved["state"][0]["momentum_buffer"], state["state"][0]["momentum_buffer"])

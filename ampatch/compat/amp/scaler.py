@@ -23,7 +23,7 @@ import torch
 
 from ...errors import ConfigTypeError, ReadOnlyError
 from ...optim import scaler as core
-from ...optim.context import OptState
+from ...optim.context import GradStage
 from ...optim.handle import OptimizerHandle
 from ..extensions.kernels import has_inf_or_nan
 
@@ -197,7 +197,7 @@ class LossScalerView:
         object.__setattr__(self, "_pending", False)
         handles = self._owner.handles()
         # an overflow ampatch saw since the last step (a skip still pending) is the same overflow
-        seen = scaler.last_overflow or any(h.stage is OptState.OVERFLOWED for h in handles)
+        seen = scaler.last_overflow or any(h.stage is GradStage.OVERFLOWED for h in handles)
         if found and not seen:
             before = scaler.scale
             scaler.update(True, self._owner.iteration())

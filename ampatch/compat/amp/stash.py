@@ -18,7 +18,7 @@ import torch
 
 from ...base.dtypes import LOW
 from ...errors import ReadOnlyError
-from ...optim.context import OptState
+from ...optim.context import GradStage
 from ...optim.handle import OptimizerHandle
 from .scaler import device_of
 
@@ -96,7 +96,7 @@ class AmpStash:
     @property
     def params_have_scaled_gradients(self) -> bool:
         """A `delay_unscale` backward left scaled gradients."""
-        return self._handle.stage is OptState.SCALED
+        return self._handle.stage is GradStage.SCALED
 
     @property
     def dummy_overflow_buf(self) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from ...config.values import DEFAULT_MAX_LOSS_SCALE, check_scale_value
 from ...errors import ConfigTypeError, InvalidCallError, OrderError
-from ...optim.context import OptState
+from ...optim.context import GradStage
 from ...optim.scaler import LossScaler, StateDictKeyError
 from ..amp.scaler import LossScalerView
 from .loss_scaler import apex_scaler
@@ -141,7 +141,7 @@ class FP16_Optimizer(MasterWeightOptimizer):  # noqa: N801 - Apex's name
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the masters and copy them into the half model; skipped while `overflow`."""
-        if self._handle.stage is OptState.SCALED:
+        if self._handle.stage is GradStage.SCALED:
             raise OrderError("FP16_Optimizer.step(): backward(loss, update_master_grads=False) left gradients "
                              "that are not in the masters yet; call optimizer.update_master_grads() first.")
         if self.overflow:

@@ -24,7 +24,7 @@ from ...base.patcher import Patcher
 from ...config.values import check_scale_value
 from ...errors import ConfigError, ConfigTypeError, InvalidCallError
 from ...optim import calls
-from ...optim.context import HandleContext, OptState
+from ...optim.context import GradStage, HandleContext
 from ...optim.handle import OptimizerHandle
 from ...optim.masters import MASTERS_KEY
 from ...optim.scaler import LossScaler, Verdict
@@ -129,7 +129,7 @@ class MasterWeightOptimizer:
         """Unscale the pending grads into the masters and settle the scale; returns whether
         they overflowed (None when nothing was pending)."""
         handle = self._handle
-        if handle.stage is not OptState.SCALED:
+        if handle.stage is not GradStage.SCALED:
             return None
         found = handle.after_backward(self._scaler.scale, None, delay_unscale=False)
         Verdict(self._scaler, found, iteration=lambda: handle.steps)()
