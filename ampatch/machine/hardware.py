@@ -39,6 +39,9 @@ _X86_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "a
               "amx_fp16")
 _ARM_FLAGS = ("asimd", "asimdhp", "fphp", "bf16", "sve", "sve2")
 
+# `DeviceInfo` has a field named ``torch`` (the version), which hides the module in its body.
+_TorchDtype = torch.dtype
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -54,7 +57,7 @@ class DeviceInfo:
     basis: dict[str, str]        # why, per dtype, in a few words
     torch: str
 
-    def is_native(self, dtype: torch.dtype | str | None) -> bool | None:
+    def is_native(self, dtype: _TorchDtype | str | None) -> bool | None:
         """True/False for a half dtype on this device; None for FP32, None or unknown."""
         key = half_key(dtype)
         return self.native.get(key) if key else None
@@ -110,8 +113,9 @@ class Machine:
         """A policy's ``machine`` read back; None when it has none (written by hand)."""
         if not isinstance(data, Mapping) or not data.get("type"):
             return None
-        native = data.get("native") if isinstance(data.get("native"), Mapping) else {}
-        return cls(str(data["type"]), str(data.get("name") or ""), {k: v for k, v in native.items()})
+        native = data.get("native")
+        return cls(str(data["type"]), str(data.get("name") or ""),
+                   dict(native) if isinstance(native, Mapping) else {})
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ class SessionDevice:
 
 def _cpuinfo() -> tuple[str, set[str]]:
     """Model name and flags of the first CPU in /proc/cpuinfo ("", {} where there is none)."""
-    name, flags = "", set()
+    name, flags = "", set[str]()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -203,12 +207,14 @@ def _describe_cpu() -> DeviceInfo:
 def _describe_cuda(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
     major, minor = props.major, props.minor
+    native: dict[str, bool | None]
     if getattr(torch.version, "hip", None):  # ROCm: matrix cores take both on the GPUs it supports
         native = {"bfloat16": True, "float16": True}
         basis = {"bfloat16": "ROCm matrix cores", "float16": "ROCm matrix cores"}
     else:
         native = {"bfloat16": major >= 8, "float16": major >= 7}
-        basis = {"bfloat16": "tensor cores (8.0+)" if major >= 8 else "bfloat16 tensor cores need compute capability 8.0+",
+        basis = {"bfloat16": ("tensor cores (8.0+)" if major >= 8
+                              else "bfloat16 tensor cores need compute capability 8.0+"),
                  "float16": "tensor cores (7.0+)" if major >= 7 else "no tensor cores before compute capability 7.0"}
     return DeviceInfo("cuda", props.name, props.multi_processor_count, f"{major}.{minor}", (), (),
                       native, basis, torch.__version__)
