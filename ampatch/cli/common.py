@@ -17,8 +17,8 @@ from ampatch.runs.budget import parse_seconds
 
 __all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant",
            "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights",
-           "optimizer_states", "with_states", "fp8_recipe", "layer_names", "module_names", "tolerance", "KEEP_FP32_HELP",
-           "policy_path", "argument", "add_level_options"]
+           "optimizer_states", "with_states", "fp8_recipe", "layer_names", "module_names", "tolerance",
+           "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has

@@ -132,6 +132,7 @@ def choose_memory(r: Result) -> None:
     chosen = r.measured_of(best)
     dev = chosen.deviation if chosen is not None else None
     speed = f"{ms[REFERENCE.label] / ms[best.label]:.2f}x O0's speed" if ms.get(REFERENCE.label) else "speed unknown"
+    dev_text = "deviation -" if dev is None else f"deviation {dev:.2%}"
     r.why = (f"the policy that trains like FP32 with the least memory: {held[best.label][1]:.1f} bytes per trained "
              f"parameter (weight, masters, optimizer state)"
-             + (f" against O0's {o0[1]:.1f}" if o0 is not None else "") + f" ({speed}; deviation {'-' if dev is None else f'{dev:.2%}'}).")
+             + (f" against O0's {o0[1]:.1f}" if o0 is not None else "") + f" ({speed}; {dev_text}).")
