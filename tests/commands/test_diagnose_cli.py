@@ -55,7 +55,9 @@ def test_the_example_goes_nan_in_float16_and_the_fix_is_verified_finite(tmp_path
     assert "can't tell" in done.stdout
     # the verification shows the deviation as compare and tune do: relative, in percent
     assert f"{v['max_dev_vs_O0']:.2%}" in done.stdout
-    assert "encoder.attn.scores" in done.stdout and "ampatch run --half-dtype float16 --keep-fp32 encoder.attn.scores -- python examples/diagnose.py" in done.stdout
+    assert "encoder.attn.scores" in done.stdout
+    assert ("ampatch run --half-dtype float16 --keep-fp32 encoder.attn.scores -- python examples/diagnose.py"
+            in done.stdout)
 
 
 UNDERFLOW = """

@@ -324,9 +324,9 @@ def test_kahan_compensation_travels_in_the_optimizer_state_and_resumes_exactly()
             fresh, fopt = amp.initialize(fresh, fopt, opt_level="O5", master_weights="kahan", verbosity=0)
         else:
             fresh, fopt = amp.initialize(fresh, fopt, opt_level="O5", master_weights="kahan", verbosity=0)
-            loads = [lambda: fresh.load_state_dict(saved["model"]), lambda: fopt.load_state_dict(saved["optimizer"])]
-            for load in (loads if order == "model-first" else loads[::-1]):
-                load()
+            loads = [(fresh, saved["model"]), (fopt, saved["optimizer"])]
+            for target, state in (loads if order == "model-first" else loads[::-1]):
+                target.load_state_dict(state)
         train(fresh, fopt, 2, first=3)
         for k, v in fresh.state_dict().items():
             assert torch.equal(v, after[k]), (order, k)
