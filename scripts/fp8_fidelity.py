@@ -136,7 +136,8 @@ def main() -> int:
     parser.add_argument("--recipes", default="tensorwise,rowwise")
     parser.add_argument("--only", choices=("lm", "llama"), default=None)
     parser.add_argument("--seed", type=int, default=0, help="weights and batches")
-    parser.add_argument("--llama-fp8-modules", metavar="GLOBS", help="the Llama's fp8_modules (default: the default choice)")
+    parser.add_argument("--llama-fp8-modules", metavar="GLOBS",
+                        help="the Llama's fp8_modules (default: the default choice)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -165,7 +165,8 @@ def cases(depths: list[int], decades: list[float], seeds: list[int]) -> list[Cas
 
 
 def table(cells: list[Cell]) -> str:
-    rows = ["| depth | planted | decades | seed | expected | named | fix follows O0 | FP8 everywhere: dev vs O0 | right |",
+    rows = ["| depth | planted | decades | seed | expected | named | fix follows O0 | FP8 everywhere: dev vs O0 "
+            "| right |",
             "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         dev = "-" if c.fp8_alone_dev is None else f"{100 * c.fp8_alone_dev:.1f}%"

@@ -38,7 +38,7 @@ def main() -> None:
         o0 = _fine_tuning("O0", None, optimizer)
         progress = o0.start - o0.final
 
-        def dist(run) -> tuple[float, float]:
+        def dist(run, o0=o0, progress=progress) -> tuple[float, float]:  # this optimizer's O0, bound now
             return abs(run.final - o0.final) / progress, abs(run.curve - o0.curve) / progress
 
         rows = {"O3": [dist(_fine_tuning("O3", None, optimizer))],

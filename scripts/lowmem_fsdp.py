@@ -4,10 +4,10 @@ launched by torchrun (`--world`; issue 37): per-rank peak memory, step time, and
 sharded O3 stalls.
 
 - memory: the peak RSS of each rank's fresh process (VmHWM: torchrun's agent would lend
-  `ru_maxrss` its own peak), no allocator tuning (on CUDA, `max_memory_allocated`): `--layers` x Linear(`--width`) (25.2M parameters by
-  default), each a fully_shard unit, AdamW, three steps of batch `--batch` per rank; the modes
-  interleaved, `--repeats` rounds, medians. Bytes per parameter are per parameter the rank
-  holds (its shard: half of them on 2 ranks).
+  `ru_maxrss` its own peak), no allocator tuning (on CUDA, `max_memory_allocated`): `--layers`
+  x Linear(`--width`) (25.2M parameters by default), each a fully_shard unit, AdamW, three
+  steps of batch `--batch` per rank; the modes interleaved, `--repeats` rounds, medians. Bytes
+  per parameter are per parameter the rank holds (its shard: half of them on 2 ranks).
 - speed: the median step time (zero_grad, forward, scale_loss, step) of the same model, the
   modes interleaved in rotating order, each round's ratio to that round's O5 run; medians.
 - resume: the worker's resume scenarios: bit for bit on the same world size, within tune's
@@ -86,7 +86,8 @@ def child(a: argparse.Namespace) -> None:
         model, opt = amp.initialize(model, opt, opt_level="O5", verbosity=0, **kw)
         held = sum(p.to_local().numel() for p in model.parameters())
         gen = torch.Generator().manual_seed(rank)
-        x, y = torch.randn(a.batch, a.width, generator=gen).to(device), torch.randn(a.batch, a.width, generator=gen).to(device)
+        x = torch.randn(a.batch, a.width, generator=gen).to(device)
+        y = torch.randn(a.batch, a.width, generator=gen).to(device)
         times = []
         for _ in range(a.steps):
             if cuda:
@@ -205,7 +206,8 @@ def learning(a: argparse.Namespace) -> bool:
                   f"unchanged {x['unchanged']:.1%}   ranks agree: {'yes' if same else 'NO'}")
             if run in ("stochastic", "kahan"):
                 ok &= same and (final <= o5 or final <= 0.1)
-    print(f"  target: both modes within O5's distance of O0 or within 10% of O0's progress: {'met' if ok else 'NOT met'}")
+    print("  target: both modes within O5's distance of O0 or within 10% of O0's progress: "
+          f"{'met' if ok else 'NOT met'}")
     return ok
 
 
@@ -236,7 +238,8 @@ def resume(a: argparse.Namespace) -> bool:
             ok &= gap <= TOLERANCE
             print(f"  {mode:<10} {label}: largest gap from the straight run {gap:.3%} of its progress "
                   f"(tune's tolerance {TOLERANCE:.0%})")
-    print(f"  targets: bit for bit on the same world size, within tune's tolerance across: {'met' if ok else 'NOT met'}")
+    print("  targets: bit for bit on the same world size, within tune's tolerance across: "
+          f"{'met' if ok else 'NOT met'}")
     return ok
 
 

@@ -51,14 +51,14 @@ def measure(mode: str, a: argparse.Namespace) -> dict:
     if mode != "autocast":
         model, opt = amp.initialize(model, opt, opt_level=mode, half_dtype=half, verbosity=0)
     meter = PeakMeter(torch.device("cpu"))
-    for i in range(3):
+    for _ in range(3):
         opt.zero_grad(set_to_none=True)
         gc.collect()
         persistent = persistent_bytes(model, opt)
         meter.start()  # the peak RSS (VmHWM) restarts from the current RSS
         growth: dict[str, int] = {}
 
-        def mark(name: str) -> None:
+        def mark(name: str, growth: dict[str, int] = growth) -> None:  # this step's dict, bound now
             growth[name] = meter.growth()
 
         if mode == "autocast":

@@ -190,8 +190,8 @@ def main() -> int:
                 print(f"  {lr:6.0e} {label:<22} {loss:9.5f} {(loss - o0) / progress:+8.2%} "
                       f"{(loss - own) / progress:+12.2%} {step_s * 1e3:8.1f}")
             print(f"  {lr:6.0e} (start {start:.5f}, O0's progress {progress:.5f})")
-            out.setdefault(key, {})[f"{lr:g}"] = {"start": start, "progress": progress,
-                                                   **{k: {"held_out": v[0], "step_s": v[1]} for k, v in results.items()}}
+            per_level = {k: {"held_out": v[0], "step_s": v[1]} for k, v in results.items()}
+            out.setdefault(key, {})[f"{lr:g}"] = {"start": start, "progress": progress, **per_level}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -361,6 +361,14 @@ def _verdict(j: Judged) -> str:
     return f"{word}{on}{'' if j.right else ' (WRONG)'}"
 
 
+def _cell_text(j: Judged | None, steps: int) -> str:
+    """One level's verdict in a cell of `table` (`steps`: the case's own; more are shown)."""
+    if j is None:
+        return "-"
+    at = f" @{j.steps}" if j.steps != steps else ""
+    return f"{_verdict(j)}{at} {_pct(j.deviation)}, learns {_pct(j.learned, '.0%')}"
+
+
 def table(cells: list[Cell]) -> str:
     """The grid as a Markdown table (docs/tune.md)."""
     lines = ["| optimizer | lr | steps | noise | steps run | O0 progress / level | O0 t (needed) | O3 stall | O3 | O4 "
@@ -374,14 +382,7 @@ def table(cells: list[Cell]) -> str:
             verdicts = ["**can't tell** (O0)", "", ""]
         else:
             by = {j.level: j for j in c.levels}
-
-            def text(level: str) -> str:
-                j = by.get(level)
-                if j is None:
-                    return "-"
-                at = f" @{j.steps}" if j.steps != c.case.steps else ""
-                return f"{_verdict(j)}{at} {_pct(j.deviation)}, learns {_pct(j.learned, '.0%')}"
-            verdicts = [text("O3"), text("O4"), text("O5")]
+            verdicts = [_cell_text(by.get(level), c.case.steps) for level in ("O3", "O4", "O5")]
         ran = "→".join(map(str, c.steps))
         lines.append(f"| {k.optimizer} | {k.lr:g} | {k.steps} | {k.noise:g}x | {ran} | {_pct(c.o0_progress, '.2%')} | "
                      f"{sig} | {_pct(c.o3_stall, '.0%')} | " + " | ".join(verdicts) + " |")
@@ -412,7 +413,8 @@ def summary(cells: list[Cell]) -> str:
            f"O3 not stalled in {len(free)} verdicts: {sum(j.qualifies for j in free)} qualify, "
            f"{sum(not j.qualifies for j in free)} fail.",
            f"expected to qualify (track O0 within half the tolerance): {count(judged, 'qualify')}; to fail: "
-           f"{count(judged, 'fail')}; near the tolerance (either is right): {sum(j.expected == 'either' for j in judged)}.",
+           f"{count(judged, 'fail')}; near the tolerance (either is right): "
+           f"{sum(j.expected == 'either' for j in judged)}.",
            f"wrong verdicts: {len(wrong)}; time {sum(c.wall_s for c in cells):.0f}s"]
     out += [f"  WRONG: {c.case.label}: {j.level} {'qualifies' if j.qualifies else 'fails'} ({j.reason}); stall "
             f"{j.stall:.0%}, true share {j.true_share:.2f}, true gap {j.true_gap:.3f}" for c, j in wrong]

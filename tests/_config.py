@@ -6,11 +6,11 @@ import logging
 from typing import Any
 
 from ampatch.config.env import Overrides
-from ampatch.config.options import Options, resolve
+from ampatch.config.options import Options, Properties, resolve
 
 
 def props(opt_level: Any = "O1", *, device: Any = None, overrides: Overrides | None = None,
-          hard_override: bool = False, notes: list[str] | None = None, **keywords: Any) -> options.Properties:
+          hard_override: bool = False, notes: list[str] | None = None, **keywords: Any) -> Properties:
     resolved, said = resolve(Options(opt_level=opt_level, **keywords), device, overrides or Overrides(),
                                         hard_override)
     if notes is not None:

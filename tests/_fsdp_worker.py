@@ -326,7 +326,8 @@ def batchnorm(rank: int) -> dict[str, Any]:
                              "state_dict": sorted({str(t.dtype) for t in model.state_dict().values()
                                                    if t.is_floating_point()})}
     amp.deinitialize()
-    out["o3_restored"] = sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()})
+    out["o3_restored"] = sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()]
+                                 if t.is_floating_point()})
     return out
 
 
@@ -358,7 +359,8 @@ def bad_input(rank: int) -> dict[str, Any]:
         amp.initialize(models, opt, opt_level="O2", verbosity=0)
 
     model, opt = build(None)
-    internals = dict(ampatch.model.sharded._INTERNALS, group=(*ampatch.model.sharded._INTERNALS["group"], "renamed_by_a_later_torch"))
+    internals = dict(ampatch.model.sharded._INTERNALS,
+                     group=(*ampatch.model.sharded._INTERNALS["group"], "renamed_by_a_later_torch"))
     with mock.patch.dict(ampatch.model.sharded._INTERNALS, internals):
         other_torch = refused(lambda: amp.initialize(model, opt, opt_level="O2", verbosity=0))
     return {"no_root": refused(no_root), "mixed": refused(mixed), "other_torch": other_torch,
@@ -501,4 +503,5 @@ def run_all(rank: int, only: set[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     from _ranks import worker_main
 
-    worker_main(sys.argv, lambda rank, world, args: run_all(rank, set(args[0].split(",")) if args and args[0] else None))
+    worker_main(sys.argv,
+                lambda rank, world, args: run_all(rank, set(args[0].split(",")) if args and args[0] else None))

@@ -1,5 +1,6 @@
-"""Run by integrations/test_lightning_model_parallel.py: AmpatchPrecision under Lightning's ModelParallelStrategy (FSDP2 in configure_model) on 2
-CPU processes (gloo), started by Lightning's own launcher. Each rank writes its losses and the
+"""Run by integrations/test_lightning_model_parallel.py: AmpatchPrecision under Lightning's
+ModelParallelStrategy (FSDP2 in configure_model) on 2 CPU processes (gloo), started by
+Lightning's own launcher. Each rank writes its losses and the
 full parameters (DTensor.full_tensor) to OUT/rank{r}.pt. Usage: OUT LEVEL MASTER_WEIGHTS"""
 from __future__ import annotations
 

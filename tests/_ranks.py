@@ -1,10 +1,11 @@
 """Running a test worker on several real gloo ranks, shared by the distributed tests.
 
 `run_ranks` (the test side) starts one process per rank, each `python WORKER rank world
-rdzv out_file` (a worker run by hand may take more arguments), waits with a timeout so that a hung collective cannot hang the
-suite, and returns what each rank saved. `worker_main` (the worker side) joins the group
-through a `file://` rendezvous, saves the results (or the traceback) and leaves with
-`os._exit`, since gloo can abort in interpreter teardown (DESIGN pitfalls).
+rdzv out_file` (a worker run by hand may take more arguments), waits with a timeout so that
+a hung collective cannot hang the suite, and returns what each rank saved. `worker_main` (the
+worker side) joins the group through a `file://` rendezvous, saves the results (or the
+traceback) and leaves with `os._exit`, since gloo can abort in interpreter teardown (DESIGN
+pitfalls).
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from ampatch.cli.common import HALF_OPTION, CliError
 from ampatch.cli.compare import add_compare
@@ -34,7 +35,7 @@ __all__ = ["main", "build_parser", "SUBCOMMANDS", "CliError"]
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise CliError(message)
 
 

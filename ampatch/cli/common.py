@@ -17,8 +17,8 @@ from ampatch.runs.budget import parse_seconds
 
 __all__ = ["CliError", "check_output_path", "LEVELS", "HALF_OPTION", "opt_level", "opt_levels", "level_variant",
            "level_variants", "check_fp8_levels", "positive", "threads", "budget", "loss_scale", "master_weights",
-           "optimizer_states", "with_states", "fp8_recipe", "layer_names", "module_names", "tolerance", "KEEP_FP32_HELP",
-           "policy_path", "argument", "add_level_options"]
+           "optimizer_states", "with_states", "fp8_recipe", "layer_names", "module_names", "tolerance",
+           "KEEP_FP32_HELP", "policy_path", "argument", "add_level_options"]
 
 LEVELS = tuple(levels_policy.LEVELS)
 # the --half-dtype option every subcommand has
@@ -168,12 +168,12 @@ def check_fp8_levels(labels: list[str], half_dtype: str | None, device: str | No
 
 def check_half_dtype(level: str | None, half_dtype: str | None) -> None:
     """Refuse ``--half-dtype float16`` with a level that is always bfloat16 (O4/O5)."""
-    reason = levels_policy.half_dtype_conflict(level, half_dtype)
+    reason = levels_policy.half_dtype_conflict(level, half_dtype) if level is not None else None
     if reason:
         raise CliError(reason)
 
 
-def policy_path(text: str) -> str:
+def _policy_file(text: str) -> str:
     """A policy file (``--policy``): read and checked now, so a broken one stops the command
     before any run; its absolute path, for the runs' ``AMPATCH_POLICY``."""
     from ampatch.config.policy_file import load  # imports torch: only when the option is given
@@ -181,7 +181,7 @@ def policy_path(text: str) -> str:
     return str(Path(text).resolve())
 
 
-policy_path = argument(policy_path)
+policy_path = argument(_policy_file)
 
 
 def add_level_options(parser: argparse.ArgumentParser, half: dict, level_help: str, keep_help: str,

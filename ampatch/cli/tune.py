@@ -69,9 +69,9 @@ def add_tune(sub: argparse._SubParsersAction, half: dict) -> None:
                         "no limit)")
     t.add_argument("--levels", type=level_variants, default=list(DEFAULT_LEVELS),
                    help=f"levels to try (default {','.join(DEFAULT_LEVELS)}); O5+fp8 adds O5 with each of torchao's "
-                        "FP8 recipes (the fp8 extra), O5+fp8:rowwise that one, judged like every level; where FP8 is only "
-                        "emulated (every CPU; CUDA below capability 8.9) they are listed with their fidelity but never "
-                        "chosen for speed; where it runs on tensor cores, O5's are tried by default")
+                        "FP8 recipes (the fp8 extra), O5+fp8:rowwise that one, judged like every level; where FP8 is "
+                        "only emulated (every CPU; CUDA below capability 8.9) they are listed with their fidelity but "
+                        "never chosen for speed; where it runs on tensor cores, O5's are tried by default")
     t.add_argument("--half-dtype", **half)
     t.add_argument("--out", metavar="PATH", default=DEFAULT_PATH,
                    help=f"the policy file to write (default {DEFAULT_PATH})")

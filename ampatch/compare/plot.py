@@ -39,11 +39,11 @@ def _deviation_panel(ax: Any, rows: Sequence[RunStats], base: RunStats, verdicts
                      tolerance: float, upto: int | None) -> None:
     ref = base.reference(upto)
     relative = "O0's progress" if ref.basis.value == "progress" else "O0's loss"
-    curves = []
+    curves: list[tuple[RunStats, Verdict | None, list[int], list[float]]] = []  # (row, verdict, steps, gaps)
     for row in (r for r in rows if r.ok and r is not base):
         gaps = _gaps(row, base, upto)
         if gaps:
-            curves.append((row, verdicts.get(row.level), *zip(*gaps)))
+            curves.append((row, verdicts.get(row.level), [step for step, _ in gaps], [gap for _, gap in gaps]))
     bands = [100 * (tolerance + (v.noise or 0.0)) for _, v, _, _ in curves if v is not None]
     limit = max([LINEAR_TOLERANCES * 100 * tolerance, *(1.5 * b for b in bands)])
     ax.axhspan(-100 * tolerance, 100 * tolerance, color="0.82", zorder=0, label=f"tolerance ±{tolerance:.0%}")

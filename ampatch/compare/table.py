@@ -112,17 +112,16 @@ def fp8_emulated(row: RunStats) -> bool:
 def fp8_notes(rows: Sequence[RunStats]) -> list[str]:
     """The footnotes of the rows that ran with FP8: each one's recipe and layers, and for the
     emulated ones (marked) what their figures show: "fp8 emulated: numerics only, not speed"."""
-    fp8 = [r for r in rows if r.ok and r.report is not None and r.report.fp8]
+    fp8 = [(r, r.report) for r in rows if r.ok and r.report is not None and r.report.fp8]
     if not fp8:
         return []
     each = []
-    for row in fp8:
-        rep = row.report
+    for row, rep in fp8:
         converted = sum(1 for layer in rep.fp8_layers if layer.get("converted"))
         each.append(f"{row.level} {rep.fp8} on {converted} of {len(rep.fp8_layers)} Linear layers" if converted else
                     f"{row.level} {rep.fp8}, but on no layer (none could run in FP8: see its report)")
     out = [f"fp8 (torchao): {'; '.join(each)}."]
-    emulated = [r.level for r in fp8 if fp8_emulated(r)]
+    emulated = [r.level for r, _ in fp8 if fp8_emulated(r)]
     if emulated:
         out.append(f"{EMULATED_MARK} {EMULATED}: no FP8 tensor cores here, so torchao emulated FP8 (casts to FP8 and "
                    f"back, GEMMs in high precision): the losses of {', '.join(emulated)} show FP8's numerics; "

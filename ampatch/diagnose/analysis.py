@@ -176,9 +176,9 @@ def _underflow(leaves: list[ModuleEntry], steps: list[StepRecord], half: str | N
                notes: list[str]) -> str | None:
     """"dynamic" when the gradients underflow without a loss scale (see the module docstring)."""
     static_one = bool(steps) and all(s.loss_scale == 1.0 for s in steps)
-    with_params = [e for e in leaves if e.grad_underflow is not None]
-    underflowing = [e for e in with_params if e.grad_underflow >= UNDERFLOW_SHARE]  # type: ignore[operator]
-    whole = [e for e in with_params if e.grad_underflow >= FULL_UNDERFLOW]  # type: ignore[operator]
+    with_params = [(e, e.grad_underflow) for e in leaves if e.grad_underflow is not None]  # (layer, share)
+    underflowing = [e for e, share in with_params if share >= UNDERFLOW_SHARE]
+    whole = [e for e, share in with_params if share >= FULL_UNDERFLOW]
     if static_one and whole and len(underflowing) * 2 < len(with_params):
         names = ", ".join(e.name or "(model)" for e in whole[:4]) + (" ..." if len(whole) > 4 else "")
         notes.append(f"gradient underflow: the gradient of {names} is {FULL_UNDERFLOW:.0%}+ zero or subnormal in "

@@ -75,9 +75,11 @@ class _Run:
 
 
 def _run(req: Request, log: TextIO, what: str, level: str | None, keep: Sequence[str] = (),
-         settings: Settings = Settings(), record: bool = True, fp8_modules: Sequence[str] | None = None) -> _Run:
+         settings: Settings | None = None, record: bool = True, fp8_modules: Sequence[str] | None = None) -> _Run:
     """One child run at `level` ("O0": the reference, never in FP8), with `keep` in FP32,
-    `settings`, and only `fp8_modules` in FP8 (None: the layers the run chooses; none: fp8 off)."""
+    `settings` (None: none changed), and only `fp8_modules` in FP8 (None: the layers the run
+    chooses; none: fp8 off)."""
+    settings = settings if settings is not None else Settings()
     log.write(f"ampatch diagnose: {what} ...\n")
     log.flush()
     variables = child_env(level, req.half_dtype, max_steps=req.steps)

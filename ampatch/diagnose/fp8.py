@@ -83,7 +83,11 @@ def _share(cast: dict[str, Any], key: str) -> float:
 def _entry(r: Fp8LayerRecord) -> Fp8Entry:
     casts = r.casts
     worst = max(casts, key=lambda c: _share(casts[c], "underflow"), default=None)
-    largest = (lambda key: max((_share(c, key) for c in casts.values()), default=None))
+
+    def largest(key: str) -> float | None:
+        """The largest share of `key` over the layer's casts (None: no cast recorded)."""
+        return max((_share(c, key) for c in casts.values()), default=None)
+
     return Fp8Entry(r.name, r.kind, r.recipe, r.emulated, r.calls, max(r.out_rel_err, default=None),
                     max(r.wgrad_rel_err, default=None), largest("saturated"), largest("underflow"),
                     largest("subnormal"), worst if worst is not None and _share(casts[worst], "underflow") else None,

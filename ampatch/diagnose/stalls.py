@@ -70,18 +70,22 @@ def stall(params: Sequence[ParamRecord], master_weights: str) -> Stall | None:
     FP32-held weights, FP32 masters or a low-memory master mode)."""
     if master_weights != "none":
         return None
-    modules = {k: m for k, m in by_module(params).items() if m.held_in in HALF_NAMES and m.unchanged is not None}
-    total = sum(m.counted for m in modules.values())
+    modules: dict[str, tuple[ModuleStall, float]] = {}  # half-held modules with figures: (module, unchanged share)
+    for k, m in by_module(params).items():
+        share = m.unchanged
+        if m.held_in in HALF_NAMES and share is not None:
+            modules[k] = (m, share)
+    total = sum(m.counted for m, _ in modules.values())
     if not total:
         return None
-    unchanged = sum(m.unchanged * m.counted for m in modules.values()) / total  # type: ignore[operator]
-    stalled = sorted(((k, m) for k, m in modules.items() if m.unchanged >= STALL_SHARE),  # type: ignore[operator]
-                     key=lambda km: (-km[1].weights, km[0]))
+    unchanged = sum(share * m.counted for m, share in modules.values()) / total
+    stalled = sorted(((k, m, share) for k, (m, share) in modules.items() if share >= STALL_SHARE),
+                     key=lambda kms: (-kms[1].weights, kms[0]))
     if not stalled:
         return None
-    held = next(m.held_in for m in modules.values() if m.held_in)
-    return Stall(tuple(StalledModule(k, m.unchanged) for k, m in stalled), unchanged,  # type: ignore[arg-type]
-                 max(m.steps for _, m in stalled), held or "", unchanged >= MODEL_SHARE)
+    held = next(m.held_in for m, _ in modules.values() if m.held_in)
+    return Stall(tuple(StalledModule(k, share) for k, _, share in stalled), unchanged,
+                 max(m.steps for _, m, _ in stalled), held or "", unchanged >= MODEL_SHARE)
 
 
 def _names(s: Stall) -> str:

@@ -40,7 +40,6 @@ _X86_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "a
               "amx_fp16")
 _ARM_FLAGS = ("asimd", "asimdhp", "fphp", "bf16", "sve", "sve2")
 
-
 Dtype = torch.dtype  # for annotations inside DeviceInfo, whose field `torch` hides the module there
 
 
@@ -114,8 +113,9 @@ class Machine:
         """A policy's ``machine`` read back; None when it has none (written by hand)."""
         if not isinstance(data, Mapping) or not data.get("type"):
             return None
-        native = data["native"] if isinstance(data.get("native"), Mapping) else {}
-        return cls(str(data["type"]), str(data.get("name") or ""), {k: v for k, v in native.items()})
+        native = data.get("native")
+        return cls(str(data["type"]), str(data.get("name") or ""),
+                   dict(native) if isinstance(native, Mapping) else {})
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,7 @@ def _describe_cpu() -> DeviceInfo:
 def _describe_cuda(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
     major, minor = props.major, props.minor
+    native: dict[str, bool | None]
     if getattr(torch.version, "hip", None):  # ROCm: matrix cores take both on the GPUs it supports
         native: dict[str, bool | None] = {"bfloat16": True, "float16": True}
         basis = {"bfloat16": "ROCm matrix cores", "float16": "ROCm matrix cores"}

@@ -19,6 +19,7 @@ Pure helpers: nothing here patches anything or keeps session state.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 logger = logging.getLogger("ampatch")
 
@@ -37,6 +39,14 @@ _MULTIPLE = 8
 
 def _as_models(models: Any) -> list[nn.Module]:
     return list(models) if isinstance(models, (list, tuple)) else [models]
+
+
+def _uninitialized(module: nn.Module) -> bool:
+    """Whether `module` is a lazy layer still waiting for its first input (its own parameters or
+    buffers are uninitialized): what `LazyModuleMixin.has_uninitialized_params` asks, without its
+    protocol-typed `self` that a plain module does not satisfy for mypy."""
+    own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+    return isinstance(module, nn.modules.lazy.LazyModuleMixin) and any(is_lazy(t) for t in own)
 
 
 def dims_not_multiple_of_8(models: nn.Module | Iterable[nn.Module]) -> list[str]:
@@ -54,8 +64,7 @@ def dims_not_multiple_of_8(models: nn.Module | Iterable[nn.Module]) -> list[str]
                 dims = (("in_channels", m.in_channels), ("out_channels", m.out_channels))
             else:
                 continue
-            # (torch types has_uninitialized_params's self as a private protocol a Module does not match)
-            if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():  # type: ignore[misc]
+            if _uninitialized(m):
                 continue
             bad = [f"{k}={v}" for k, v in dims if v % _MULTIPLE]
             if bad:

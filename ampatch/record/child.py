@@ -1,6 +1,7 @@
 """The diagnosed run's side: the session calls `attach` (handed to it by the public API)
-when ``AMPATCH_DIAGNOSE=PATH`` is set (by `ampatch diagnose`, or by hand), and PATH receives the `Recording` as JSON, once the
-recording's steps are done, or at exit with what was recorded so far.
+when ``AMPATCH_DIAGNOSE=PATH`` is set (by `ampatch diagnose`, or by hand), and PATH receives
+the `Recording` as JSON, once the recording's steps are done, or at exit with what was
+recorded so far.
 
 The recording lasts ``AMPATCH_MAX_STEPS`` optimizer steps when that is set (the session then
 ends the process: the diagnosis needs no more of the training), else `DEFAULT_STEPS`. As with

@@ -26,7 +26,7 @@ from torch import nn
 from ..model import fp8
 from ..model.fp8_choice import choose, is_conv1d
 
-__all__ = ["layer_fp8_error", "cast_stats", "capture_layer_io", "fp8_error_table", "TABLE_KEYS"]
+__all__ = ["layer_fp8_error", "weight_and_bias", "cast_stats", "capture_layer_io", "fp8_error_table", "TABLE_KEYS"]
 
 TABLE_KEYS = ("out_rel_err", "wgrad_rel_err", "saturated_share", "underflow_share", "subnormal_share")
 
@@ -73,6 +73,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def weight_and_bias(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`layer`'s own weight and bias (None where it has none); TypeError for a layer without a
+    weight, which no FP8 matmul could run."""
+    weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"ampatch: {type(layer).__name__} has no weight tensor; give layer_fp8_error a Linear "
+                        "(or Float8Linear, Conv1D) layer")
+    return weight, bias if isinstance(bias, torch.Tensor) else None
+
+
 def layer_fp8_error(layer: nn.Module, x: torch.Tensor, recipe: Any = "tensorwise",
                     grad_output: torch.Tensor | None = None, *, compute_dtype: torch.dtype = torch.bfloat16,
                     seed: int = 0, weight: torch.Tensor | None = None,
@@ -88,23 +98,25 @@ def layer_fp8_error(layer: nn.Module, x: torch.Tensor, recipe: Any = "tensorwise
     from torchao.float8.config import ScalingType
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     config = fp8.config_for(recipe, x.device)
-    weight = layer.weight if weight is None else weight
-    bias = layer.bias if bias is None else bias
+    own_weight, own_bias = weight_and_bias(layer)
+    weight = own_weight if weight is None else weight
+    bias = own_bias if bias is None else bias
     w_t = (weight if is_conv1d(layer) else weight.t()).detach().to(compute_dtype)  # (in, out)
     bias = bias.detach().to(compute_dtype) if bias is not None else None
     x = x.detach().to(compute_dtype).reshape(-1, w_t.shape[0])
+    out_shape = (x.shape[0], w_t.shape[1])
+    if grad_output is None:
+        grad_output = torch.randn(out_shape, generator=torch.Generator().manual_seed(seed)).to(x.device)
+    go = grad_output.detach().to(compute_dtype).reshape(out_shape)
     outputs, grads = [], []
     for run_fp8 in (False, True):
         w = w_t.clone().requires_grad_(True)
         y = matmul_with_hp_or_float8_args.apply(x, w, fp8.linear_mm_config(config), config) if run_fp8 else x @ w
         y = y + bias if bias is not None else y
-        if grad_output is None:
-            grad_output = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.device)
-        grad_output = grad_output.detach().to(compute_dtype).reshape(y.shape)
-        (gw,) = torch.autograd.grad(y, w, grad_output)
+        (gw,) = torch.autograd.grad(y, w, go)
         outputs.append(y)
         grads.append(gw)
-    operands = {"x": x, "wt": w_t, "go": grad_output}
+    operands = {"x": x, "wt": w_t, "go": go}
     per_cast: dict[str, dict[str, Any]] = {}
     for label, operand, cast, dim in _casts(config):
         per_cast[label] = ({"dtype": "high precision"} if cast.scaling_type is ScalingType.DISABLED

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fp8_error import layer_fp8_error
+from .fp8_error import layer_fp8_error, weight_and_bias
 from .records import Fp8LayerRecord
 
 __all__ = ["Fp8Probe", "CALLS_PER_STEP", "converted_layers", "probe"]
@@ -66,10 +66,11 @@ class Fp8Probe:
             if self._calls.get(label, 0) >= CALLS_PER_STEP:
                 return
             self._calls[label] = self._calls.get(label, 0) + 1
+        weight, bias = weight_and_bias(layer)
         call: dict[str, Any] = {
             "x": inputs[0].detach(),
-            "weight": layer.weight.detach().clone(),  # the step changes the layer's own before it is measured
-            "bias": layer.bias.detach().clone() if getattr(layer, "bias", None) is not None else None,
+            "weight": weight.detach().clone(),  # the step changes the layer's own before it is measured
+            "bias": bias.detach().clone() if bias is not None else None,
             "grad": None}
 
         def grad_hook(grad: torch.Tensor) -> None:

@@ -60,7 +60,8 @@ def module_names(models: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
 
 class _Frames(threading.local):
     def __init__(self) -> None:
-        self.stack: list[tuple[int, Any, RandomState]] = []
+        # (module id, non-finite inputs, FP32 copy of (args, kwargs) or None, random state or None) per open call
+        self.stack: list[tuple[int, int, Any, RandomState | None]] = []
 
 
 class Recorder:

@@ -71,7 +71,7 @@ class RandomState:
         devices = [self.device] if self.cuda is not None else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
+            if self.cuda is not None and self.device is not None:
                 torch.cuda.set_rng_state(self.cuda, self.device)
             yield
 

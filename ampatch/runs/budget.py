@@ -65,20 +65,22 @@ class Budget:
     start_s: float = START_S  # a run's time from launch to its first step's end (imports, build); learnt
     exit_s: float = EXIT_S    # a run's time from its last step to its exit (report, teardown); learnt
     start: float | None = None  # the clock when the comparison began (default: now)
+    began: float = field(init=False)  # `start`, or the clock when the budget was made
 
     def __post_init__(self) -> None:
         if self.start is None:
             self.start = self.clock()
+        self.began = self.start
 
     def left(self) -> float:
         """Seconds left of the budget (never negative)."""
-        return max(0.0, self.start + self.seconds - self.clock())
+        return max(0.0, self.began + self.seconds - self.clock())
 
     def next_run(self, levels: Sequence[str], steps_done: Sequence[int]) -> tuple[int, float]:
         """(step cap, time.time() deadline for its last step) for ``levels[0]``, the next of
         the levels still to run."""
         now = self.clock()
-        left = max(0.0, self.start + self.seconds - now)
+        left = max(0.0, self.began + self.seconds - now)
         fixed = self.start_s + self.exit_s
         spare = max(0.0, left - fixed * len(levels))
         weights = [self.weights.get(level, 1.0) for level in levels]

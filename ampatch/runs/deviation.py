@@ -142,25 +142,28 @@ class Reference:
         """O0's curve {step: loss}: its progress, its noise, and the basis that follows (module docstring)."""
         steps = sorted(curve)
         values = [curve[s] for s in steps]
-        if len(values) < 3 or not all(math.isfinite(v) for v in values):
+        ends = _ends(values, window)
+        if len(values) < 3 or ends is None or not all(math.isfinite(v) for v in values):
             return cls(dict(curve), Basis.LEVEL, window=window, confidence=confidence)
-        first, last = _ends(values, window)  # type: ignore[misc]
+        first, last = ends
         w = ends_window(len(values), window)
         nz = noise_of(values)
         line = trend([float(s) for s in steps], values)
         assert nz is not None and line is not None
         dtype = resolution.dtype_of(values)
+        needed = t_quantile(confidence, nz.dof)
         ref = cls(dict(curve), Basis.LEVEL, first, last, nz.sigma, window, w, nz.sigma * line.se_unit,
-                  t_quantile(confidence, nz.dof), confidence, line.fall, str(dtype).replace("torch.", ""),
+                  needed, confidence, line.fall, str(dtype).replace("torch.", ""),
                   resolution.floor(max(abs(first), abs(last)), dtype))
         z = ref.significance
-        falls = first - last > 0 and z is not None and z >= ref.needed and ref.resolved  # type: ignore[operator]
+        falls = first - last > 0 and z is not None and z >= needed and ref.resolved
         return replace(ref, basis=Basis.PROGRESS) if falls else ref
 
     def scale(self, value: float) -> float:
         """The denominator at a step where O0's smoothed loss is `value`."""
-        if self.basis is Basis.PROGRESS:
-            return self.progress  # type: ignore[return-value]
+        progress = self.progress
+        if self.basis is Basis.PROGRESS and progress is not None:  # PROGRESS: O0's curve has both ends
+            return progress
         return max(abs(value), TINY)
 
     def _fall(self) -> str:
@@ -336,9 +339,11 @@ def against(losses: Mapping[int, float], reference: Mapping[int, float] | Refere
     ref = _reference(reference, window)
     gaps = _gaps(losses, ref, skipped, window, per_step)
     dev = gaps if not isinstance(gaps, list) else max(g for g, _ in gaps)
-    if ref.basis is not Basis.PROGRESS or not isinstance(gaps, list):
+    paired = _paired(losses, ref.curve, skipped, per_step)
+    progress = ref.progress
+    if ref.basis is not Basis.PROGRESS or not isinstance(gaps, list) or paired is None or progress is None:
         return Comparison(dev)
-    common, k = _paired(losses, ref.curve, skipped, per_step)  # type: ignore[misc]
+    common, k = paired
     ours = [losses[s] for s in common]
     theirs = [ref.curve[s - k] for s in common]
     e_ours, e_theirs = _ends(ours, window), _ends(theirs, window)
@@ -359,7 +364,7 @@ def against(losses: Mapping[int, float], reference: Mapping[int, float] | Refere
     dof = m * noise.SECOND_DIFF_DOF
     # how far a window mean of D strays by D's noise alone, at `confidence` over every compared step
     q = t_quantile(1.0 - (1.0 - confidence) / (2.0 * len(common)), dof)
-    unit = q * math.sqrt(var_d) / ref.progress  # type: ignore[operator]
+    unit = q * math.sqrt(var_d) / progress
     beyond = max(g - unit / math.sqrt(n) for g, n in gaps)
     return Comparison(dev, share, math.sqrt(max(var_share, 0.0)), dof, unit / math.sqrt(window), max(0.0, beyond),
                       _unresolved(ours, fall))

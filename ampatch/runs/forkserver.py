@@ -35,7 +35,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from ampatch.errors import ServerError, reason
 from ampatch.runs import process
@@ -110,6 +110,13 @@ def run_forked(request: dict[str, Any], server: int) -> None:
     sys.exit(code[0])
 
 
+def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
+    """A pipe of the server's process (``None`` only if it was started without one)."""
+    if stream is None:
+        raise ServerError("the fork server was started without its stdin/stdout pipes")
+    return stream
+
+
 class ForkServer:
     """The parent's side: starts the server, launches runs through it (one at a time), closes it."""
 
@@ -117,6 +124,7 @@ class ForkServer:
         self.errors = tempfile.NamedTemporaryFile(prefix="ampatch-forkserver-", suffix=".txt")
         self.proc = process.start([sys.executable, "-m", __name__, *preload], env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
+        self.requests, self.replies = _pipe(self.proc.stdin), _pipe(self.proc.stdout)
         self.buffer = b""
         self.ready = False
         self.running: Forked | None = None
@@ -124,7 +132,7 @@ class ForkServer:
     def read(self, timeout: float | None) -> dict[str, Any] | None:
         """The server's next message, or None when none came within ``timeout`` seconds."""
         end = None if timeout is None else time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
+        fd = self.replies.fileno()
         while b"\n" not in self.buffer:
             left = None if end is None else max(0.0, end - time.monotonic())
             if not select.select([fd], [], [], left)[0]:
@@ -153,16 +161,18 @@ class ForkServer:
         if self.running is not None and self.running.returncode is None:
             raise RuntimeError(f"run {self.running.pid} has not ended: the fork server runs one at a time")
         request = {"module": cmd[2], "argv": list(cmd[3:]), "env": env, "stderr": str(stderr)}
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
+        self.requests.write((json.dumps(request) + "\n").encode())
+        self.requests.flush()
         started = self.read(None)
+        if started is None:  # no timeout: it answers or raises ServerError
+            raise ServerError("the fork server did not answer")
         self.running = Forked(self, started["pid"])
         return self.running
 
     def close(self) -> None:
         """End the server (it finishes the run it waits for, if any, first)."""
         try:
-            self.proc.stdin.close()
+            self.requests.close()
             self.proc.wait(timeout=CLOSE_WAIT_S)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()

@@ -111,8 +111,10 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
             env[envvars.MASTER_WEIGHTS] = forced.master_weights
         if forced.optimizer_states is not None:
             env[envvars.OPTIMIZER_STATES] = forced.optimizer_states
-        if forced.fp8 is not None:  # True: initialize's fp8=True (tensorwise)
-            env[envvars.FP8] = "1" if forced.fp8 is True else forced.fp8
+        if isinstance(forced.fp8, str):  # a recipe
+            env[envvars.FP8] = forced.fp8
+        elif forced.fp8:  # True: initialize's fp8=True (tensorwise)
+            env[envvars.FP8] = "1"
     if keep_fp32:
         env[envvars.KEEP_FP32] = keep_fp32
     if max_steps is not None:
@@ -120,7 +122,8 @@ def child_env(level: str | None, half_dtype: str | None, report: str | None = No
     if report:
         env[envvars.REPORT] = report
     # O0 has no half type and O4/O5 are bfloat16 by definition
-    if half_dtype in HALF_NAMES and (level is None or levels.uses_half(level)) and levels.fixed_half_dtype(level) is None:
+    if half_dtype in HALF_NAMES and (level is None
+                                     or (levels.uses_half(level) and levels.fixed_half_dtype(level) is None)):
         env[envvars.HALF_DTYPE] = half_dtype
     elif half_dtype is not None:
         env.pop(envvars.HALF_DTYPE, None)
@@ -308,10 +311,11 @@ def level_run(done: Finished, level: str | None) -> LevelRun:
         except ValueError as exc:
             error = reason(exc)
     error = f"unreadable report: {error}" if error is not None else failure_line(done.returncode, done.stderr)
-    if error is None and report is None:
-        error = "script never called amp.initialize"
-    elif error is None and level is not None:
-        error = _not_as_forced(report, level)
+    if error is None:
+        if report is None:
+            error = "script never called amp.initialize"
+        elif level is not None:
+            error = _not_as_forced(report, level)
     ran_at = level or (report.opt_level if report is not None else "?")
     witness = None
     if envvars.WITNESS in done.outputs:

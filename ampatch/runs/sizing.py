@@ -140,7 +140,8 @@ def calibrate(workload: str, device: str, threads: int, half_dtype: str | None, 
                     overhead_s=max(0.0, done.wall_s - data["busy_s"]))
     per_step = ", ".join(f"{m['size']} " + "/".join(f"{1000 * m['step'][k]:.0f}" for k in kinds)
                          for m in data["sizes"])
+    predicted = choice.calibration["predicted_steps"] if choice.calibration else 0.0  # `choose` always sets it
     log.write(f"calibrated in {spent:.1f}s: {per_step} ms per step ({'/'.join(kinds)}) -> {choice.describe()}"
-              f" (about {choice.calibration['predicted_steps']:.0f} steps per level)\n")
+              f" (about {predicted:.0f} steps per level)\n")
     log.flush()
     return choice

@@ -34,6 +34,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, Basis, Comparison, Reference, against, initial_backoffs
 from ampatch.runs.stats import RunStats, losses_by_step
@@ -169,6 +170,17 @@ def _more_steps(steps: int | None, factor: float) -> int | None:
     return int(math.ceil(steps * max(2.0, min(factor, 1e6))))
 
 
+class _Figures(TypedDict):
+    """The figures every verdict of a run that ran carries (`Verdict`'s fields of the same names)."""
+
+    deviation: float | None
+    learned: float | None
+    learned_margin: float | None
+    noise: float | None
+    beyond: float | None
+    steps: int | None
+
+
 @dataclass(frozen=True)
 class _Loss:
     """The loss's own verdict: an outcome, or None with why it cannot tell and what would decide."""
@@ -245,8 +257,8 @@ def judge(row: RunStats, rule: Rule, reference: Reference, upto: int | None = No
     finite = bool(losses) and all(math.isfinite(x) for x in losses)
     c = against(losses_by_step(losses, row.losses_every, upto), reference, row.skipped_steps,
                 per_step=row.losses_per_step, confidence=rule.confidence)
-    figures = dict(deviation=c.deviation, learned=c.learned, learned_margin=c.learned_margin(rule.confidence),
-                   noise=c.noise, beyond=c.beyond, steps=steps)
+    figures = _Figures(deviation=c.deviation, learned=c.learned, learned_margin=c.learned_margin(rule.confidence),
+                       noise=c.noise, beyond=c.beyond, steps=steps)
     if not finite:
         first = next(i for i, x in enumerate(losses) if not math.isfinite(x)) * row.losses_every if losses else 0
         return Verdict(Outcome.FAILS, f"loss not finite from step {first // row.losses_per_step}", False,

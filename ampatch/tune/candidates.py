@@ -60,12 +60,13 @@ class Candidate:
         """This candidate with `keep` added to its kept modules, `loss_scale` and `master_weights`
         (None: its own), and `fp8_exclude` left out of FP8 (`fp8_modules`: the layers then left)."""
         kept = tuple(dict.fromkeys([*self.keep_fp32, *keep]))
-        fp8 = {} if not fp8_exclude else {
-            "fp8_exclude": tuple(dict.fromkeys([*self.fp8_exclude, *fp8_exclude])),
-            "fp8_modules": tuple(fp8_modules) if fp8_modules is not None else self.fp8_modules}
+        exclude, modules = self.fp8_exclude, self.fp8_modules
+        if fp8_exclude:
+            exclude = tuple(dict.fromkeys([*self.fp8_exclude, *fp8_exclude]))
+            modules = tuple(fp8_modules) if fp8_modules is not None else self.fp8_modules
         return replace(self, keep_fp32=kept, loss_scale=loss_scale if loss_scale is not None else self.loss_scale,
                        master_weights=master_weights if master_weights is not None else self.master_weights,
-                       repairs=self.repairs or self.label, **fp8)
+                       repairs=self.repairs or self.label, fp8_exclude=exclude, fp8_modules=modules)
 
 
 REFERENCE = Candidate("O0")

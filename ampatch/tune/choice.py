@@ -51,6 +51,13 @@ def _cannot_tell(r: Result) -> None:
              "). No policy written.")
 
 
+def _spread(r: Result) -> float:
+    """The relative spread between repeats that counts as a tie, kept in `r.spread`: the
+    interleaved re-timing runs' where any policy was re-timed, else the first timings'."""
+    r.spread = timing.spread(r.repeats if any(len(v) > 1 for v in r.repeats.values()) else r.timings)
+    return r.spread
+
+
 def _faster_looking(labels: Sequence[str], best: str, ms: dict[str, float], o0: float | None) -> str:
     """The tied policies that show a lower step time than `best`, with their speed-ups."""
     shown = sorted((x for x in labels if x != best and ms[x] < ms[best]), key=lambda x: ms[x])
@@ -58,7 +65,8 @@ def _faster_looking(labels: Sequence[str], best: str, ms: dict[str, float], o0: 
 
 
 def choose(r: Result, retimed: Sequence[Candidate]) -> None:
-    """The speed objective (module docstring); sets `r.chosen` and `r.why`."""
+    """The speed objective (module docstring); sets `r.spread`, `r.chosen` and `r.why`."""
+    spread = _spread(r)
     ms = timing.step_ms(r.compared())
     qual = [m.candidate for m in r.candidates if m.qualifies and not m.emulated and m.candidate.label in ms]
     if retimed:  # the finalists: the others were slower at their first timing
@@ -71,33 +79,35 @@ def choose(r: Result, retimed: Sequence[Candidate]) -> None:
                  else "no candidate was measured") + ": O0 (FP32)."
         return
     labels = {c.label: c for c in qual}
-    best = labels[timing.simplest_of_fastest(list(labels), ms, r.spread, lambda x: labels[x].simplicity())]
+    best = labels[timing.simplest_of_fastest(list(labels), ms, spread, lambda x: labels[x].simplicity())]
     o0 = ms.get(REFERENCE.label)
-    if o0 is not None and timing.faster(o0, ms[best.label], r.spread):
+    if o0 is not None and timing.faster(o0, ms[best.label], spread):
         r.chosen = REFERENCE
-        r.why = (f"every qualifying half policy is slower than O0 beyond the {r.spread:.1%} spread between repeats "
+        r.why = (f"every qualifying half policy is slower than O0 beyond the {spread:.1%} spread between repeats "
                  f"(best: {best.label}, {ms[best.label]:.1f} ms against {o0:.1f}).")
         return
     r.chosen = best
-    dev = r.measured_of(best).deviation  # type: ignore[union-attr]
+    chosen = r.measured_of(best)
+    dev = chosen.deviation if chosen is not None else None
     if not o0:
         speed = "speed unknown"
-    elif timing.faster(ms[best.label], o0, r.spread):
+    elif timing.faster(ms[best.label], o0, spread):
         speed = f"{o0 / ms[best.label]:.2f}x O0's speed"
     else:
-        speed = (f"{o0 / ms[best.label]:.2f}x O0's speed, a tie with O0 within the {r.spread:.1%} spread between "
+        speed = (f"{o0 / ms[best.label]:.2f}x O0's speed, a tie with O0 within the {spread:.1%} spread between "
                  "repeats, which goes to the half policy")
-    tied = [x for x in labels if not timing.faster(ms[x], ms[best.label], r.spread)]
+    tied = [x for x in labels if not timing.faster(ms[x], ms[best.label], spread)]
     faster = _faster_looking(tied, best.label, ms, o0)
     tie = "" if not faster else (f"; {faster} {'shows' if ',' not in faster else 'show'} a higher speed-up, but "
-                                 f"within the {r.spread:.1%} spread between repeats that is a tie, which goes to the "
+                                 f"within the {spread:.1%} spread between repeats that is a tie, which goes to the "
                                  "simpler policy")
     dev_text = "deviation -" if dev is None else f"deviation {dev:.2%}"
     r.why = f"the fastest policy that trains like FP32 ({speed}; {dev_text}){tie}."
 
 
 def choose_memory(r: Result) -> None:
-    """The memory objective (module docstring); sets `r.chosen` and `r.why`."""
+    """The memory objective (module docstring); sets `r.spread`, `r.chosen` and `r.why`."""
+    spread = _spread(r)
     ms = timing.step_ms(r.compared())
     held = {m.candidate.label: (m.candidate, m.row.train_bytes_per_param)
             for m in ([r.reference] if r.reference is not None else []) + r.candidates
@@ -110,7 +120,7 @@ def choose_memory(r: Result) -> None:
         return
     least = min(b for _, b in held.values())
     tied = {label: c for label, (c, b) in held.items() if b <= least + SAME_BYTES}
-    best = tied[timing.simplest_of_fastest(list(tied), ms, r.spread, lambda x: tied[x].simplicity())]
+    best = tied[timing.simplest_of_fastest(list(tied), ms, spread, lambda x: tied[x].simplicity())]
     if best == REFERENCE and any(m.undecided for m in r.candidates) and not any(m.qualifies for m in r.candidates):
         return _cannot_tell(r)
     r.chosen = best
@@ -119,8 +129,10 @@ def choose_memory(r: Result) -> None:
         r.why = (f"no qualifying half policy holds fewer bytes per trained parameter than O0 ({least:.1f}): "
                  "O0 (FP32).")
         return
-    dev = r.measured_of(best).deviation  # type: ignore[union-attr]
+    chosen = r.measured_of(best)
+    dev = chosen.deviation if chosen is not None else None
     speed = f"{ms[REFERENCE.label] / ms[best.label]:.2f}x O0's speed" if ms.get(REFERENCE.label) else "speed unknown"
+    dev_text = "deviation -" if dev is None else f"deviation {dev:.2%}"
     r.why = (f"the policy that trains like FP32 with the least memory: {held[best.label][1]:.1f} bytes per trained "
              f"parameter (weight, masters, optimizer state)"
-             + (f" against O0's {o0[1]:.1f}" if o0 is not None else "") + f" ({speed}; deviation {dev:.2%}).")
+             + (f" against O0's {o0[1]:.1f}" if o0 is not None else "") + f" ({speed}; {dev_text}).")

@@ -36,7 +36,8 @@ from ampatch.tune.measure import Job
 from ampatch.tune.search import NoProgress, NoReference, Result, Search
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
-__all__ = ["tune", "TuneResult", "NoReference", "NoProgress", "DEFAULT_STEPS", "DEFAULT_BUDGET_S", "DEFAULT_LEVELS", "DEFAULT_SIZE"]
+__all__ = ["tune", "TuneResult", "NoReference", "NoProgress", "DEFAULT_STEPS", "DEFAULT_BUDGET_S", "DEFAULT_LEVELS",
+           "DEFAULT_SIZE"]
 
 DEFAULT_STEPS = 40
 DEFAULT_BUDGET_S = 600.0

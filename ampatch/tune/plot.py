@@ -44,7 +44,8 @@ def write_plot(path: str, result: Result, title: str) -> None:
     ax.axvline(tol, color="k", ls="--", lw=1, label=f"tolerance {tol:.0f}% (beyond each policy's noise)")
     if result.reference is not None:
         y0 = result.reference.row.train_bytes_per_param if result.objective == "memory" else 1.0
-        ax.scatter([0], [y0], marker="s", color="k", zorder=3, label="O0 (reference)")
+        if y0 is not None:
+            ax.scatter([0], [y0], marker="s", color="k", zorder=3, label="O0 (reference)")
     seen: set[str] = set()
     labels: dict[tuple[float, float], list[tuple[str, str]]] = {}   # points that coincide share one label
     for m in result.candidates:
@@ -55,7 +56,8 @@ def write_plot(path: str, result: Result, title: str) -> None:
         x = 100 * dev if dev is not None and math.isfinite(dev) else right
         outcome = m.outcome.value
         style = STYLE[outcome]
-        ax.scatter([x], [y], s=70, zorder=3, label=None if outcome in seen else outcome, **style)
+        ax.scatter([x], [y], s=70, zorder=3, label=None if outcome in seen else outcome, marker=style["marker"],
+                   color=style["color"])
         seen.add(outcome)
         text = m.candidate.label + ("" if m.qualifies else f": {m.verdict_label}, {short_reason(m.reason)}")
         labels.setdefault((round(x, 2), round(y, 2)), []).append((text, "k" if m.qualifies else style["color"]))
@@ -71,8 +73,7 @@ def write_plot(path: str, result: Result, title: str) -> None:
     ax.set_xlim(-0.1 * tol, right * 1.3)
     ticks = [t for t in (0, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000) if t <= right * 1.3]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-    ys = [_y(result, m) for m in result.candidates if m.qualifies]
-    ys = [y for y in ys if y is not None]
+    ys = [y for y in (_y(result, m) for m in result.candidates if m.qualifies) if y is not None]
     if ys and result.spread and result.objective != "memory":
         top = max(ys)
         ax.axhspan(top * (1 - result.spread), top, color="tab:green", alpha=0.07, zorder=0,

@@ -86,8 +86,8 @@ def to_json(result: Result) -> dict[str, Any]:
                      and d["master_weights"] == c.master_weights and d["fp8"] == c.fp8
                      and d["fp8_exclude"] == list(c.fp8_exclude)), None)
         chosen = base or {"opt_level": "O0", "half_dtype": None, "keep_fp32": [], "loss_scale": None,
-                          "master_weights": None, "fp8": None, "fp8_modules": None, "step_ms": o0, "speedup": 1.0 if o0 else None, "deviation": 0.0,
-                          "learned": 1.0, "finite": True,
+                          "master_weights": None, "fp8": None, "fp8_modules": None, "step_ms": o0,
+                          "speedup": 1.0 if o0 else None, "deviation": 0.0, "learned": 1.0, "finite": True,
                           "qualifies": True, "reason": "the reference (FP32)"}
         chosen = {**chosen, "why": result.why}
     basis = result.basis
@@ -114,7 +114,8 @@ def to_json(result: Result) -> dict[str, Any]:
                           "peak_memory_mib": ref.row.peak_memory_mib if ref else None,
                           "train_bytes_per_param": ref.row.train_bytes_per_param if ref else None},
             "candidates": cands, "chosen": chosen, "spread": result.spread,
-            "timings_ms": result.timings, "repeats_ms": result.repeats, "interrupted": result.interrupted is not None, "notes": result.notes}
+            "timings_ms": result.timings, "repeats_ms": result.repeats,
+            "interrupted": result.interrupted is not None, "notes": result.notes}
 
 
 def policy_of(result: Result, steps: int, what: str, device: str) -> Policy:
@@ -176,8 +177,8 @@ def render(result: Result, title: str, out_path: str | None, rerun: str, command
                "\"(weights)\": decided on how far the policy's weights went O0's way and how close they stay. "
                "B/param: bytes held per trained parameter for training (weight, master copy or compensation, "
                "optimizer state)"
-               + ("; the objective is memory: the fewest B/param wins, speed breaks ties." if result.objective == "memory"
-                  else "."))
+               + ("; the objective is memory: the fewest B/param wins, speed breaks ties."
+                  if result.objective == "memory" else "."))
     out += [f"note: {n}" for n in result.notes]
     if result.cannot_tell:
         out += ["", f"cannot tell: {result.why}"]

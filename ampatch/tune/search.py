@@ -33,7 +33,7 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ampatch.errors import ConfigError, NoReference, reason
 from ampatch.runs import process
@@ -47,6 +47,9 @@ from ampatch.tune.candidates import OBJECTIVES, REFERENCE, Candidate
 from ampatch.tune.measure import Job, Measured, measured, run_candidate
 from ampatch.tune.repair import MAX_REPAIRS, suggest
 from ampatch.tune.result import Result
+
+if TYPE_CHECKING:  # command imports this module: only the type comes from there
+    pass
 
 __all__ = ["Result", "Search", "NoReference", "NoProgress", "reference_of", "sound_reference", "RECORD_FACTOR"]
 
@@ -180,10 +183,16 @@ class Search:
             self.longer.saw(self.job.steps, ran)
         return sound_reference(ref.row)
 
+    def _o0(self) -> Measured:
+        """O0's latest measurement (`_measure_reference` has run)."""
+        if self.result.reference is None:
+            raise RuntimeError("ampatch: O0 was not measured before its progress was read (a bug in tune's search)")
+        return self.result.reference
+
     def _no_progress(self, basis: Reference, stalled: str | None = None) -> NoProgress:
         """The stop when O0 shows no progress: more steps would decide, or (`stalled`: why its own
         weights barely move) no run length would."""
-        row = self.result.reference.row  # type: ignore[union-attr]
+        row = self._o0().row
         n = row.steps or self.job.steps
         if stalled is not None:
             exc = NoProgress(f"cannot tell: O0 made no detectable progress in {n} steps ({basis.why_not()}), and "
@@ -203,7 +212,7 @@ class Search:
         Where its own weights barely move (updates below FP32's resolution), no length helps: stop."""
         basis = self._measure_reference("the FP32 reference")
         while basis.basis is not Basis.PROGRESS:
-            row = self.result.reference.row  # type: ignore[union-attr]
+            row = self._o0().row
             weights = compare_weights(row.witness, row.witness, self.result.rule.confidence)
             if weights is not None and not weights.witnesses:
                 raise self._no_progress(basis, weights.why_not)
@@ -262,13 +271,6 @@ class Search:
         else:
             r.candidates[r.candidates.index(old)] = m
 
-    def _amend(self, c: Candidate, **changes: object) -> None:
-        """Replace `c`'s measurement with `changes` made (its reason, verdict, ...)."""
-        r = self.result
-        m = r.measured_of(c)
-        if m is not None:
-            r.candidates[r.candidates.index(m)] = replace(m, **changes)  # type: ignore[arg-type]
-
     def repair_one(self, c: Candidate) -> None:
         r = self.result
         for _ in range(MAX_REPAIRS):
@@ -283,7 +285,7 @@ class Search:
             self.record_wall = max(self.record_wall or 0.0, time.time() - start)
             m = r.measured_of(c)
             if s.finding is not None and m is not None:
-                self._amend(c, reason=f"{m.reason}; {s.finding}", step_fault=s.step_fault)
+                self._amend_with(c, replace(m, reason=f"{m.reason}; {s.finding}", step_fault=s.step_fault))
             if s.candidate is None:
                 self.say(f"    no repair: {s.why}")
                 return
@@ -300,7 +302,7 @@ class Search:
         qualifying one simpler than all of them: a tie within the spread would go to it, so it
         is timed beside them."""
         qual = sorted((m for m in self.result.candidates if m.qualifies and m.step_ms and not m.emulated),
-                      key=lambda m: m.step_ms)
+                      key=lambda m: m.step_ms or 0.0)  # every one has a step time (the filter)
         top = qual[:timing.RETIME]
         if top:
             simplest = min(m.candidate.simplicity() for m in top)
@@ -343,15 +345,16 @@ class Search:
             return
         worst = max((d for d in (m.deviation, again.deviation) if d is not None), default=None)
         if again.qualifies or again.undecided:
-            self._amend(c, deviation=worst)
+            self._amend_with(c, replace(m, deviation=worst))
         elif m.qualifies:
-            self._amend(c, qualifies=False, deviation=worst, finite=m.finite and again.finite,
-                        reason=f"its re-timing run {round_} fails: {again.reason} (its first run: {m.reason})")
+            self._amend_with(c, replace(m, qualifies=False, deviation=worst, finite=m.finite and again.finite,
+                                        reason=f"its re-timing run {round_} fails: {again.reason} (its first run: "
+                                               f"{m.reason})"))
 
     def choose(self) -> None:
-        """The choice (`choice.choose`, or `choice.choose_memory` for the memory objective)."""
+        """The choice (`choice.choose`, or `choice.choose_memory` for the memory objective; either
+        sets the spread between repeats that counts as a tie)."""
         r = self.result
-        r.spread = timing.spread(r.repeats if any(len(v) > 1 for v in r.repeats.values()) else r.timings)
         fp8 = [m.candidate.label for m in r.candidates if m.emulated and m.qualifies]
         if fp8:
             r.notes.append(f"{', '.join(fp8)}: trained like FP32, but on FP8 emulated by torchao here (no FP8 tensor "

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["RETIME", "ROUNDS", "MIN_SPREAD", "order", "spread", "step_ms", "faster", "simplest_of_fastest"]
 
-RETIME = 3        # the fastest qualifying candidates re-timed against O0 (3: a simpler policy just behind the two fastest still competes)
+RETIME = 3        # the fastest qualifying candidates re-timed against O0 (3: a simpler policy just behind the
+                  # two fastest still competes)
 ROUNDS = 2        # interleaved rounds
 MIN_SPREAD = 0.03 # never trust a difference below 3%, even if the repeats happened to agree
 

@@ -90,17 +90,17 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         first_level.setdefault(kind, lv)
     began = time.perf_counter()
     out: dict[str, Any] = {"workload": args.workload, "kinds": kinds, "sizes": []}
-    last_cost = last_round = None
+    last: tuple[float, float] | None = None  # the last size's (cost in seconds, round in seconds)
     for size in args.sizes:
         spent = time.perf_counter() - began
-        if last_cost is not None and (spent + last_cost * GROWTH > args.time_limit
-                                      or last_round * GROWTH > args.stop_above * SLACK):
+        if last is not None and (spent + last[0] * GROWTH > args.time_limit
+                                 or last[1] * GROWTH > args.stop_above * SLACK):
             break
         measured = {kind: time_kind(module, size, level, args) for kind, level in first_level.items()}
         round_s = sum(measured[kind]["step"] for kind in kinds.values())
         out["sizes"].append({"size": size, "dims": module.SIZES[size].describe(), "round_s": round_s,
                              **{key: {k: m[key] for k, m in measured.items()} for key in ("step", "first", "build")}})
-        last_cost, last_round = time.perf_counter() - began - spent, round_s
+        last = (time.perf_counter() - began - spent, round_s)
         out["busy_s"] = time.perf_counter() - began
         write(args.out, out)
     return out

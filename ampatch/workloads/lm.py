@@ -44,6 +44,8 @@ SIZES = {"tiny": Dims(64, 2, 256, 2, 32), "small": Dims(128, 4, 512, 2, 32), "me
 class CharTransformer(nn.Module):
     """Token + position embeddings, causal encoder layers, a linear head."""
 
+    mask: torch.Tensor  # the causal mask, a non-persistent buffer
+
     def __init__(self, vocab: int, dims: Dims = SIZES[workloads.DEFAULT_SIZE]) -> None:
         super().__init__()
         d = dims.d_model

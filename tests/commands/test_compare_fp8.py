@@ -44,7 +44,8 @@ def test_level_strings_with_fp8(text, want, label):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("O5+fp8:columnwise", "'columnwise' is not an fp8 recipe; use one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'"),
+    ("O5+fp8:columnwise",
+     "'columnwise' is not an fp8 recipe; use one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'"),
     ("O5+fp8:", "'' is not an fp8 recipe"),
     ("O5+fp8:off", "'off' is not an fp8 recipe"),
     ("O5+fp8+fp8:rowwise", "fp8 is given twice"),

@@ -45,4 +45,5 @@ def test_run_fp8_reaches_every_initialize(tmp_path, option, script_args, want):
 def test_a_bad_recipe_is_a_usage_error(tmp_path):
     bad = ampatch("run", "--fp8", "columnwise", "--", "python", "x.py", cwd=tmp_path)
     assert bad.returncode == 2
-    assert "--fp8='columnwise' is not an fp8 recipe; use one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'" in bad.stderr
+    assert ("--fp8='columnwise' is not an fp8 recipe; use one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'"
+            in bad.stderr)

@@ -110,7 +110,8 @@ def test_a_server_that_fails_to_start_falls_back_to_fresh_processes(tmp_path: Pa
         assert warm.server is None
         proc = warm([sys.executable, "-c", "import sys; sys.exit(4)"], dict(os.environ), tmp_path / "e.txt")
         assert proc.wait(timeout=60) == 4
-    assert "note: the fork server ended (ModuleNotFoundError: No module named 'no_such_module_anywhere')" in log.getvalue()
+    assert ("note: the fork server ended (ModuleNotFoundError: No module named 'no_such_module_anywhere')"
+            in log.getvalue())
     assert "starting each run as a fresh process instead" in log.getvalue()
 
 

@@ -113,7 +113,8 @@ def test_a_run_that_writes_no_report_or_another_level(tmp_path: Path) -> None:
         json.dump({"opt_level": "O2", "steps": 3}, open(os.environ["AMPATCH_REPORT"], "w"))
     """)
     run = runner.run_level([sys.executable, str(torn)], "O2", None)
-    assert not run.ok and run.report is None and run.error.startswith("unreadable report: the report lacks 'half_dtype'")
+    assert not run.ok and run.report is None
+    assert run.error.startswith("unreadable report: the report lacks 'half_dtype'")
     assert runner.failure_line(-signal.SIGTERM, "") == "killed by SIGTERM"
     assert runner.last_error_line("Traceback\n  x\nKeyError: 'a'\nlater noise\n") == "KeyError: 'a'"
 
@@ -121,7 +122,8 @@ def test_a_run_that_writes_no_report_or_another_level(tmp_path: Path) -> None:
 def test_child_env_forces_level_and_half_dtype() -> None:
     base = {"PATH": "/bin", envvars.HALF_DTYPE: "float16"}
     env = runner.child_env("O2", "bfloat16", "/tmp/r.json", base=base)
-    assert env[envvars.OPT_LEVEL] == "O2" and env[envvars.HALF_DTYPE] == "bfloat16" and env[envvars.REPORT] == "/tmp/r.json"
+    assert env[envvars.OPT_LEVEL] == "O2" and env[envvars.HALF_DTYPE] == "bfloat16"
+    assert env[envvars.REPORT] == "/tmp/r.json"
     assert envvars.HALF_DTYPE not in runner.child_env("O4", "float16", base=base)   # O4 is bfloat16 by definition
     assert runner.child_env(None, None, base=base)[envvars.HALF_DTYPE] == "float16"  # not asked: left alone
     aliased = runner.with_apex_alias(runner.child_env(None, None, base=base))

@@ -62,7 +62,8 @@ def test_without_a_budget_every_level_runs_all_its_steps_in_about_the_default_ti
 
 
 def test_a_failed_calibration_falls_back_to_the_smallest_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sizing, "run_child", lambda cmd, env, launch: Finished(1, 0.5, "Traceback\nRuntimeError: boom\n"))
+    monkeypatch.setattr(sizing, "run_child",
+                        lambda cmd, env, launch: Finished(1, 0.5, "Traceback\nRuntimeError: boom\n"))
     log = io.StringIO()
     choice = sizing.calibrate("lm", "cpu", 1, None, goal(120.0, 150, True), log)
     assert choice.size == "tiny" and choice.reason == "calibration failed: RuntimeError: boom"

@@ -327,7 +327,8 @@ def test_the_memory_objective_tries_the_low_memory_masters_and_chooses_the_fewes
     data = to_json(s.result)
     assert data["objective"] == "memory" and data["reference"]["train_bytes_per_param"] == 12.0
     assert {d["train_bytes_per_param"] for d in data["candidates"]} == {12.0, 14.0}
-    assert "B/param" in render(s.result, "t", None, "x") and "the objective is memory" in render(s.result, "t", None, "x")
+    shown = render(s.result, "t", None, "x")
+    assert "B/param" in shown and "the objective is memory" in shown
 
 
 def test_the_why_line_names_every_policy_that_looks_faster_than_the_one_chosen():

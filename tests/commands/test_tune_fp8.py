@@ -117,7 +117,7 @@ def test_the_memory_objective_is_not_decided_by_an_emulated_fp8_candidate():
 
 
 def test_a_failing_fp8_candidate_is_repaired_without_the_layers_fp8_hurts(monkeypatch):
-    from test_diagnose_fp8 import record  # noqa: the synthetic FP8 records of diagnose's tests
+    from test_diagnose_fp8 import record  # the synthetic FP8 records of diagnose's tests
 
     from ampatch.diagnose.analysis import diagnosis
     from ampatch.record.records import Recording, StepRecord

@@ -438,7 +438,8 @@ PROBE = textwrap.dedent('''\
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O3", verbosity=0)
     import os
-    open(sys.argv[1], "w").write(f"{_amp_state.opt_properties.opt_level} {model.weight.dtype} {os.environ.get('SHADOWED_RAN')}")
+    open(sys.argv[1], "w").write(
+        f"{_amp_state.opt_properties.opt_level} {model.weight.dtype} {os.environ.get('SHADOWED_RAN')}")
 ''')
 
 

@@ -28,7 +28,8 @@ def _net() -> nn.Module:
 
 
 # ------------------------------------------------------------------ apex.optimizers
-# (the Fused* optimizers' math: tests/compat/test_apex_optimizers.py; FP16_Optimizer: tests/compat/test_apex_fp16_utils.py)
+# (the Fused* optimizers' math: tests/compat/test_apex_optimizers.py; FP16_Optimizer:
+# tests/compat/test_apex_fp16_utils.py)
 
 
 # ------------------------------------------------------------------ apex.parallel

@@ -135,7 +135,8 @@ def test_the_lists_are_ampatchs_policy(apex_alias) -> None:
     assert torch_overrides.MODULE is torch and tensor_overrides.MODULE is torch.Tensor
     assert functional_overrides.MODULE is torch.nn.functional
     assert set(torch_overrides.FP16_FUNCS) == set(torch_ops.HALF) and "mm" in torch_overrides.FP16_FUNCS
-    assert set(functional_overrides.FP32_FUNCS) == set(functional.FLOAT) and "softmax" in functional_overrides.FP32_FUNCS
+    assert set(functional_overrides.FP32_FUNCS) == set(functional.FLOAT)
+    assert "softmax" in functional_overrides.FP32_FUNCS
     assert set(tensor_overrides.CASTS) == set(tensor.PROMOTE)
     assert all(isinstance(n, str) and isinstance(m, str) for n, m in functional_overrides.BANNED_FUNCS)
 

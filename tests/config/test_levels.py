@@ -15,6 +15,7 @@ from torch import nn
 
 import ampatch as amp
 from ampatch.config import levels
+from ampatch.config.options import Properties
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
@@ -40,7 +41,7 @@ def expected_row(level: str, half: torch.dtype) -> dict:
     }[level]
 
 
-def row_of(props: options.Properties) -> dict:
+def row_of(props: Properties) -> dict:
     return {k: getattr(props, k) for k in ("cast_model_type", "patch_torch_functions",
                                            "keep_batchnorm_fp32", "master_weights", "loss_scale")}
 

@@ -35,8 +35,8 @@ def test_initialize_signature_is_the_options_object():
     assert params[-1].name == "policy"
     assert [p.name for p in params[:-1]] == [f.name for f in fields]
     assert [p.default for p in params[:-1]] == [f.default for f in fields]
-    m, o = amp.initialize(torch.nn.Linear(2, 2), None, opt_level="O2", loss_scale=4.0, half_dtype="bfloat16",
-                          keep_fp32=[], num_losses=2), None   # every keyword reaches Options, by name
+    amp.initialize(torch.nn.Linear(2, 2), None, opt_level="O2", loss_scale=4.0, half_dtype="bfloat16",
+                   keep_fp32=[], num_losses=2)   # every keyword reaches Options, by name
     assert current().options == Options(opt_level="O2", loss_scale=4.0, half_dtype=torch.bfloat16, keep_fp32=[],
                                         num_losses=2)
 

@@ -28,7 +28,8 @@ def _ranks(tmp_path: Path, level: str, mode: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("level,mode,dtype", [("O5", "default", "torch.float32"), ("O5", "stochastic", "torch.bfloat16"),
+@pytest.mark.parametrize("level,mode,dtype", [("O5", "default", "torch.float32"),
+                                              ("O5", "stochastic", "torch.bfloat16"),
                                               ("O5", "kahan", "torch.bfloat16")])
 def test_fsdp2_in_configure_model_trains_and_keeps_the_ranks_together(tmp_path: Path, level: str, mode: str,
                                                                        dtype: str) -> None:

@@ -203,7 +203,8 @@ class Snapshot(L.Callback):
         state = opt.state_dict()
         self.taken = {"masters": [p.detach().clone() for p in amp.master_params(opt)],
                       "momentum": [s["momentum_buffer"].clone() for s in state["state"].values()],
-                      "scaler": amp.state_dict(), "lr": opt.param_groups[0]["lr"], "dtype": next(trainer.lightning_module.parameters()).dtype}
+                      "scaler": amp.state_dict(), "lr": opt.param_groups[0]["lr"],
+                      "dtype": next(trainer.lightning_module.parameters()).dtype}
 
     def on_train_batch_end(self, trainer: L.Trainer, module: object, outputs: object, batch: object,
                            batch_idx: int) -> None:

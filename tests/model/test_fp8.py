@@ -96,7 +96,8 @@ def test_kept_shared_subclassed_and_already_converted_layers_are_skipped():
 def test_fp8_modules_by_name_glob_and_callable():
     m = Net()
     by_glob = reasons(fp8_choice.choose([m], ("u*", "head")))
-    assert by_glob["up"] == (True, "selected by fp8_modules") and by_glob["down"] == (False, "not selected by fp8_modules")
+    assert by_glob["up"] == (True, "selected by fp8_modules")
+    assert by_glob["down"] == (False, "not selected by fp8_modules")
     assert by_glob["head"] == (True, "selected by fp8_modules")  # asked for: the head rule is the default's
     assert by_glob["odd"][0] is False  # a rule that makes FP8 wrong holds whatever is asked
     by_call = reasons(fp8_choice.choose([m], lambda module, fqn: fqn == "down"))
@@ -181,7 +182,8 @@ def test_recipes_are_torchaos_and_emulated_without_fp8_tensor_cores():
     assert FP8_RECIPES == tuple(r.value for r in Float8LinearRecipeName)
     assert not fp8.has_fp8_kernels("cpu")
     config = fp8.config_for("rowwise", "cpu")
-    assert config.emulate and dataclasses.replace(config, emulate=False) == Float8LinearConfig.from_recipe_name("rowwise")
+    assert config.emulate
+    assert dataclasses.replace(config, emulate=False) == Float8LinearConfig.from_recipe_name("rowwise")
     own = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     assert fp8.config_for(own, "cpu").enable_fsdp_float8_all_gather is False  # not sharded: nothing to gather
     assert fp8.config_for("tensorwise", "cpu", sharded_model=True).enable_fsdp_float8_all_gather is True

@@ -54,7 +54,7 @@ def test_misses_are_the_casts_cached_and_stay_exact_through_clears_stale_entries
     current().clear_casts()
     lin(x)
     assert counts() == (3, 5, 2)
-    lin.weight.data                               # about to change unseen: forgotten
+    _ = lin.weight.data                           # about to change unseen: forgotten
     lin(x)
     assert counts() == (4, 6, 2)
     with torch.no_grad():

@@ -420,7 +420,7 @@ def test_scale_doubles_after_2000_clean_float16_steps(level):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, opt = init(model, opt, level)
     x, y = torch.full((2, 1), 0.5), torch.full((2, 1), 0.25)
-    for i in range(1999):
+    for _ in range(1999):
         one_param_step(model, opt, x, y)
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 65536.0, "unskipped": 1999}
     one_param_step(model, opt, x, y)

@@ -223,7 +223,8 @@ def test_every_chunk_of_every_step_uses_one_workspace(mode, monkeypatch):
     monkeypatch.setattr(torch, "empty", counting_empty)
     train(net, opt, 3, start=1)
     assert made == []  # later steps make no buffers of their own
-    assert {d: [t.data_ptr() for t in b] for d, b in workspace.buffers.items()} == buffers and workspace.nbytes() == size
+    assert {d: [t.data_ptr() for t in b] for d, b in workspace.buffers.items()} == buffers
+    assert workspace.nbytes() == size
     per_element = 4 * (3 if mode == "stochastic" else 2)  # values, grads (+ the hash's int32 scratch)
     assert size <= per_element * CHUNK  # sized by the chunk, not the model (6288 elements)
 

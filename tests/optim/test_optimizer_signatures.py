@@ -234,7 +234,8 @@ def test_a_step_an_lr_scheduler_wrapped_before_initialize(level):
     fused = FusedLike(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(fused, 1, gamma=0.5)
     model, opt = amp.initialize(model, fused, opt_level=level, half_dtype=torch.float16, verbosity=0)
-    assert str(inspect.signature(opt.step)) == "(closure=None, grads=None, output_params=None, scale=None, grad_norms=None)"
+    assert str(inspect.signature(opt.step)) == ("(closure=None, grads=None, output_params=None, scale=None, "
+                                                "grad_norms=None)")
     for x_y in batches(2):
         train(model, opt, [x_y], lambda o: o.step(None, None))
         sched.step()

@@ -178,7 +178,8 @@ def saved(obj) -> dict:
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("level,mode", [("O5", None), ("O0", None), ("O5", "stochastic"), ("O5", "kahan")])
 def test_a_checkpoint_resumes_bit_for_bit_in_both_load_orders(precision, level, mode):
-    kw = dict(opt_level=level, optimizer_states=precision, verbosity=0, **({} if mode is None else {"master_weights": mode}))
+    kw = dict(opt_level=level, optimizer_states=precision, verbosity=0,
+              **({} if mode is None else {"master_weights": mode}))
     model = model_of()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = amp.initialize(model, opt, **kw)

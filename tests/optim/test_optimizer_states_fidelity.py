@@ -16,7 +16,7 @@ from torch import nn
 
 import ampatch as amp
 
-D, H, O, BATCH, STEPS = 32, 128, 48, 32, 60  # both weights hold at least 4096 elements: int8 keeps them
+D, H, OUT, BATCH, STEPS = 32, 128, 48, 32, 60  # both weights hold at least 4096 elements: int8 keeps them
 TOLERANCE = 0.05  # of O0's progress
 OPTIMIZERS = {
     "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
@@ -38,7 +38,7 @@ def _end_session():
 
 def teacher() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, O))
+    return nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, OUT))
 
 
 TEACHER = teacher()
@@ -57,7 +57,7 @@ def data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, D, generator=g)
     with torch.no_grad():
-        return x, TEACHER(x) + 0.05 * torch.randn(n, O, generator=g)
+        return x, TEACHER(x) + 0.05 * torch.randn(n, OUT, generator=g)
 
 
 HELD_OUT = data(10_000, 1024)

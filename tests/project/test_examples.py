@@ -115,5 +115,6 @@ def test_every_example_is_tested() -> None:
     owned_elsewhere = {"cnn", "distributed", "fsdp", "apex_main_amp", "diagnose", "tune",  # their own tests
                        "finetune_stall",  # tests/commands/test_stall_verdicts.py
                        "fp8_outliers",  # tests/commands/test_diagnose_fp8.py
-                       "lightning_mlp", "lightning_fabric", "hf_trainer"}  # tests/integrations/ (need the integrations extra)
+                       # tests/integrations/ (need the integrations extra)
+                       "lightning_mlp", "lightning_fabric", "hf_trainer"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} - owned_elsewhere <= tested

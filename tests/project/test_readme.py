@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 PAGES = ["docs/recipes.md", "docs/apex.md", "docs/reference.md", "docs/benchmarks.md"]
-DOCS = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+DOCS = {p.relative_to(ROOT).as_posix(): p.read_text()
+        for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
 README_MAX_LINES = 350  # a README for a reader in a hurry; the rest is in docs/
 
 
@@ -36,7 +37,8 @@ def test_every_environment_variable_is_documented_and_every_documented_one_exist
                and v != env.PREFIX}
     table = set(re.findall(r"^\| `(AMPATCH_[A-Z0-9_]+)=", _section(REFERENCE, "Environment variables"), re.M))
     assert defined == table
-    scripts = set(re.findall(r"\bAMPATCH_[A-Z][A-Z0-9_]*\b", " ".join(p.read_text() for p in (ROOT / "scripts").glob("*.sh"))))
+    shell = " ".join(p.read_text() for p in (ROOT / "scripts").glob("*.sh"))
+    scripts = set(re.findall(r"\bAMPATCH_[A-Z][A-Z0-9_]*\b", shell))
     for doc, text in DOCS.items():
         named = set(re.findall(r"\bAMPATCH_[A-Z][A-Z0-9_]*\b", text))
         assert named <= defined | scripts, f"{doc} names variables that do not exist: {named - defined - scripts}"

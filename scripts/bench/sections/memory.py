@@ -56,8 +56,8 @@ def measure_in_child(level: str, env: Env, steps: int) -> dict[str, Any]:
         persistent = persistent_bytes(model, opt)
         saved.clear()
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if last:
+        def pack(t: torch.Tensor, keep: bool = last) -> torch.Tensor:  # this step's `last`, bound now
+            if keep:
                 saved.append(t)
             return t
 
@@ -75,8 +75,8 @@ def measure_in_child(level: str, env: Env, steps: int) -> dict[str, Any]:
             transient.append(meter.growth())
     amp.deinitialize()
     peak = persistent + max(transient) if transient else None
-    return {"peak_bytes": peak, "persistent_bytes": persistent, "transient_bytes": max(transient) if transient else None,
-            "live_tensor_bytes": live}
+    return {"peak_bytes": peak, "persistent_bytes": persistent,
+            "transient_bytes": max(transient) if transient else None, "live_tensor_bytes": live}
 
 
 def run(env: Env, quick: bool, log: Log) -> dict[str, Any]:

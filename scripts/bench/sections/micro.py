@@ -203,8 +203,9 @@ def render(results: dict[str, Any]) -> list[str]:
                      f"{m['ratios']['O1/autocast']:>14.3f}{m['O1-unpatched_us']:>+13.2f}")
     un = micro["unscale"]
     u = un["us_per_call"]
-    lines.append(f"unscale + inf check, {un['grads']} grads 64x64: ampatch.optim.scaler.unscale_ {u['ampatch']:.1f} us vs "
-                 f"GradScaler.unscale_ {u['GradScaler']:.1f} us -> {un['ratios']['ampatch/GradScaler']:.3f}")
+    lines.append(f"unscale + inf check, {un['grads']} grads 64x64: ampatch.optim.scaler.unscale_ "
+                 f"{u['ampatch']:.1f} us vs GradScaler.unscale_ {u['GradScaler']:.1f} us -> "
+                 f"{un['ratios']['ampatch/GradScaler']:.3f}")
     lines.append(f"  whole scale_loss exit (O1, dynamic) {u['ampatch_exit']:.1f} us vs GradScaler unscale_+"
                  f"found_inf read+update {u['GradScaler_full']:.1f} us -> "
                  f"{un['ratios']['ampatch_exit/GradScaler_full']:.3f}")

@@ -97,14 +97,19 @@ def phased_step(mode: str, model: nn.Module, opt: torch.optim.Optimizer, forward
     """One training step of `mode`, returning the seconds of each of `PHASES`."""
     def step() -> dict[str, float]:
         t = [env.now()]
+
+        def tick() -> None:  # the end of a phase: wait for the device, then read the clock
+            env.sync()
+            t.append(env.now())
+
         opt.zero_grad()
-        env.sync(); t.append(env.now())
+        tick()
         if mode == "autocast":
             with env.autocast():
                 loss = forward()
-            env.sync(); t.append(env.now())
+            tick()
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            env.sync(); t.append(env.now())
+            tick()
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
@@ -112,12 +117,12 @@ def phased_step(mode: str, model: nn.Module, opt: torch.optim.Optimizer, forward
                 opt.step()
         else:
             loss = forward()
-            env.sync(); t.append(env.now())
+            tick()
             with amp.scale_loss(loss, opt) as scaled:
                 scaled.backward()
-            env.sync(); t.append(env.now())
+            tick()
             opt.step()
-        env.sync(); t.append(env.now())
+        tick()
         return {p: t[i + 1] - t[i] for i, p in enumerate(PHASES)}
     return step
 
