@@ -21,7 +21,7 @@ from ampatch.errors import reason
 from ampatch.runs.builtin import workload_device
 from ampatch.runs.deviation import CONFIDENCE, MIN_SHARE, TOLERANCE, WINDOW
 from ampatch.tune.candidates import OBJECTIVES
-from ampatch.tune.command import DEFAULT_BUDGET_S, DEFAULT_LEVELS, DEFAULT_STEPS
+from ampatch.tune.command import DEFAULT_BUDGET_S, DEFAULT_LEVELS, DEFAULT_STEPS, TuneResult
 from ampatch.tune.timing import ROUNDS
 from ampatch.workloads import DEFAULT_WORKLOAD, SIZES, WORKLOADS
 
@@ -117,7 +117,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                       log=sys.stderr, objective=args.objective)
     except NoReference as exc:
         print(f"ampatch tune: {reason(exc)}", file=sys.stderr)
-        if args.json and exc.result is not None:
+        if args.json and isinstance(exc.result, TuneResult):
             exc.result.write_json(args.json)
         return 1
     print(result.render(), flush=True)

@@ -19,7 +19,8 @@ from ..base.dtypes import FLOATS
 from ..errors import BadFlagString, ConfigError, ConfigTypeError
 
 __all__ = ["DYNAMIC", "USABLE_RANGE", "INITIAL_LOSS_SCALE", "DEFAULT_MIN_LOSS_SCALE", "DEFAULT_MAX_LOSS_SCALE",
-           "BadFlagString", "MasterMode", "parse_dtype", "parse_bool", "parse_env_flag", "parse_loss_scale", "check_scale_value",
+           "BadFlagString", "MasterMode", "parse_dtype", "parse_bool", "parse_env_flag", "parse_loss_scale",
+           "check_scale_value",
            "parse_master_weights", "StatePrecision", "STATE_PRECISIONS", "parse_optimizer_states", "parse_names",
            "FP8_RECIPES", "DEFAULT_FP8_RECIPE", "parse_fp8", "parse_fp8_modules", "is_fp8_config"]
 
@@ -232,8 +233,9 @@ def parse_fp8_modules(value: Any) -> tuple[str, ...] | Any:
         names = parse_names(value)
     elif isinstance(value, (list, tuple, set, frozenset)):
         if not all(isinstance(v, str) for v in value):
+            others = sorted({type(v).__name__ for v in value if not isinstance(v, str)})
             raise ConfigTypeError("fp8_modules takes layer names or glob patterns ('blocks.*.mlp.*'), or one callable "
-                            f"(module, fqn) -> bool; got a list holding {sorted({type(v).__name__ for v in value if not isinstance(v, str)})}.")
+                                  f"(module, fqn) -> bool; got a list holding {others}.")
         names = [n for v in value for n in parse_names(v)]
     elif callable(value):
         return value

@@ -151,7 +151,8 @@ class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
         """The step, skipped by ampatch after an overflow."""
         if kwargs.get("closure") is not None:
             raise ConfigTypeError("AmpatchFabricPrecision: optimizer.step(closure) runs a backward inside step(), "
-                                  "where the loss scale cannot reach; call fabric.backward(loss), then optimizer.step().")
+                                  "where the loss scale cannot reach; call fabric.backward(loss), then "
+                                  "optimizer.step().")
         return optimizer.step(**kwargs)
 
     # Lightning annotates Parameters; an optimizer's param_groups hold tensors (the masters are Parameters)

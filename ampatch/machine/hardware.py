@@ -209,7 +209,7 @@ def _describe_cuda(index: int) -> DeviceInfo:
     major, minor = props.major, props.minor
     native: dict[str, bool | None]
     if getattr(torch.version, "hip", None):  # ROCm: matrix cores take both on the GPUs it supports
-        native: dict[str, bool | None] = {"bfloat16": True, "float16": True}
+        native = {"bfloat16": True, "float16": True}
         basis = {"bfloat16": "ROCm matrix cores", "float16": "ROCm matrix cores"}
     else:
         native = {"bfloat16": major >= 8, "float16": major >= 7}

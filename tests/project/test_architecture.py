@@ -29,8 +29,8 @@ MAX_LINES = 420  # "~400 lines": split a file by job before it grows further
 # "types" (ampatch/types.py, the public type aliases) and "errors" (ampatch/errors.py, the error family
 # every room raises) import nothing of ampatch.
 LAYERS = (("types", "errors"), ("base",), ("machine",), ("config",), ("o1",), ("model",), ("optim",),
-          ("session", "record"), ("frameworks",), ("api",), ("compat", "workloads"), ("lightning", "huggingface", "runs"), ("compare",),
-          ("diagnose",), ("tune",), ("cli",))
+          ("session", "record"), ("frameworks",), ("api",), ("compat", "workloads"),
+          ("lightning", "huggingface", "runs"), ("compare",), ("diagnose",), ("tune",), ("cli",))
 RANK = {room: i for i, line in enumerate(LAYERS) for room in line}
 # What a room may import above itself, inside a function, first used: nothing (the public
 # API's Apex names are lent through `session.addons`, so the API never imports compat).
