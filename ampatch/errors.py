@@ -19,7 +19,7 @@ from __future__ import annotations
 __all__ = ["PREFIX", "AmpatchError", "ConfigError", "ConfigTypeError", "BadFlagString", "BadLossId",
            "OverrideError", "PolicyError", "RecordingError", "StateDictKeyError", "OrderError", "PlatformError",
            "InvalidCallError", "NotSupportedError", "NotProvidedError", "MissingDependencyError", "ReadOnlyError",
-           "UsageError", "CliError", "RunFailed", "NoReference", "ServerError", "reason"]
+           "UsageError", "CliError", "RunFailed", "NoReference", "ServerError", "InternalError", "reason"]
 
 PREFIX = "ampatch: "
 
@@ -153,3 +153,8 @@ class NoReference(AmpatchError, RuntimeError):
 
 class ServerError(AmpatchError, RuntimeError):
     """The fork server did not start, or stopped answering."""
+
+
+class InternalError(AmpatchError, RuntimeError):
+    """A check of ampatch's own invariants failed: a bug in ampatch (or in what drives it out of
+    order), not the user's input; the message says what to report."""

@@ -119,7 +119,8 @@ class AmpatchTrainerMixin(_TrainerBase):
             return optimizer
         bare = _bare(optimizer)
         if self.model is None:
-            raise TypeError(f"{type(self).__name__} has no model to initialize: pass model= (or model_init=) to it.")
+            raise ConfigTypeError(f"{type(self).__name__} has no model to initialize: pass model= (or model_init=) "
+                                  "to it.")
         initialized, bare = amp.initialize(self.model, bare, **self.choice.keywords())
         if initialized is not self.model:
             raise InvalidCallError("amp.initialize returned another model object; AmpatchTrainer needs it in place.")

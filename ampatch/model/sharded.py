@@ -21,7 +21,7 @@ from torch import nn
 from ..base.dtypes import LOW
 from ..config.options import Properties
 from ..config.values import MasterMode
-from ..errors import ConfigError, OrderError, PlatformError
+from ..errors import ConfigError, InternalError, OrderError, PlatformError
 from .cast import LoadHook, is_batchnorm, modules_to_cast, params_to_cast
 from .forwards import wrap_outputs
 
@@ -164,7 +164,7 @@ class Units:
         dim = fp.fsdp_placement.dim
         dtensor = _dtensor_class()
         if dtensor is None or not isinstance(param, dtensor):
-            raise TypeError("ampatch: internal error: replace_local takes a sharded (DTensor) parameter.")
+            raise InternalError("ampatch: internal error: replace_local takes a sharded (DTensor) parameter.")
         new = make(fp._sharded_param_data.view(fp.padded_sharded_param_size))
         length = param._local_tensor.size(dim)
         fp._sharded_param_data = new.view(-1)

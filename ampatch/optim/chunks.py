@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from ampatch.errors import InvalidCallError
+from ampatch.errors import ConfigError, InvalidCallError
 
-__all__ = ["plan_pieces", "plan_chunks", "narrowed", "step_hooks_once", "has_step_hooks", "chunk_numel",
+__all__ = ["refuse_lbfgs", "plan_pieces", "plan_chunks", "narrowed", "step_hooks_once", "has_step_hooks", "chunk_numel",
            "CHUNK_NUMEL", "ELEMENTWISE", "is_elementwise", "Workspace"]
 
 _Hook = TypeVar("_Hook")  # an optimizer step hook, pre or post
@@ -206,3 +206,11 @@ def narrowed(opt: torch.optim.Optimizer, members: dict[int, list[torch.Tensor]])
         groups[:] = everything
         for g, params in zip(everything, saved):
             g["params"] = params
+
+
+def refuse_lbfgs(optimizer: torch.optim.Optimizer, mode: Any) -> None:
+    """The low-memory masters step in chunks; LBFGS's closure needs every parameter at once."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ConfigError(f"master_weights={mode.value!r} steps the parameters a chunk at a time, and LBFGS needs "
+                          "all of them at once (it re-evaluates a closure over the whole model); use "
+                          "master_weights=True (FP32 masters) with LBFGS.")

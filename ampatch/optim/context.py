@@ -33,10 +33,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..base.notices import warn
+from ..errors import InternalError
+
 if TYPE_CHECKING:
     from .handle import OptimizerHandle
 
-__all__ = ["GradStage", "StageCall", "STAGE_MOVES", "expect_stage", "StepGuard", "HandleContext", "ON_ITS_OWN"]
+__all__ = ["GradStage", "StageCall", "STAGE_MOVES", "expect_stage", "StepGuard", "HandleContext", "ON_ITS_OWN",
+           "drop_attribute", "warn_skips"]
 
 
 class GradStage(Enum):
@@ -84,7 +88,7 @@ def expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
         return STAGE_MOVES[call][stage]
     except KeyError:
         allowed = ", ".join(s.name for s in STAGE_MOVES[call])
-        raise RuntimeError(f"ampatch: internal error: OptimizerHandle.{call.value} called in stage {stage.name}; "
+        raise InternalError(f"ampatch: internal error: OptimizerHandle.{call.value} called in stage {stage.name}; "
                            f"it is allowed only in {allowed}. Whatever drives this handle called it out of order "
                            "(before_backward comes before after_backward): please report it with the "
                            "traceback.") from None
@@ -123,3 +127,15 @@ class HandleContext:
 
 
 ON_ITS_OWN = HandleContext()  # the default context: one optimizer on its own, no driver
+
+
+def drop_attribute(owner: Any, name: str, value: Any) -> None:
+    """Remove an attribute `HandleContext.attributes` hung on `owner`, unless someone replaced it since."""
+    if vars(owner).get(name) is value:
+        delattr(owner, name)
+
+
+def warn_skips(handle: OptimizerHandle, count: int) -> None:
+    """`HandleContext.on_skips`' default: a warning at the user's line."""
+    warn(f"ampatch: {count} optimizer steps in a row were skipped because the gradients were not finite.",
+         1, RuntimeWarning)

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 
 from ..base.dtypes import LOW
-from ..base.notices import warn
 from ..base.patcher import Patcher, disable_casts
 from ..config.values import MasterMode, StatePrecision
 from ..errors import ConfigError, ConfigTypeError, NotSupportedError, OrderError
-from . import calls, state_checkpoint
+from . import calls, context, state_checkpoint
 from .context import BACK, ON_ITS_OWN, GradStage, HandleContext, StageCall, StepGuard, expect_stage
 from .lowmem import LowMemMasters, take_state_entries
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
@@ -232,7 +231,7 @@ class OptimizerHandle:
         for name, value in (self._ctx.attributes(self) if self._ctx.attributes else {}).items():
             if not hasattr(opt, name):
                 setattr(opt, name, value)
-                patcher.on_restore(functools.partial(_drop_attribute, opt, name, value))
+                patcher.on_restore(functools.partial(context.drop_attribute, opt, name, value))
 
     def _step(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
         """step() as the user called it: the arguments go to the optimizer's own step as given
@@ -303,7 +302,7 @@ class OptimizerHandle:
             self._skips += 1
             if self._skips >= self._warn_at:
                 self._warn_at *= 2
-                (self._ctx.on_skips or _warn_skips)(self, self._skips)
+                (self._ctx.on_skips or context.warn_skips)(self, self._skips)
         else:
             self._skips, self._warn_at = 0, SKIP_WARNING_AFTER
         if self._ctx.on_step is not None:
@@ -417,13 +416,3 @@ class OptimizerHandle:
         """Floating optimizer state follows its param's dtype (after the model was cast or restored)."""
         self.masters.recast_state()
 
-
-def _drop_attribute(owner: Any, name: str, value: Any) -> None:
-    """Remove an attribute `HandleContext.attributes` hung on `owner`, unless someone replaced it since."""
-    if vars(owner).get(name) is value:
-        delattr(owner, name)
-
-
-def _warn_skips(handle: OptimizerHandle, count: int) -> None:
-    warn(f"ampatch: {count} optimizer steps in a row were skipped because the gradients were not finite.",
-         1, RuntimeWarning)

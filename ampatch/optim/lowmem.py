@@ -21,7 +21,7 @@ from ..base.data_watch import raw_data, set_data
 from ..config.values import MasterMode
 from ..errors import ConfigError, NotSupportedError
 from ..model.weights import Keeps, Weight, note_all, settle_all
-from .chunks import Workspace, chunk_numel, is_elementwise
+from .chunks import Workspace, chunk_numel, is_elementwise, refuse_lbfgs
 from .masters import LOWMEM_KEY, Masters, Pair, cast_state, scale_into
 from .rounding import rotation
 from .scaler import distributed, overflowed
@@ -40,12 +40,6 @@ SEED_SALT = 0x5EED_A3C7  # the rounding stream differs from the script's own dra
 def rounding_seed(seed: int | None) -> int:
     """The stochastic rounding's seed: `seed`, or one from `torch.initial_seed()` (the script's)."""
     return (torch.initial_seed() ^ SEED_SALT) % (1 << 63) if seed is None else int(seed)
-
-
-def refuse_lbfgs(optimizer: torch.optim.Optimizer, mode: MasterMode) -> None:
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ConfigError(f"master_weights={mode.value!r} steps the parameters a chunk at a time, and LBFGS needs "
-                          "all at once (its closure runs over the whole model); use master_weights=True with LBFGS.")
 
 
 SUM_BLOCK = 1 << 16  # elements summed at a time by `weight_sum` (fixed: the same values give the same sum)

@@ -24,14 +24,13 @@ import torch.distributed as dist
 
 from ..config.values import MasterMode
 from ..errors import ConfigError, NotSupportedError, PlatformError
-from .chunks import Workspace, chunk_numel, is_elementwise
+from .chunks import Workspace, chunk_numel, is_elementwise, refuse_lbfgs
 from .lowmem import (
     COMP_KEY,
     SUM_BLOCK,
     WeightPlusCompensation,
     bad_compensation,
     compensation_of,
-    refuse_lbfgs,
     rounding_seed,
 )
 from .masters import Masters, cast_state

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..base.dtypes import LOW
 from ..config.values import MasterMode
-from ..errors import ConfigError, ConfigTypeError
+from ..errors import ConfigError, ConfigTypeError, InternalError
 from ..model.weights import Keeps, Weight, keep_exact, note_all, settle_all
 from .scaler import distributed, overflowed, unscale_
 
@@ -198,7 +198,7 @@ class Masters:
     def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, states: Any = None) -> Any:
         """One optimizer step by the masters themselves, where `steps_itself` (the low-memory
         modes); these FP32 masters leave the step to the handle."""
-        raise NotImplementedError("ampatch: internal error: FP32 master weights do not step the optimizer "
+        raise InternalError("ampatch: internal error: FP32 master weights do not step the optimizer "
                                   "themselves (steps_itself is False).")
 
     def make(self, p: torch.Tensor) -> torch.Tensor:
@@ -410,14 +410,3 @@ class Masters:
             if isinstance(p, torch.Tensor):
                 state[p] = cast_state(state[p], p.dtype)
 
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of `optimizer`'s state tensors on this rank (a sharded DTensor's local shard): with
-    `Masters.footprint`, what training holds per parameter (`Report.training_bytes_per_param`)."""
-    total = 0
-    for state in optimizer.state.values():
-        for t in state.values():
-            if torch.is_tensor(t):
-                local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: the state is sharded too
-                total += local.numel() * local.element_size()
-    return total

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from ..config.values import StatePrecision
-from ..errors import ConfigError
+from ..errors import ConfigError, InternalError
 from .chunks import Workspace
 from .quant import BLOCK, MIN_NUMEL, aligned, blocks, code_dtype, dequantize_, quantize_
 from .rounding import rotation, round_with_, stream, thresholds_
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["StateStore", "Packed", "Piece", "STATES_KEY", "UNSIGNED", "kept_names", "check_keepable"]
+__all__ = ["StateStore", "Packed", "Piece", "STATES_KEY", "UNSIGNED", "kept_names", "check_keepable", "state_bytes"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 STATES_KEY = "ampatch_states"  # a parameter's kept state, in its entry of optimizer.state_dict()["state"]
@@ -69,7 +69,7 @@ class Packed:
     def block_maxima(self, a: int, b: int) -> torch.Tensor:
         """The `absmax` of the blocks holding elements a..b (a on a block): int8 state only."""
         if self.absmax is None:
-            raise RuntimeError("ampatch: internal error: bfloat16 optimizer state has no block maxima.")
+            raise InternalError("ampatch: internal error: bfloat16 optimizer state has no block maxima.")
         return self.absmax[a // BLOCK:(b - 1) // BLOCK + 1]
 
     def nbytes(self) -> int:
@@ -341,3 +341,15 @@ class StateStore:
             tensors[name] = ({"values": p.values.detach()} if p.absmax is None
                              else {"codes": p.values.detach(), "absmax": p.absmax.detach(), "signed": p.signed})
         return {"seed": self.seed, "rounds": self.rounds, "tensors": tensors}
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of `optimizer`'s state tensors on this rank (a sharded DTensor's local shard): with
+    `Masters.footprint`, what training holds per parameter (`Report.training_bytes_per_param`)."""
+    total = 0
+    for state in optimizer.state.values():
+        for t in state.values():
+            if torch.is_tensor(t):
+                local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: the state is sharded too
+                total += local.numel() * local.element_size()
+    return total

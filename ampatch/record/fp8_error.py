@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigTypeError
 from ..model import fp8
 from ..model.fp8_choice import choose, is_conv1d
 
@@ -78,7 +79,7 @@ def weight_and_bias(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     weight, which no FP8 matmul could run."""
     weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"ampatch: {type(layer).__name__} has no weight tensor; give layer_fp8_error a Linear "
+        raise ConfigTypeError(f"{type(layer).__name__} has no weight tensor; give layer_fp8_error a Linear "
                         "(or Float8Linear, Conv1D) layer")
     return weight, bias if isinstance(bias, torch.Tensor) else None
 

@@ -34,8 +34,8 @@ from ..o1.lists import user as user_policy
 from ..o1.wrappers import WrapContext
 from ..optim.context import GradStage, HandleContext
 from ..optim.handle import OptimizerHandle
-from ..optim.masters import state_bytes
 from ..optim.scaler import LossScaler, Verdict, abort, check_loss_id, load_scalers_state_dict, scalers_state_dict
+from ..optim.states import state_bytes
 from . import build, observers
 from .param_guard import ParamGuard
 from .prepare import Prepared, check_incoming_dtypes

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, TextIO
 
-from ampatch.errors import ConfigError, NoReference, reason
+from ampatch.errors import ConfigError, InternalError, NoReference, reason
 from ampatch.runs import process
 from ampatch.runs.deviation import Basis, Reference, unsound
 from ampatch.runs.longer import Longer
@@ -186,7 +186,8 @@ class Search:
     def _o0(self) -> Measured:
         """O0's latest measurement (`_measure_reference` has run)."""
         if self.result.reference is None:
-            raise RuntimeError("ampatch: O0 was not measured before its progress was read (a bug in tune's search)")
+            raise InternalError("ampatch: internal error: O0 was not measured before its progress was read (a bug in "
+                                "tune's search)")
         return self.result.reference
 
     def _no_progress(self, basis: Reference, stalled: str | None = None) -> NoProgress:
