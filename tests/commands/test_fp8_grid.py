@@ -2,7 +2,7 @@
 (scripts/fp8_grid.py, the table in docs/fp8.md): one block of a residual MLP sees inputs
 whose per-sample scale spans more decades than e4m3 holds under one tensorwise scale, or
 fewer. The right answer is set by the format: beyond e4m3's range the planted block, and only
-it, is named and its exclusion verified; within it no layer is named. About 30 s."""
+it, is named and its exclusion verified; within it no layer is named. Two cells, about a minute."""
 from __future__ import annotations
 
 import sys
@@ -21,8 +21,8 @@ def test_the_expected_verdict_comes_from_e4m3s_range():
     assert fp8_grid.Case(3, 1, 6.0).expected == ["blocks.1"] and fp8_grid.Case(3, 1, 3.0).expected == []
 
 
-@pytest.mark.parametrize("case", [fp8_grid.Case(depth=3, position=1, decades=12.0, seed=0),
-                                  fp8_grid.Case(depth=5, position=4, decades=6.0, seed=1),
+# the cell nearest e4m3's range on each side (12 decades, the easy case, is the script's)
+@pytest.mark.parametrize("case", [fp8_grid.Case(depth=5, position=4, decades=6.0, seed=1),
                                   fp8_grid.Case(depth=5, position=0, decades=3.0, seed=0)],
                          ids=lambda c: f"depth{c.depth}-blocks.{c.position}-{c.decades:g}decades")
 def test_diagnose_names_the_planted_block_and_only_where_fp8_cannot_hold_it(case):
