@@ -24,6 +24,32 @@ __all__ = ["register_half_function", "register_float_function", "register_promot
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# The sections the four registrations (and the four decorators) share, written once and put
+# before each one's Example by `_sections`, so that help() shows every function whole.
+REGISTER_SECTIONS = """
+    Args:
+        module: what holds the function: `torch`, `torch.nn.functional`, a module, a class.
+        name: the function's attribute name there.
+
+    Raises:
+        ValueError: `module` has no attribute `name`.
+"""
+DECORATOR_SECTIONS = """
+    Args:
+        fn: the function (or method) to wrap.
+
+    Returns:
+        `fn` wrapped; outside O1/O4 (or with no session) it calls `fn` as it is.
+"""
+
+
+def _sections(sections: str) -> Callable[[F], F]:
+    def add(fn: F) -> F:
+        head, example = (fn.__doc__ or "").split("\n    Example::", 1)
+        fn.__doc__ = f"{head.rstrip()}\n{sections}\n    Example::{example}"
+        return fn
+    return add
+
 
 def _register(owner: Any, name: str, kind: str) -> None:
     user_policy.register(owner, name, kind)
@@ -32,15 +58,9 @@ def _register(owner: Any, name: str, kind: str) -> None:
         s.register_now(owner, name, kind)
 
 
+@_sections(REGISTER_SECTIONS)
 def register_half_function(module: Any, name: str) -> None:
     """Under O1/O4, `module.name`'s floating args are cast to the half dtype (Apex's name).
-
-    Args:
-        module: what holds the function: `torch`, `torch.nn.functional`, a module, a class.
-        name: the function's attribute name there.
-
-    Raises:
-        ValueError: `module` has no attribute `name`.
 
     Example::
 
@@ -49,15 +69,9 @@ def register_half_function(module: Any, name: str) -> None:
     _register(module, name, HALF)
 
 
+@_sections(REGISTER_SECTIONS)
 def register_float_function(module: Any, name: str) -> None:
     """Under O1/O4, `module.name` runs in FP32 (its floating args cast to float32).
-
-    Args:
-        module: what holds the function: `torch`, `torch.nn.functional`, a module, a class.
-        name: the function's attribute name there.
-
-    Raises:
-        ValueError: `module` has no attribute `name`.
 
     Example::
 
@@ -66,16 +80,10 @@ def register_float_function(module: Any, name: str) -> None:
     _register(module, name, FLOAT)
 
 
+@_sections(REGISTER_SECTIONS)
 def register_promote_function(module: Any, name: str) -> None:
     """Under O1/O4, `module.name`'s floating args are cast to the widest floating dtype among
     them (as torch's `cat` and `add` are).
-
-    Args:
-        module: what holds the function: `torch`, `torch.nn.functional`, a module, a class.
-        name: the function's attribute name there.
-
-    Raises:
-        ValueError: `module` has no attribute `name`.
 
     Example::
 
@@ -84,16 +92,10 @@ def register_promote_function(module: Any, name: str) -> None:
     _register(module, name, PROMOTE)
 
 
+@_sections(REGISTER_SECTIONS)
 def register_bfloat16_function(module: Any, name: str) -> None:
     """Under O1/O4, `module.name`'s floating args are cast to bfloat16, whatever the half
     dtype (new in ampatch).
-
-    Args:
-        module: what holds the function: `torch`, `torch.nn.functional`, a module, a class.
-        name: the function's attribute name there.
-
-    Raises:
-        ValueError: `module` has no attribute `name`.
 
     Example::
 
@@ -113,14 +115,9 @@ def _cast_with(kind: str, fn: F) -> F:
     return cast(F, wrapper)  # functools.wraps keeps fn's name and signature; the type is fn's
 
 
+@_sections(DECORATOR_SECTIONS)
 def half_function(fn: F) -> F:
     """Decorator: under O1/O4 the function's floating args are cast to the half dtype.
-
-    Args:
-        fn: the function (or method) to wrap.
-
-    Returns:
-        `fn` wrapped; outside O1/O4 (or with no session) it calls `fn` as it is.
 
     Example::
 
@@ -130,14 +127,9 @@ def half_function(fn: F) -> F:
     return _cast_with(HALF, fn)
 
 
+@_sections(DECORATOR_SECTIONS)
 def float_function(fn: F) -> F:
     """Decorator: under O1/O4 the function runs in FP32 (its floating args cast to float32).
-
-    Args:
-        fn: the function (or method) to wrap.
-
-    Returns:
-        `fn` wrapped; outside O1/O4 (or with no session) it calls `fn` as it is.
 
     Example::
 
@@ -147,15 +139,10 @@ def float_function(fn: F) -> F:
     return _cast_with(FLOAT, fn)
 
 
+@_sections(DECORATOR_SECTIONS)
 def promote_function(fn: F) -> F:
     """Decorator: under O1/O4 the function's floating args are cast to the widest floating
     dtype among them.
-
-    Args:
-        fn: the function (or method) to wrap.
-
-    Returns:
-        `fn` wrapped; outside O1/O4 (or with no session) it calls `fn` as it is.
 
     Example::
 
@@ -165,15 +152,10 @@ def promote_function(fn: F) -> F:
     return _cast_with(PROMOTE, fn)
 
 
+@_sections(DECORATOR_SECTIONS)
 def bfloat16_function(fn: F) -> F:
     """Decorator: under O1/O4 the function's floating args are cast to bfloat16, whatever the
     half dtype (new in ampatch).
-
-    Args:
-        fn: the function (or method) to wrap.
-
-    Returns:
-        `fn` wrapped; outside O1/O4 (or with no session) it calls `fn` as it is.
 
     Example::
 

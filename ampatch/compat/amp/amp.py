@@ -1,5 +1,6 @@
 """`apex.amp.amp`: `amp.init()`, Apex's older O1-only entry point, and the user cast
-registrations (`half_function`, `register_float_function`, ...), which are ampatch's own.
+registrations (`half_function`, `register_float_function`, ...), which are ampatch's own
+(`ampatch.session.user_casts`).
 
 `amp.init()` is `amp.initialize([], opt_level="O1")`: torch is patched, no model or optimizer
 yet; it returns a `handle.Handle` over that session.
@@ -14,20 +15,19 @@ import torch
 from ...config import values
 from ...errors import ConfigTypeError
 from ...session.session import current as _current
+from ...session.user_casts import (
+    bfloat16_function,
+    float_function,
+    half_function,
+    promote_function,
+    register_bfloat16_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from .handle import Handle
 
-if TYPE_CHECKING:  # what __getattr__ reads from the package, for the linters (at run time: lazily, it sits above)
-    from ampatch import (
-        bfloat16_function,
-        float_function,
-        half_function,
-        promote_function,
-        register_bfloat16_function,
-        register_float_function,
-        register_half_function,
-        register_promote_function,
-    )
-
+if TYPE_CHECKING:
     from ...types import OptLevel
 
 logger = logging.getLogger("ampatch")
@@ -35,7 +35,6 @@ logger = logging.getLogger("ampatch")
 __all__ = ["init", "half_function", "float_function", "promote_function", "bfloat16_function",
            "register_half_function", "register_float_function", "register_promote_function",
            "register_bfloat16_function"]
-_FROM_AMPATCH = set(__all__) - {"init"}
 
 
 def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
@@ -54,13 +53,6 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     level: OptLevel = "O4" if half == torch.bfloat16 else "O1"
     from ... import initialize  # the public API, above this module
     initialize([], opt_level=level, loss_scale=loss_scale, allow_banned=allow_banned,
-                       half_dtype=half if level == "O1" else None, verbosity=2 if verbose else 1)
+               half_dtype=half if level == "O1" else None, verbosity=2 if verbose else 1)
     return Handle(_current())
 
-
-def __getattr__(name: str) -> Any:
-    """The registrations are ampatch's own (read from the package lazily: it sits above compat)."""
-    if name in _FROM_AMPATCH:
-        import ampatch
-        return getattr(ampatch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,29 +49,13 @@ class OptLevel:
         return f"<opt level {self.name}>"
 
 
-class O0(OptLevel):
-    name = "O0"
+
+def _level(name: str) -> type[OptLevel]:
+    """Apex's class of that level (`apex.amp.frontend.O2`), made from ampatch's table."""
+    return type(name, (OptLevel,), {"name": name, "__module__": __name__})
 
 
-class O1(OptLevel):
-    name = "O1"
-
-
-class O2(OptLevel):
-    name = "O2"
-
-
-class O3(OptLevel):
-    name = "O3"
-
-
-class O4(OptLevel):
-    name = "O4"
-
-
-class O5(OptLevel):
-    name = "O5"
-
+O0, O1, O2, O3, O4, O5 = (_level(name) for name in ("O0", "O1", "O2", "O3", "O4", "O5"))
 
 opt_levels = {cls.name: cls() for cls in (O3, O2, O1, O0, O4, O5)}
 
