@@ -40,6 +40,12 @@ def half(request) -> torch.dtype:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Files holding slow or distributed tests first (each file's own order kept): with two
+    # xdist workers taking whole files in this order, the long ones start early instead of
+    # leaving one worker alone with the last of them.
+    long_files = {item.nodeid.split("::")[0] for item in items
+                  if "slow" in item.keywords or "distributed" in item.keywords}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in long_files)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
