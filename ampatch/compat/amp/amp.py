@@ -14,17 +14,8 @@ import torch
 
 from ...config import values
 from ...errors import ConfigTypeError
+from ...session import user_casts
 from ...session.session import current as _current
-from ...session.user_casts import (
-    bfloat16_function,
-    float_function,
-    half_function,
-    promote_function,
-    register_bfloat16_function,
-    register_float_function,
-    register_half_function,
-    register_promote_function,
-)
 from .handle import Handle
 
 if TYPE_CHECKING:
@@ -35,6 +26,13 @@ logger = logging.getLogger("ampatch")
 __all__ = ["init", "half_function", "float_function", "promote_function", "bfloat16_function",
            "register_half_function", "register_float_function", "register_promote_function",
            "register_bfloat16_function"]
+
+# ampatch's own (`ampatch.session.user_casts`), under Apex's module path
+half_function, float_function = user_casts.half_function, user_casts.float_function
+promote_function, bfloat16_function = user_casts.promote_function, user_casts.bfloat16_function
+register_half_function, register_float_function = user_casts.register_half_function, user_casts.register_float_function
+register_promote_function = user_casts.register_promote_function
+register_bfloat16_function = user_casts.register_bfloat16_function
 
 
 def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
