@@ -6,7 +6,7 @@ check it runs at each step (`StepGuard`). Kept apart from the mechanism so that 
 reads its contract in one screen.
 
 The stage machine (a row per call, a column per stage it is called in: the stage it leaves;
-"raises": RuntimeError, nothing changed; "back": the stage SCALED was entered from):
+"raises": InternalError (a RuntimeError), nothing changed; "back": the stage SCALED was entered from):
 
     call                   FRESH       READY       SCALED      OVERFLOWED
     before_backward        READY       READY       SCALED      OVERFLOWED
@@ -89,9 +89,9 @@ def expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
     except KeyError:
         allowed = ", ".join(s.name for s in STAGE_MOVES[call])
         raise InternalError(f"ampatch: internal error: OptimizerHandle.{call.value} called in stage {stage.name}; "
-                           f"it is allowed only in {allowed}. Whatever drives this handle called it out of order "
-                           "(before_backward comes before after_backward): please report it with the "
-                           "traceback.") from None
+                            f"it is allowed only in {allowed}. Whatever drives this handle called it out of order "
+                            "(before_backward comes before after_backward): please report it with the "
+                            "traceback.") from None
 
 
 class StepGuard(Protocol):

@@ -23,18 +23,16 @@ from ..model.forwards import keep_in_fp32, wrap_outputs
 from ..model.keep import Kept, kept_module_ids
 from ..model.weight_table import DataWatch
 from ..model.weights import Weight
-from ..optim.context import HandleContext
+from ..optim.context import ON_ITS_OWN, HandleContext
 from ..optim.handle import OptimizerHandle
 from ..optim.masters import check_one_master_each, master_ids
 from ..optim.sharded import ShardedOptimizerHandle
 
-__all__ = ["build", "undo", "keep_forwards", "wrap_model_outputs", "NO_CONTEXT"]
-
-NO_CONTEXT = HandleContext()  # optimizers built with no session around them
+__all__ = ["build", "undo", "keep_forwards", "wrap_model_outputs"]
 
 
 def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-          patcher: Patcher, context: HandleContext = NO_CONTEXT, kept: Collection[int] = frozenset(),
+          patcher: Patcher, context: HandleContext = ON_ITS_OWN, kept: Collection[int] = frozenset(),
           first_index: int = 0) -> tuple[list[Any], list[OptimizerHandle]]:
     """The level on `models` and `optimizers`: returns the models' handles (`ModelHandle`, or
     `sharded.ShardedModel` for FSDP2-sharded models; none where the models are not cast) and
