@@ -33,7 +33,7 @@ def check_writable(path: str, variable: str) -> None:
               else None)
     if reason:
         raise ConfigError(f"{variable}={path!r}: the file cannot be written ({reason}); point {variable} at a file "
-                         "in a writable folder, or unset it.")
+                          "in a writable folder, or unset it.")
 
 
 class ExitJson:

@@ -135,7 +135,7 @@ def _half(value: str | None) -> torch.dtype | None:
     half = parse_dtype(value.strip(), HALF_DTYPE) if value is not None else None  # its message names it
     if half == torch.float32:
         raise ConfigError(f"{HALF_DTYPE}={value!r} is not a half type: use float16 or bfloat16 (or force "
-                         f"{OPT_LEVEL}=O0 for FP32).")
+                          f"{OPT_LEVEL}=O0 for FP32).")
     return half
 
 
@@ -150,7 +150,7 @@ def _layer_names(value: str) -> tuple[str, ...]:
     names = tuple(parse_names(value))
     if not names:
         raise ConfigError("names no layer: give layer names or globs as named_modules() gives them "
-                         "('blocks.0.mlp.fc1,blocks.*.attn.*'), or leave it unset.")
+                          "('blocks.0.mlp.fc1,blocks.*.attn.*'), or leave it unset.")
     return names
 
 

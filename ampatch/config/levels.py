@@ -156,7 +156,7 @@ def _fp8_part(part: str, text: str, what: str) -> str | bool:
     recipe = recipe.strip().lower()
     if recipe not in FP8_RECIPES:
         raise ConfigError(f"{what} {text!r}: {recipe!r} is not an fp8 recipe; use one of "
-                         f"{', '.join(map(repr, FP8_RECIPES))} (e.g. O5+fp8:rowwise), or O5+fp8 for tensorwise.")
+                          f"{', '.join(map(repr, FP8_RECIPES))} (e.g. O5+fp8:rowwise), or O5+fp8 for tensorwise.")
     return recipe
 
 
@@ -190,14 +190,14 @@ def variant(text: Any, what: str = "level") -> Variant:
             continue
         if part not in LOW_MEMORY_MODES:
             raise ConfigError(f"{what} {text!r}: after '+' comes a master_weights mode, one of "
-                             f"{', '.join(LOW_MEMORY_MODES)} (e.g. O5+kahan), an optimizer_states precision, one of "
-                             f"{', '.join(STATE_PRECISIONS)} (e.g. O5+int8), or fp8 with an optional recipe "
-                             f"(O5+fp8, O5+fp8:rowwise; recipes: {', '.join(FP8_RECIPES)}).")
+                              f"{', '.join(LOW_MEMORY_MODES)} (e.g. O5+kahan), an optimizer_states precision, one of "
+                              f"{', '.join(STATE_PRECISIONS)} (e.g. O5+int8), or fp8 with an optional recipe "
+                              f"(O5+fp8, O5+fp8:rowwise; recipes: {', '.join(FP8_RECIPES)}).")
         if mode is not None:
             raise ConfigError(f"{what} {text!r}: one master_weights mode at most.")
         if level not in CASTING_LEVELS:
             raise ConfigError(f"{what} {text!r}: master_weights={part!r} applies to the levels that cast the model to "
-                             f"bfloat16 ({', '.join(CASTING_LEVELS)}), not to {level}.")
+                              f"bfloat16 ({', '.join(CASTING_LEVELS)}), not to {level}.")
         mode = part
     return Variant(level, mode, fp8, states)
 

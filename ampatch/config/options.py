@@ -130,7 +130,7 @@ class Options:
         put("fp8_modules", parse_fp8_modules(self.fp8_modules))
         if self.fp8_modules is not None and self.fp8 is None:
             raise ConfigError("fp8_modules chooses the layers that run in FP8, but fp8 is off: pass fp8=True (or a "
-                             "recipe name such as 'rowwise') with it, or drop fp8_modules.")
+                              "recipe name such as 'rowwise') with it, or drop fp8_modules.")
         put("optimizer_states", parse_optimizer_states(self.optimizer_states))
 
     def given(self) -> dict[str, Any]:
@@ -313,8 +313,8 @@ def check_fp8(level: str, fp8: Any, computes: torch.dtype) -> None:
     if computes in (torch.bfloat16, torch.float32):
         return
     raise ConfigError(f"fp8={fp8!r} runs where the layers compute in bfloat16 or FP32 (torchao's float8 training), but "
-                     f"{level} here computes in {short_name(computes)}. Use opt_level='O4' or 'O5' (bfloat16), or "
-                     f"pass half_dtype=torch.bfloat16 with {level} (or O0 for FP32), or leave fp8 off.")
+                      f"{level} here computes in {short_name(computes)}. Use opt_level='O4' or 'O5' (bfloat16), or "
+                      f"pass half_dtype=torch.bfloat16 with {level} (or O0 for FP32), or leave fp8 off.")
 
 
 def _check(level: str, merged: dict[str, Any], given: dict[str, Any], half: torch.dtype,
@@ -353,14 +353,14 @@ def _check_low_memory(level: str, mode: str, model_dtype: torch.dtype | None) ->
     what = f"master_weights={mode!r}"
     if model_dtype is None:
         raise ConfigError(f"{what} applies where the model itself is cast to bfloat16 (O2, O3, O5), not to {level}, "
-                         "whose model stays FP32. Use opt_level='O5' (or 'O2'/'O3' with half_dtype=torch.bfloat16) "
-                         f"with {what}, or leave master_weights unset at {level}.")
+                          "whose model stays FP32. Use opt_level='O5' (or 'O2'/'O3' with half_dtype=torch.bfloat16) "
+                          f"with {what}, or leave master_weights unset at {level}.")
     if model_dtype != torch.bfloat16:
         raise ConfigError(f"{what} needs a bfloat16 model, but {level} here casts it to {short_name(model_dtype)}: "
-                         "float16 has too few exponent bits for updates kept without FP32 masters (they "
-                         "underflow, and no loss scale reaches the optimizer's step), so ampatch refuses rather "
-                         f"than scale. Use opt_level='O5' (or half_dtype=torch.bfloat16) with {what}, or "
-                         "master_weights=True for float16.")
+                          "float16 has too few exponent bits for updates kept without FP32 masters (they "
+                          "underflow, and no loss scale reaches the optimizer's step), so ampatch refuses rather "
+                          f"than scale. Use opt_level='O5' (or half_dtype=torch.bfloat16) with {what}, or "
+                          "master_weights=True for float16.")
 
 
 def _check_process_group(group: Any) -> None:
@@ -371,7 +371,7 @@ def _check_process_group(group: Any) -> None:
         raise PlatformError("process_group was given, but this torch build has no torch.distributed.")
     if isinstance(group, int) and group == torch.distributed.GroupMember.NON_GROUP_MEMBER:
         raise ConfigError("process_group: this rank is not a member of that group (torch.distributed.new_group "
-                         "returned NON_GROUP_MEMBER here); pass a group that contains this rank, or None.")
+                          "returned NON_GROUP_MEMBER here); pass a group that contains this rank, or None.")
     if not isinstance(group, torch.distributed.ProcessGroup):
         raise ConfigTypeError(f"process_group must be a torch.distributed process group (from "
-                        f"torch.distributed.new_group) or None for the world, got {type(group).__name__}.")
+                              f"torch.distributed.new_group) or None for the world, got {type(group).__name__}.")

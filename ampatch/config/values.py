@@ -69,8 +69,8 @@ def check_scale_value(value: object, name: str) -> float:
     low, high = USABLE_RANGE
     if not math.isfinite(value) or not low <= value <= high:
         raise ConfigError(f"{name}={value!r} is not a usable loss scale: use a finite number between 2**-126 and "
-                         "2**126 (the scale and its inverse must be finite FP32 numbers); typical values are "
-                         "1.0 to 2**24.")
+                          "2**126 (the scale and its inverse must be finite FP32 numbers); typical values are "
+                          "1.0 to 2**24.")
     return value
 
 
@@ -244,6 +244,6 @@ def parse_fp8_modules(value: Any) -> tuple[str, ...] | Any:
                               f"got {type(value).__name__}.")
     if not names:
         raise ConfigError("fp8_modules is empty: name the layers to run in FP8 (globs such as 'blocks.*' work), or "
-                         "leave it None for the default choice (every Linear with dims multiples of 16 but the "
-                         "output head).")
+                          "leave it None for the default choice (every Linear with dims multiples of 16 but the "
+                          "output head).")
     return tuple(dict.fromkeys(names))

@@ -56,7 +56,7 @@ def end_session() -> Any:
     session = current()
     if session is None:
         raise OrderError("amp.report() was called with no ampatch session: the plugin's session already ended "
-                           "(its `last_report` keeps the report).")
+                         "(its `last_report` keeps the report).")
     report = session.report()
     set_current(None)
     session.close()

@@ -33,18 +33,18 @@ def check_args(args: Any) -> None:
     on = [name for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(args, name, False)]
     if on:
         raise ConfigError(f"AmpatchTrainer got TrainingArguments({'=True, '.join(on)}=True): that is the Trainer's "
-                         "own mixed precision (autocast) on top of ampatch's, two AMPs at once. Leave them False "
-                         f"and {FIX_PRECISION}.")
+                          "own mixed precision (autocast) on top of ampatch's, two AMPs at once. Leave them False "
+                          f"and {FIX_PRECISION}.")
     mixed = getattr(args, "mixed_precision", "no") or "no"
     if mixed != "no":
         raise ConfigError(f"AmpatchTrainer got TrainingArguments with mixed_precision={mixed!r}, read from "
-                         "ACCELERATE_MIXED_PRECISION when the arguments were made (accelerate launch "
-                         "--mixed_precision, or the accelerate config): Accelerate's autocast on top of ampatch's, "
-                         "two AMPs at once. Unset it (or launch with --mixed_precision no) and " + FIX_PRECISION + ".")
+                          "ACCELERATE_MIXED_PRECISION when the arguments were made (accelerate launch "
+                          "--mixed_precision, or the accelerate config): Accelerate's autocast on top of ampatch's, "
+                          "two AMPs at once. Unset it (or launch with --mixed_precision no) and " + FIX_PRECISION + ".")
     if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None \
             or getattr(args, "fsdp", None):
         raise ConfigError("AmpatchTrainer does not run with DeepSpeed or FSDP (they own the optimizer step and "
-                         f"its precision); {FIX_BACKEND}.")
+                          f"its precision); {FIX_BACKEND}.")
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
@@ -54,14 +54,14 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     mixed = environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower() or "no"
     if mixed != "no":
         raise ConfigError(f"AmpatchTrainer: ACCELERATE_MIXED_PRECISION={mixed} (accelerate launch --mixed_precision "
-                         "or the accelerate config) turns on Accelerate's autocast and grad scaler on top of "
-                         "ampatch's, two AMPs at once. Unset it (or launch with --mixed_precision no) and "
-                         f"{FIX_PRECISION}.")
+                          "or the accelerate config) turns on Accelerate's autocast and grad scaler on top of "
+                          "ampatch's, two AMPs at once. Unset it (or launch with --mixed_precision no) and "
+                          f"{FIX_PRECISION}.")
     for name, what in ENV_SWITCHES.items():
         if environ.get(name, "").strip().lower() in TRUE:
             raise ConfigError(f"AmpatchTrainer: {name}={environ[name]} turns on {what}: ampatch cannot run beside "
-                             f"it. Unset it (launch without that flag, or fix the accelerate config), or "
-                             f"{FIX_BACKEND}.")
+                              f"it. Unset it (launch without that flag, or fix the accelerate config), or "
+                              f"{FIX_BACKEND}.")
 
 
 def check_accelerator(trainer: Any) -> None:
@@ -71,8 +71,8 @@ def check_accelerator(trainer: Any) -> None:
     mixed = str(getattr(accelerator, "mixed_precision", "no") or "no")
     if mixed != "no":
         raise ConfigError(f"AmpatchTrainer: the Trainer's Accelerator runs mixed_precision={mixed!r} (from the "
-                         "arguments, ACCELERATE_MIXED_PRECISION or the accelerate config): two AMPs at once. Set it "
-                         f"to 'no' and {FIX_PRECISION}.")
+                          "arguments, ACCELERATE_MIXED_PRECISION or the accelerate config): two AMPs at once. Set it "
+                          f"to 'no' and {FIX_PRECISION}.")
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         raise ConfigError("AmpatchTrainer: the Trainer's Accelerator runs DeepSpeed or FSDP (from the arguments, the "
-                         f"environment or the accelerate config); {FIX_BACKEND}.")
+                          f"environment or the accelerate config); {FIX_BACKEND}.")

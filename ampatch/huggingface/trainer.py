@@ -38,7 +38,7 @@ try:
     from transformers.trainer import OPTIMIZER_NAME
 except ImportError as exc:
     raise MissingDependencyError("ampatch.huggingface needs transformers 5.x: pip install 'ampatch[integrations]' "
-                      "(or pip install transformers accelerate).") from exc
+                                 "(or pip install transformers accelerate).") from exc
 
 logger = logging.getLogger("ampatch")
 
@@ -92,8 +92,8 @@ class AmpatchTrainerMixin(_TrainerBase):
         mro = cls.__mro__
         if transformers.Trainer in mro and mro.index(transformers.Trainer) < mro.index(AmpatchTrainerMixin):
             raise ConfigTypeError(f"{cls.__name__}: AmpatchTrainerMixin goes first, before the transformers.Trainer "
-                            "class, or the Trainer's methods hide it: class MyTrainer(AmpatchTrainerMixin, "
-                            "Seq2SeqTrainer).")
+                                  "class, or the Trainer's methods hide it: class MyTrainer(AmpatchTrainerMixin, "
+                                  "Seq2SeqTrainer).")
 
     def __init__(self, *args: Any, opt_level: str | None = None, policy: Any = None,
                  initialize_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:

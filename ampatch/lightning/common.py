@@ -155,7 +155,7 @@ class ScalerCheckpoint:
             return
         if "loss_scalers" not in entry:
             raise ConfigError(f"{self.plugin}.load_state_dict: this checkpoint entry was not written by an ampatch "
-                             f"plugin (keys {sorted(entry)}).")
+                              f"plugin (keys {sorted(entry)}).")
         if active:
             self._apply(entry, facts)
         else:

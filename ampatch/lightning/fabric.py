@@ -79,8 +79,8 @@ class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
         call = framework.fabric_setup_call()
         if call is None:
             raise OrderError("AmpatchFabricPrecision.convert_module runs inside fabric.setup(model, optimizer) "
-                               "(or fabric.setup_module(model)): the plugin initializes ampatch there, with the "
-                               "optimizers. Set the model up through Fabric.")
+                             "(or fabric.setup_module(model)): the plugin initializes ampatch there, with the "
+                             "optimizers. Set the model up through Fabric.")
         framework.refuse_strategy(call.fabric.strategy, "AmpatchFabricPrecision")
         opts = [framework.raw_optimizer(o) for o in call.optimizers]
         if any(isinstance(o, torch.optim.LBFGS) for o in opts):
@@ -90,7 +90,7 @@ class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
             module = call.fabric.to_device(module)
         if any(module is m for m in self.models):
             raise OrderError("AmpatchFabricPrecision: this model was set up already; call fabric.setup once per "
-                               "model, with its optimizers.")
+                             "model, with its optimizers.")
         self.models.append(module)
         self.optimizers += [o for o in opts if not any(o is p for p in self.optimizers)]
         self._initialize()
@@ -142,8 +142,8 @@ class AmpatchFabricPrecision(PluginAttributes, framework.FabricHalfPrecision):
         """`tensor.backward()` inside `amp.scale_loss` for all the plugin's optimizers."""
         if self.state is not PluginState.CONNECTED or not self.optimizers:
             raise OrderError("AmpatchFabricPrecision: fabric.backward needs the optimizers, given to fabric.setup "
-                               "with their model: model, optimizer = fabric.setup(model, optimizer) (not "
-                               "setup_module + setup_optimizers: the masters must be made before the cast).")
+                             "with their model: model, optimizer = fabric.setup(model, optimizer) (not "
+                             "setup_module + setup_optimizers: the masters must be made before the cast).")
         with amp.scale_loss(tensor, self.optimizers) as scaled:
             scaled.backward(*args, **kwargs)
 

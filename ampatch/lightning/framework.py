@@ -69,7 +69,7 @@ def refuse_strategy(strategy: Any, who: str) -> None:
         reason = REFUSED.get(cls.__name__)
         if reason is not None and cls.__module__.startswith(("lightning", "pytorch_lightning", "lightning_fabric")):
             raise ConfigError(f"{who} cannot run with {type(strategy).__name__}: {reason}. ampatch runs with the "
-                             "single-device, DDP and DataParallel strategies.")
+                              "single-device, DDP and DataParallel strategies.")
 
 
 def set_compute_dtype(plugin: Any, dtype: torch.dtype) -> None:

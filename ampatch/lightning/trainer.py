@@ -142,8 +142,8 @@ class AmpatchPrecision(PluginAttributes, framework.TrainerHalfPrecision):
         opts = [framework.raw_optimizer(o) for o in optimizers] if fitting else []
         if any(isinstance(o, torch.optim.LBFGS) for o in opts):  # once, before anything is set up
             raise ConfigTypeError("AmpatchPrecision cannot drive LBFGS: it calls its closure (and backward) several "
-                            "times inside step(), where the loss scale cannot reach. Use another optimizer, or "
-                            "train without the plugin.")
+                                  "times inside step(), where the loss scale cannot reach. Use another optimizer, or "
+                                  "train without the plugin.")
         self._patches.restore_all()
         keywords = self.choice.keywords()
         if opts:
@@ -235,7 +235,7 @@ class AmpatchPrecision(PluginAttributes, framework.TrainerHalfPrecision):
         optimizers under manual optimization, where Lightning names none)."""
         if self.state is not PluginState.CONNECTED or not self.optimizers:
             raise OrderError("AmpatchPrecision.backward ran before connect(): the plugin initializes ampatch "
-                               "when the Trainer sets up its optimizers; use it through Trainer(plugins=[...]).")
+                             "when the Trainer sets up its optimizers; use it through Trainer(plugins=[...]).")
         opts = framework.raw_optimizer(optimizer) if optimizer is not None else self.optimizers
         with fp32_default(), amp.scale_loss(tensor, opts) as scaled:  # (manual_backward: inside the step)
             model.backward(scaled, *args, **kwargs)

@@ -183,8 +183,8 @@ class LoadHook:
             return
         if local_metadata.get("assign_to_params_buffers"):
             raise OrderError("load_state_dict(..., assign=True) would replace the parameters amp.initialize "
-                               "cast to half (and that the optimizer's FP32 masters follow); load with "
-                               "assign=False, or load before amp.initialize.")
+                             "cast to half (and that the optimizer's FP32 masters follow); load with "
+                             "assign=False, or load before amp.initialize.")
         for name in self.names:
             t = state_dict.get(prefix + name)
             if isinstance(t, torch.Tensor) and t.is_floating_point():

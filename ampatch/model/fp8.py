@@ -181,7 +181,7 @@ def convert(models: Sequence[nn.Module], fp8: Any, fp8_modules: Any = None, kept
     choices = choose(models, fp8_modules, kept)
     if fp8_modules is not None and not any(c.convert for c in choices):
         raise ConfigError("fp8_modules selects no layer that can run in FP8: " + "; ".join(map(str, choices)) + ". "
-                         "Select nn.Linear (or Transformers Conv1D) layers whose in/out features are multiples of 16.")
+                          "Select nn.Linear (or Transformers Conv1D) layers whose in/out features are multiples of 16.")
     return Fp8Layers(models, choices, config_for(fp8, device, sharded.is_sharded(models)))
 
 

@@ -125,8 +125,8 @@ def _matcher(spec: Any, labels: list[str]) -> Callable[[nn.Module, str, str], bo
     for pattern in spec:
         if not any(fnmatch.fnmatchcase(label, pattern) for label in labels):
             raise ConfigError(f"fp8_modules: {pattern!r} matches no Linear layer (nn.Linear or Transformers Conv1D). "
-                             f"The Linear layers are: {', '.join(labels) or '(none)'}. Names are those of "
-                             "model.named_modules(); globs such as 'blocks.*.mlp.*' work.")
+                              f"The Linear layers are: {', '.join(labels) or '(none)'}. Names are those of "
+                              "model.named_modules(); globs such as 'blocks.*.mlp.*' work.")
     return lambda module, name, label: any(fnmatch.fnmatchcase(label, p) for p in spec)
 
 

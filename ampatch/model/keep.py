@@ -49,7 +49,7 @@ def _items(spec: Any) -> list[Any]:
     if isinstance(spec, type) or (callable(spec) and not isinstance(spec, nn.Module)):
         return [spec]
     raise ConfigTypeError(f"keep_fp32 takes module names, nn.Module classes or callables (name, module) -> bool, or a "
-                    f"list of them; got {type(spec).__name__}.")
+                          f"list of them; got {type(spec).__name__}.")
 
 
 def labelled(models: Sequence[nn.Module]) -> list[Kept]:
@@ -84,10 +84,10 @@ def _by_name(item: str, entries: list[Kept], several: bool, source: str) -> list
     by_name = [e for e in entries if e.name == item and all(e.module is not b.module for b in by_label)]
     if by_label and by_name:
         raise ConfigError(f"{source}: {item!r} is ambiguous: it is the label of one module and the name of "
-                         f"another in model {by_name[0].model}; write {by_name[0].label!r} for that one.")
+                          f"another in model {by_name[0].model}; write {by_name[0].label!r} for that one.")
     if len({e.model for e in by_name}) > 1:
         raise ConfigError(f"{source}: {item!r} names a module in several models; put the model's index in front "
-                         f"({', '.join(repr(e.label) for e in by_name)}).")
+                          f"({', '.join(repr(e.label) for e in by_name)}).")
     hits = by_label or by_name
     if not hits:
         raise _unknown(item, [e.label for e in entries], source)
@@ -125,7 +125,7 @@ def matching(models: Sequence[nn.Module], spec: Any, forced: Sequence[str] = (),
             hits = [e for e in entries if _call(item, e.name, e.module)]
         else:
             raise ConfigTypeError(f"keep_fp32 items are module names, nn.Module classes or callables (name, module) -> "
-                            f"bool; got {type(item).__name__} {item!r}.")
+                                  f"bool; got {type(item).__name__} {item!r}.")
         if not hits:
             logger.warning("ampatch: keep_fp32: %s matches no module.", getattr(item, "__name__", repr(item)))
         for e in hits:

@@ -83,8 +83,8 @@ class Units:
             _probe(states, self.groups, self.params)  # fail here, before anything changed
         except AttributeError as exc:
             raise PlatformError(f"ampatch: the FSDP2 internals of this torch ({torch.__version__}) differ from those "
-                               f"ampatch uses to apply opt levels to fully_shard models ({exc}); ampatch supports "
-                               "FSDP2 as in torch 2.6 to 2.13.") from exc
+                                f"ampatch uses to apply opt levels to fully_shard models ({exc}); ampatch supports "
+                                "FSDP2 as in torch 2.6 to 2.13.") from exc
 
     @staticmethod
     def slots(fp: Any) -> list[tuple[nn.Module, str]]:
@@ -151,9 +151,9 @@ class Units:
         needed = ("_init_extensions", "_sharded_param_data", "padded_sharded_param_size", "fsdp_placement")
         if not all(hasattr(fp, name) for fp in self.params for name in needed):
             raise PlatformError(f"ampatch: FP8 all-gather under FSDP2 needs FSDP2's all-gather extensions, which torch "
-                               f"{torch.__version__} lacks: upgrade torch (2.11+), or pass a torchao "
-                               "Float8LinearConfig(enable_fsdp_float8_all_gather=False) as fp8= to all-gather in "
-                               "bfloat16 and compute in FP8.")
+                                f"{torch.__version__} lacks: upgrade torch (2.11+), or pass a torchao "
+                                "Float8LinearConfig(enable_fsdp_float8_all_gather=False) as fp8= to all-gather in "
+                                "bfloat16 and compute in FP8.")
 
     def replace_local(self, param: nn.Parameter, make: Any) -> None:
         """Give a sharded parameter new local data, `make(padded shard)` (an all-gather
@@ -258,8 +258,8 @@ class ShardedModel:
             elif any(id(m) in kept for m in modules):
                 name = next(n for n, m in units.model.named_modules() if id(m) in kept and m in modules)
                 raise ConfigError(f"keep_fp32 cannot be honoured under FSDP2: {name!r} is kept in FP32 but shares a "
-                                 "fully_shard unit with layers that run in half, and FSDP2 all-gathers one dtype per "
-                                 "unit. Call fully_shard on the kept module before its parent (it then stays FP32).")
+                                  "fully_shard unit with layers that run in half, and FSDP2 all-gathers one dtype per "
+                                  "unit. Call fully_shard on the kept module before its parent (it then stays FP32).")
             elif any(fp32):
                 bn = next(m for m, f in zip(modules, fp32) if f)
                 raise ConfigError(
@@ -274,9 +274,9 @@ class ShardedModel:
                      if p is not None and p.is_floating_point() and (id(m), n) not in managed]
             if loose:
                 raise ConfigError(f"{len(loose)} parameters of the sharded model ({', '.join(loose[:3])}...) belong "
-                                 "to no fully_shard unit; O2/O5 under FSDP2 run through FSDP2's mixed precision, so "
-                                 "every parameter needs one: call fully_shard(model) on the root module too, after "
-                                 "its blocks.")
+                                  "to no fully_shard unit; O2/O5 under FSDP2 run through FSDP2's mixed precision, so "
+                                  "every parameter needs one: call fully_shard(model) on the root module too, after "
+                                  "its blocks.")
         return fp32_units
 
     def on_load(self, callback: Any) -> None:
@@ -358,8 +358,8 @@ def check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Op
               if isinstance(p, dtensor) and p.requires_grad and id(p) not in held]
     if orphans and unheld:
         raise OrderError(f"amp.initialize: the optimizer holds {len(orphans)} tensors that are not the sharded "
-                           f"model's parameters, and the model's sharded parameters ({', '.join(unheld[:3])}...) are "
-                           f"in no optimizer: it was built before fully_shard. The order under FSDP2: {ORDER}.")
+                         f"model's parameters, and the model's sharded parameters ({', '.join(unheld[:3])}...) are "
+                         f"in no optimizer: it was built before fully_shard. The order under FSDP2: {ORDER}.")
 
 
 def check_dtensors_sharded(models: Sequence[nn.Module]) -> None:
@@ -377,7 +377,7 @@ def check_dtensors_sharded(models: Sequence[nn.Module]) -> None:
                 if isinstance(p, dtensor) and id(module) not in covered:
                     full = f"{name}.{pname}" if name else pname
                     raise ConfigError(f"amp.initialize: parameter {full!r} is a DTensor outside every fully_shard unit "
-                                     "(tensor parallelism, e.g. parallelize_module): ampatch applies its levels to "
-                                     "FSDP2's fully_shard units only. Shard with fully_shard alone (Lightning: "
-                                     "ModelParallelStrategy(tensor_parallel_size=1)), or train without ampatch's "
-                                     "casting on those layers.")
+                                      "(tensor parallelism, e.g. parallelize_module): ampatch applies its levels to "
+                                      "FSDP2's fully_shard units only. Shard with fully_shard alone (Lightning: "
+                                      "ModelParallelStrategy(tensor_parallel_size=1)), or train without ampatch's "
+                                      "casting on those layers.")

@@ -80,7 +80,7 @@ class OpPlan:
             return refuse
         if cast is None or (self.action is Action.PROMOTE) != (dtype is not None):
             raise ConfigTypeError(f"the leaf of a {self.action.value} plan takes the cast it applies"
-                            + (" and the call's dtype" if self.action is Action.PROMOTE else ""))
+                                  + (" and the call's dtype" if self.action is Action.PROMOTE else ""))
         if self.action is Action.PROMOTE:
             def promote(t: torch.Tensor) -> torch.Tensor:
                 return cast(t) if t.dtype is not dtype and t.is_floating_point() else t

@@ -331,8 +331,8 @@ class OptimizerHandle:
                 other = owner_of(p) if owner_of is not None else None
                 if other is not None and other is not self:
                     raise ConfigError(f"add_param_group: a parameter of shape {tuple(p.shape)} already has an FP32 "
-                                     f"master in optimizers[{other.index}]; with master weights (O2/O5) each "
-                                     "half parameter must belong to one optimizer.")
+                                      f"master in optimizers[{other.index}]; with master weights (O2/O5) each "
+                                      "half parameter must belong to one optimizer.")
             group = dict(group, params=[self.masters.make(p) if p.dtype in LOW else p for p in params])
         return call(group)
 

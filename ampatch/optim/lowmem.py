@@ -92,7 +92,7 @@ def take_state_entries(state: dict, params: list[torch.Tensor]) -> dict[int, tor
         i = k if isinstance(k, int) else -1
         if not 0 <= i < len(params):
             raise ConfigError(f"optimizer checkpoint: a compensation for state entry {k!r}, which no param of "
-                             "this optimizer has; it was saved from another model. Nothing was loaded.")
+                              "this optimizer has; it was saved from another model. Nothing was loaded.")
         problem = bad_compensation(c, params[i], f"param {i}")
         if problem:
             raise ConfigError(f"optimizer checkpoint: {problem}; the checkpoint is corrupted or from another model. "
@@ -151,7 +151,7 @@ class LowMemMasters(Masters):
             return self.master_of[id(p)]
         if p.dtype not in (F32, BF16):
             raise ConfigError(f"master_weights={self.mode.value!r} keeps bfloat16 parameters, but this one (shape "
-                             f"{tuple(p.shape)}) is {p.dtype}; use master_weights=True for float16 or float64 params.")
+                              f"{tuple(p.shape)}) is {p.dtype}; use master_weights=True for float16 or float64 params.")
         with torch.no_grad():
             # an alias of the weight; of an FP32 one about to be cast, a placeholder without memory
             # until the cast (`follow_model`), so that the cast frees each FP32 weight as it goes

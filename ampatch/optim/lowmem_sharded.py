@@ -85,15 +85,15 @@ def shard_offset(p: torch.Tensor) -> int:
             continue
         if not placement.is_shard(dim=0) or sharded:
             raise ConfigError(f"master_weights 'stochastic'/'kahan' step FSDP2 shards of whole rows (Shard(0), "
-                             f"replicated or not); a parameter of shape {tuple(p.shape)} is placed {p.placements}: "
-                             "use master_weights=True.")
+                              f"replicated or not); a parameter of shape {tuple(p.shape)} is placed {p.placements}: "
+                              "use master_weights=True.")
         sharded = True
         size = p.device_mesh.size(dim)
         start = coordinate[dim] * -(-rows // size)
     mine = local(p)
     if mine.numel() and mine.shape[0] != min(rows, start + mine.shape[0]) - start:
         raise PlatformError(f"ampatch: the local shard of a parameter of shape {tuple(p.shape)} is not the rows FSDP2 "
-                           "gives it (torch.chunk on dim 0); this torch shards otherwise.")
+                            "gives it (torch.chunk on dim 0); this torch shards otherwise.")
     return min(start, rows) * (p.numel() // rows if rows else 0)
 
 
@@ -191,7 +191,7 @@ class ShardedLowMem(Masters):
         kwargs = kwargs or {}
         if args and callable(args[0]) or kwargs.get("closure") is not None:
             raise NotSupportedError(f"optimizer.step(closure) is not supported with master_weights="
-                                      f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
+                                    f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
         targets, own = [], []
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:

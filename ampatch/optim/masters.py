@@ -69,10 +69,11 @@ def check_masters(masters: Any, params: list[torch.Tensor]) -> None:
     param_groups order: None or a floating tensor of the param's shape)."""
     if not isinstance(masters, (list, tuple)):
         raise ConfigTypeError(f"optimizer checkpoint: '{MASTERS_KEY}' must be a list (one entry per param), got "
-                        f"{type(masters).__name__}; the checkpoint was not saved by ampatch's optimizer.state_dict().")
+                              f"{type(masters).__name__}; the checkpoint was not saved by ampatch's "
+                              "optimizer.state_dict().")
     if len(masters) != len(params):
         raise ConfigError(f"optimizer checkpoint has {len(masters)} master entries for {len(params)} params; "
-                         "it was saved from a different model or optimizer. Nothing was loaded.")
+                          "it was saved from a different model or optimizer. Nothing was loaded.")
     for i, (p, saved) in enumerate(zip(params, masters)):
         if saved is None:
             continue
@@ -80,7 +81,7 @@ def check_masters(masters: Any, params: list[torch.Tensor]) -> None:
             what = (f"shape {tuple(saved.shape)}" if isinstance(saved, torch.Tensor) and saved.is_floating_point()
                     else type(saved).__name__ if not isinstance(saved, torch.Tensor) else str(saved.dtype))
             raise ConfigError(f"optimizer checkpoint: master {i} has {what}, its param has shape {tuple(p.shape)}; "
-                             "it was saved from a different model or optimizer. Nothing was loaded.")
+                              "it was saved from a different model or optimizer. Nothing was loaded.")
 
 
 def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
@@ -90,12 +91,12 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
     bad = "it was not saved by ampatch's optimizer.state_dict(), or from another model. Nothing was loaded."
     if not isinstance(entry, dict) or entry.get("mode") not in [m.value for m in MasterMode if m.low_memory]:
         raise ConfigError(f"optimizer checkpoint: '{LOWMEM_KEY}' must be a dict with 'mode' 'stochastic' or 'kahan'; "
-                         + bad)
+                          + bad)
     comp = entry.get("compensation")
     if comp is not None:
         if not isinstance(comp, (list, tuple)) or len(comp) != len(params):
             raise ConfigError(f"optimizer checkpoint: {len(comp) if isinstance(comp, (list, tuple)) else 'no list of'} "
-                             f"compensation entries for {len(params)} params; " + bad)
+                              f"compensation entries for {len(params)} params; " + bad)
         for i, (p, c) in enumerate(zip(params, comp)):
             if c is None:
                 continue
@@ -104,7 +105,7 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
                     else f"shape {tuple(c.shape)}" if c.shape != p.shape else None)
             if what is not None:
                 raise ConfigError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) is "
-                                 f"{what}, not a bfloat16 tensor of its param's shape; " + bad)
+                                  f"{what}, not a bfloat16 tensor of its param's shape; " + bad)
             if not bool(torch.isfinite(c).all()):
                 raise ConfigError(f"optimizer checkpoint: compensation {i} (of param {i}, shape {tuple(p.shape)}) "
                                   "holds NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
@@ -113,7 +114,7 @@ def check_lowmem_entry(entry: Any, params: list[torch.Tensor]) -> None:
         value = entry.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"optimizer checkpoint: the stochastic rounding's {key!r} must be an int >= 0, got "
-                             f"{value!r}; " + bad)
+                              f"{value!r}; " + bad)
 
 
 def cast_state(state: dict, dtype: torch.dtype) -> dict:

@@ -42,7 +42,7 @@ def check_loss_id(loss_id: object, count: int, what: str = "scale_loss") -> None
                         f"{loss_id!r}.")
     if not 0 <= loss_id < count:
         raise ConfigError(f"{what}: loss_id={loss_id} is out of range: initialize(num_losses={count}) gives loss ids "
-                         f"0..{count - 1}.")
+                          f"0..{count - 1}.")
 
 
 class LossScaler:
@@ -53,7 +53,7 @@ class LossScaler:
                  init_scale: float = INITIAL_LOSS_SCALE, growth_factor: float = 2.0) -> None:
         if isinstance(growth_factor, bool) or not isinstance(growth_factor, (int, float)) or not growth_factor > 1:
             raise ConfigError(f"growth_factor must be a number above 1 (the scale is divided by it on overflow and "
-                             f"multiplied by it after growth_interval clean steps), got {growth_factor!r}.")
+                              f"multiplied by it after growth_interval clean steps), got {growth_factor!r}.")
         self.dynamic = loss_scale == "dynamic"
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
@@ -74,7 +74,7 @@ class LossScaler:
     def growth_interval(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"the growth interval (growth_interval; Apex's scale_window, _scale_seq_len) is the "
-                             f"number of clean steps before a dynamic scale grows: a positive int, got {value!r}.")
+                              f"number of clean steps before a dynamic scale grows: a positive int, got {value!r}.")
         self._growth_interval = value
 
     def clamp(self, scale: float) -> float:
@@ -115,7 +115,7 @@ class LossScaler:
         anything is loaded, so a bad checkpoint leaves every scaler as it was."""
         if not isinstance(state, dict):
             raise ConfigTypeError(f"a loss scaler state is a dict with 'loss_scale' and 'unskipped', got "
-                            f"{type(state).__name__}.")
+                                  f"{type(state).__name__}.")
         keys = {"loss_scale", "unskipped"}
         if set(state) != keys:
             unknown, missing = sorted(set(state) - keys), sorted(keys - set(state))
@@ -124,7 +124,7 @@ class LossScaler:
         scale, unskipped = float(state["loss_scale"]), int(state["unskipped"])
         if not (0.0 < scale < float("inf")) or unskipped < 0:
             raise ConfigError(f"loss scaler state {state!r}: loss_scale must be a finite positive number and "
-                             "unskipped a non-negative int.")
+                              "unskipped a non-negative int.")
         return scale, unskipped
 
     def load_state_dict(self, state: dict) -> float | None:

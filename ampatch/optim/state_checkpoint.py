@@ -128,7 +128,7 @@ def _values(v: Any, p: torch.Tensor, what: str, bad: str) -> torch.Tensor:
         raise ConfigError(f"{what} is {_describe(v)}, not a bfloat16 tensor of its param's shape; {bad}")
     if not bool(torch.isfinite(v).all()):
         raise ConfigError(f"{what} holds NaN or inf: the next step would turn its weights into NaN. The checkpoint is "
-                         "corrupted; nothing was loaded.")
+                          "corrupted; nothing was loaded.")
     return v.detach().to(BF16)  # exact for what ampatch saved (a plain optimizer's load made it FP32)
 
 
@@ -138,15 +138,15 @@ def _codes(codes: Any, absmax: Any, signed: bool, p: torch.Tensor, what: str, ba
         raise ConfigError(f"{what} has codes of {_describe(codes)}, not {dtype} codes of its {n} elements; {bad}")
     if not isinstance(absmax, torch.Tensor) or absmax.shape != (blocks(n),) or not absmax.is_floating_point():
         raise ConfigError(f"{what} has scales of {_describe(absmax)}, not FP32 scales of its {blocks(n)} blocks of "
-                         f"{BLOCK}; {bad}")
+                          f"{BLOCK}; {bad}")
     if not bool((torch.isfinite(absmax) & (absmax >= 0)).all()):
         raise ConfigError(f"{what} has a scale that is negative, NaN or inf: the checkpoint is corrupted; nothing was "
-                         "loaded.")
+                          "loaded.")
     if codes.dtype == F32:  # a plain optimizer's load made them FP32: small integers, exactly
         low, high = torch.iinfo(dtype).min, torch.iinfo(dtype).max
         if not bool(((codes == codes.round()) & (codes >= low) & (codes <= high)).all()):
             raise ConfigError(f"{what} has codes that are not {dtype} values: the checkpoint is corrupted; nothing "
-                             "was loaded.")
+                              "was loaded.")
     return Packed(codes.detach().to(dtype), absmax.detach().to(F32))
 
 

@@ -44,9 +44,9 @@ def check_keepable(optimizer: torch.optim.Optimizer, precision: StatePrecision) 
     """Refuse an optimizer whose state cannot be kept at `precision` (ValueError naming it)."""
     if precision.stored and isinstance(optimizer, torch.optim.LBFGS):
         raise ConfigError(f"optimizer_states={precision.value!r} keeps an optimizer's per-element state and steps it a "
-                         "chunk of parameters at a time; torch.optim.LBFGS keeps a history of whole-model vectors and "
-                         "re-evaluates a closure over all parameters at once. Use optimizer_states='float32' with "
-                         "LBFGS.")
+                          "chunk of parameters at a time; torch.optim.LBFGS keeps a history of whole-model vectors and "
+                          "re-evaluates a closure over all parameters at once. Use optimizer_states='float32' with "
+                          "LBFGS.")
 
 
 class Packed:

@@ -137,8 +137,8 @@ def step_kept(opt: torch.optim.Optimizer, call: Callable[..., Any], args: tuple,
         return call(*args, **kwargs)
     if args and callable(args[0]) or kwargs.get("closure") is not None:
         raise NotSupportedError(f"optimizer.step(closure) is not supported with optimizer_states="
-                                  f"{store.precision.value!r}: the step runs a chunk of parameters at a time. Call "
-                                  "backward before step(), or use optimizer_states='float32'.")
+                                f"{store.precision.value!r}: the step runs a chunk of parameters at a time. Call "
+                                "backward before step(), or use optimizer_states='float32'.")
     elementwise = is_elementwise(opt)
     targets, own = [], []
     ordinal = 0

@@ -80,7 +80,7 @@ def weight_and_bias(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
     if not isinstance(weight, torch.Tensor):
         raise ConfigTypeError(f"{type(layer).__name__} has no weight tensor; give layer_fp8_error a Linear "
-                        "(or Float8Linear, Conv1D) layer")
+                              "(or Float8Linear, Conv1D) layer")
     return weight, bias if isinstance(bias, torch.Tensor) else None
 
 

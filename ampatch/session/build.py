@@ -81,7 +81,7 @@ def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: S
     units = [sharded.Units(m) for m in models]  # FSDP2's internals read (and probed) once per model
     if props.casts_model and not all(u.modules for u in units):
         raise ConfigError(f"{props.opt_level} with several models needs all of them sharded with fully_shard or none "
-                         "of them.")
+                          "of them.")
     sharded.check_order(models, optimizers)
     masters = props.master_mode is MasterMode.FP32
     mode = props.master_mode if props.casts_model else MasterMode.FP32

@@ -104,7 +104,7 @@ def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides, reco
     if overrides.diagnose:  # per-module statistics for `ampatch diagnose`
         if recorder is None:
             raise OrderError(f"{DIAGNOSE} is set, but this session was opened without a recorder; open it through "
-                               "amp.initialize.")
+                             "amp.initialize.")
         observers.append(recorder(session, models, overrides.diagnose, eps_lost))
     if overrides.max_steps is not None:
         observers.append(StopAfter(overrides.max_steps))

@@ -88,7 +88,7 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
                "kept state would have to be sharded like each parameter)")
         if overrides.optimizer_states is None:
             raise ConfigError(f"{why}; use optimizer_states='float32' with fully_shard, or master_weights='stochastic' "
-                             "for memory.")
+                              "for memory.")
         notes.append(f"ampatch: dropping {overrides.quote('optimizer_states')}: {why}; the optimizer keeps its FP32 "
                      "state.")  # from outside (a variable, a policy: tune's candidates), as a level it cannot apply to
         props = dataclasses.replace(props, optimizer_states=StatePrecision.FLOAT32)
@@ -103,9 +103,9 @@ def check_fp8(props: Properties, optimizers: Sequence[torch.optim.Optimizer]) ->
     for o in optimizers:
         if isinstance(o, torch.optim.LBFGS):
             raise ConfigError("fp8 with torch.optim.LBFGS: its line search and curvature pairs compare the losses and "
-                             "gradients of re-evaluated closures, which FP8's dynamic scaling perturbs by a few "
-                             "percent each time. Use a first-order optimizer (SGD, AdamW, ...) with fp8, or leave "
-                             "fp8 off with LBFGS.")
+                              "gradients of re-evaluated closures, which FP8's dynamic scaling perturbs by a few "
+                              "percent each time. Use a first-order optimizer (SGD, AdamW, ...) with fp8, or leave "
+                              "fp8 off with LBFGS.")
 
 
 def as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:
@@ -116,13 +116,13 @@ def as_list(x: Any, what: str, kind: type) -> tuple[list, bool]:
         first = next(j for j, other in enumerate(items) if other is item)
         if first != i:
             raise ConfigError(f"amp.initialize got the same {what[:-1]} twice: {what}[{i}] is {what}[{first}] "
-                             f"({type(item).__name__}); pass each of the {what} once.")
+                              f"({type(item).__name__}); pass each of the {what} once.")
         if what == "models" and isinstance(item, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise OrderError(f"amp.initialize got a model already wrapped in {type(item).__name__}; call "
-                               "amp.initialize on the bare model first, then wrap the model it returns.")
+                             "amp.initialize on the bare model first, then wrap the model it returns.")
         if not isinstance(item, kind):
             raise ConfigTypeError(f"amp.initialize expects {what} to be {kind.__name__} objects (or a list of them), "
-                            f"got {type(item).__name__}.")
+                                  f"got {type(item).__name__}.")
     return items, single
 
 

@@ -218,8 +218,8 @@ class Session:
         if h is not None:
             return h
         raise OrderError(f"{what} got an optimizer that was not passed to amp.initialize; pass every "
-                           "optimizer to initialize (they come back patched). A later amp.initialize ends the "
-                           "earlier session: its optimizers are plain torch optimizers again.")
+                         "optimizer to initialize (they come back patched). A later amp.initialize ends the "
+                         "earlier session: its optimizers are plain torch optimizers again.")
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
@@ -360,9 +360,9 @@ def optimizer_list(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.op
     opts = list(optimizers)
     if not opts:
         raise ConfigError("scale_loss got no optimizer: pass the optimizer(s) whose params this loss's "
-                         "backward reaches (they unscale the grads and skip the step on overflow).")
+                          "backward reaches (they unscale the grads and skip the step on overflow).")
     for i, o in enumerate(opts):
         if any(o is other for other in opts[:i]):
             raise ConfigError(f"scale_loss got the same optimizer twice (optimizers[{i}]); pass each once, or "
-                             "its grads would be unscaled twice.")
+                              "its grads would be unscaled twice.")
     return opts

@@ -104,7 +104,7 @@ def _check(command: Sequence[str] | None, workload: str | None, size: str | None
     """The arguments checked (ValueError naming the fix); returns the levels, normalised."""
     if command is not None and (workload is not None or size is not None):
         raise ConfigError("workload/size apply to the built-in workloads; give your script its own options after its "
-                         "command")
+                          "command")
     if workload is not None and workload not in WORKLOADS:
         raise ConfigError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     if size is not None and size not in SIZES:
