@@ -24,7 +24,7 @@ from .context import BACK, ON_ITS_OWN, GradStage, HandleContext, StageCall, Step
 from .lowmem import LowMemMasters, take_state_entries
 from .masters import LOWMEM_KEY, MASTERS_KEY, Masters, Pair, add_grads, check_lowmem_entry, check_masters
 from .scaler import distributed, unscale_
-from .states import StateStore
+from .states import STATES_KEY, StateStore
 from .stepper import step_kept
 
 logger = logging.getLogger("ampatch")
@@ -79,10 +79,14 @@ class OptimizerHandle:
                  states: StatePrecision = StatePrecision.FLOAT32) -> None:
         self.optimizer = optimizer
         self.index = index
-        self.states = StateStore(optimizer, states)  # first: it refuses what it cannot keep
+        self._precision, self._keeps_state = states, states.stored
+        self._states: StateStore | None = None  # made where it keeps something, or reads a kept state back
+        if states.stored:
+            self._states = StateStore(optimizer, states)  # first: it refuses what it cannot keep
         self.masters = (LowMemMasters(optimizer, master_ids, mode) if mode.low_memory and master_ids is not None
                         else Masters(optimizer, master_ids))
-        state_checkpoint.take_kept(self.states, list(self.params()))
+        if states.stored or any(isinstance(s, dict) and STATES_KEY in s for s in optimizer.state.values()):
+            state_checkpoint.take_kept(self.states, list(self.params()))  # a kept state a plain optimizer loaded
         self.use_masters = self.masters.enabled  # every unscale is checked, even at a static 1.0
         self._ctx = context
         self._guard: StepGuard | None = None
@@ -97,6 +101,14 @@ class OptimizerHandle:
     @property
     def stage(self) -> GradStage:
         return self._stage
+
+    @property
+    def states(self) -> StateStore:
+        """The optimizer's kept state (`states.StateStore`); at "float32" it keeps nothing, and is
+        made on first use (to read a checkpoint's kept state back into FP32 state)."""
+        if self._states is None:
+            self._states = StateStore(self.optimizer, self._precision)
+        return self._states
 
     def _move(self, call: StageCall) -> None:
         """The stage after `call`, as `STAGE_MOVES` says (checked first: `expect_stage`)."""
@@ -261,7 +273,10 @@ class OptimizerHandle:
             self.masters.move_grads(pairs)
         try:
             with disable_casts():
-                out = step_kept(self.optimizer, inner, args, kwargs, self.states)  # inner itself, unless state is kept
+                if self._keeps_state:
+                    out = step_kept(self.optimizer, inner, args, kwargs, self.states)
+                else:  # the optimizer's own state: its own step
+                    out = inner(*args, **kwargs)
         finally:  # even a step that raised half-way: the model shows what the masters hold
             if pairs:
                 self.masters.copy_to_model(pairs)
@@ -274,7 +289,7 @@ class OptimizerHandle:
     def _chunked_step(self, inner: Callable, args: tuple, kwargs: dict) -> Any:
         self.masters.move_grads(list(self.pairs()))  # grads of a plain backward outside scale_loss
         with disable_casts():
-            out = self.masters.step(inner, args, kwargs, self.states)
+            out = self.masters.step(inner, args, kwargs, self._states)
         self._stepped(skipped=False)
         return out
 
@@ -370,7 +385,8 @@ class OptimizerHandle:
         """The params' entries besides torch's own: kahan compensations (`lowmem`), kept state (`state_checkpoint`)."""
         if isinstance(state_dict.get("state"), dict):
             self.masters.state_entries(state_dict["state"])  # nothing where there are no masters
-            state_checkpoint.add_entries(self.states, list(self.params()), state_dict["state"])
+            if self._states is not None:
+                state_checkpoint.add_entries(self._states, list(self.params()), state_dict["state"])
 
     def load_entries(self, state_dict: dict, inner: Callable) -> None:
         """`optimizer.load_state_dict`: ampatch's entries taken out of `state_dict` and checked,
@@ -409,7 +425,8 @@ class OptimizerHandle:
     # ------------------------------------------------------------------ undo
     def unswap(self) -> Mapping[int, torch.Tensor]:
         """Kept state back to FP32, model params back into param_groups; returns masters by model param id."""
-        self.states.restore(self.params())
+        if self._states is not None:
+            self._states.restore(self.params())
         return self.masters.unswap()
 
     def recast_state(self) -> None:
