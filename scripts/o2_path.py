@@ -3,6 +3,7 @@ reader follows from `amp.initialize` through `amp.scale_loss` to `optimizer.step
 
     python scripts/o2_path.py            # the table, then "N files, M lines"
     python scripts/o2_path.py --level O5
+    python scripts/o2_path.py --steps    # only the training iterations, after initialize
 
 A profiler hook notes every ampatch function called between `initialize` and the third
 `optimizer.step()` of a small MLP with AdamW on the CPU, at the default verbosity (the model
@@ -23,9 +24,10 @@ import torch
 import ampatch as amp
 
 
-def path_files(level: str, functions: set | None = None) -> dict[str, int]:
-    """{file relative to the package: calls} for one initialize + 3 steps at `level`; the
-    (file, first line, qualified name) of every function that ran are added to `functions`."""
+def path_files(level: str, functions: set | None = None, steps_only: bool = False) -> dict[str, int]:
+    """{file relative to the package: calls} for one initialize + 3 steps at `level` (only the
+    steps with `steps_only`); the (file, first line, qualified name) of every function that ran
+    are added to `functions`."""
     functions = set() if functions is None else functions
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -39,9 +41,11 @@ def path_files(level: str, functions: set | None = None) -> dict[str, int]:
             functions.add((os.path.relpath(frame.f_code.co_filename, root), frame.f_code.co_firstlineno,
                            frame.f_code.co_qualname))
 
-    sys.setprofile(hook)
+    if not steps_only:
+        sys.setprofile(hook)
     try:
         model, opt = amp.initialize(model, opt, opt_level=level)  # default verbosity: its advice too
+        sys.setprofile(hook)
         for _ in range(3):
             opt.zero_grad()
             loss = model(torch.randn(8, 16)).float().pow(2).mean()
@@ -72,11 +76,12 @@ def followed_lines(source: str, first_lines: set[int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--level", default="O2")
+    parser.add_argument("--steps", action="store_true", help="only the training iterations (initialize left out)")
     parser.add_argument("--functions", action="store_true", help="list the functions that ran, by file")
     args = parser.parse_args()
     root = os.path.dirname(amp.__file__)
     ran: set[tuple[str, int, str]] = set()
-    files = path_files(args.level, ran)
+    files = path_files(args.level, ran, steps_only=args.steps)
     if args.functions:
         for name, _, fn in sorted(ran):
             print(f"  ampatch/{name}: {fn}")
