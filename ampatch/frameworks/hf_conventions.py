@@ -17,6 +17,9 @@ shape (a `generate` method, a `config` with a `dtype`) gets the same treatment.
   its config names, so it would turn the FP32 checkpoint into a half model (which O1 would
   then train in pure half, and O2 would give masters rounded to half). The config records
   the dtype the model had before the cast instead, like the checkpoint of an FP32 run.
+- Gradient checkpointing (`checkpoint_like_forward`): each module's `_gradient_checkpointing_func`
+  (set by `gradient_checkpointing_enable`, before `initialize` or after it) recomputes in
+  backward under the default dtype its forward ran under (`default_dtype.RecomputeAlike`).
 - `check_not_accelerated`: what Accelerate prepared is refused, with the order that works.
 
 (`ampatch.huggingface` is the Trainer integration, imported only when used.)
@@ -33,6 +36,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..model import cast
+from ..model.default_dtype import RecomputeAlike
 from ..session import addons
 
 logger = logging.getLogger("ampatch")
@@ -96,13 +100,44 @@ class SavePretrained:
 def cast_entry_points(model: nn.Module, patcher: Any, cast_entry: Callable[[Callable[..., Any]], Any],
                       original_dtype: torch.dtype | None) -> None:
     """The model convention `model.cast.ModelHandle` runs on each model it casts: the entry
-    points cast like forward (`cast_entry`), and `save_pretrained` naming the dtype before
-    the cast."""
+    points cast like forward (`cast_entry`), `save_pretrained` naming the dtype before the
+    cast, gradient checkpointing recomputing as the forward ran."""
     for name in entry_points(model):
         patcher.patch(model, name, cast_entry(getattr(model, name)))
     if original_dtype is not None and saves_config_dtype(model):
         patcher.patch(model, "save_pretrained", SavePretrained(typing.cast(Callable[..., Any], model.save_pretrained),
                                                                 original_dtype))
+    checkpoint_like_forward(model, patcher)
+
+
+class SetCheckpointing:
+    """`model._set_gradient_checkpointing` of a cast model: the checkpoint function it is given
+    is wrapped (`RecomputeAlike`) before transformers hands it to the modules. What it set
+    stays after `deinitialize` (outside a cast model the wrapper changes nothing)."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.__wrapped__ = inner  # inspect.signature follows it: transformers reads the parameters
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        func = kwargs.get("gradient_checkpointing_func")
+        if func is not None and not isinstance(func, RecomputeAlike):
+            kwargs["gradient_checkpointing_func"] = RecomputeAlike(func)
+        return self.__wrapped__(*args, **kwargs)
+
+
+def checkpoint_like_forward(model: nn.Module, patcher: Any) -> None:
+    """Gradient checkpointing that recomputes as the forward ran: the checkpoint functions the
+    modules hold now, and those `_set_gradient_checkpointing` sets later (by keyword, as
+    transformers' `gradient_checkpointing_enable` passes it)."""
+    for module in model.modules():
+        func = vars(module).get("_gradient_checkpointing_func")
+        if callable(func) and not isinstance(func, RecomputeAlike):
+            patcher.patch(module, "_gradient_checkpointing_func", RecomputeAlike(func))
+    cls = type(model)
+    enables = callable(getattr(cls, "gradient_checkpointing_enable", None))
+    if enables and callable(getattr(cls, "_set_gradient_checkpointing", None)):
+        set_checkpointing = typing.cast(Callable[..., Any], model._set_gradient_checkpointing)
+        patcher.patch(model, "_set_gradient_checkpointing", SetCheckpointing(set_checkpointing))
 
 
 def check_not_accelerated(models: Sequence[nn.Module], optimizers: Sequence[Any]) -> None:

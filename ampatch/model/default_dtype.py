@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["DefaultDtype", "DEFAULT_DTYPE", "default_dtype", "fp32_default"]
+__all__ = ["DefaultDtype", "DEFAULT_DTYPE", "default_dtype", "fp32_default", "RecomputeAlike"]
 
 
 class _Stack(threading.local):
@@ -123,3 +124,32 @@ def fp32_default() -> contextlib.AbstractContextManager:
     step) when it runs inside a context that made it half (a framework's step: manual
     optimization steps inside `training_step`); nothing to do elsewhere."""
     return default_dtype(torch.float32, weak=True) if DEFAULT_DTYPE.active() else contextlib.nullcontext()
+
+
+class RecomputeAlike:
+    """A checkpoint function (`torch.utils.checkpoint.checkpoint`, or a partial of it) whose
+    recompute in backward runs under the default dtype its forward ran under. torch restores
+    the RNG and autocast state for a recompute, not the default dtype: inside a cast model
+    the forward made a tensor from Python numbers in the half dtype (T5's float16 clamp) and
+    the recompute, in backward, in FP32, which torch refuses ("Recomputed values ... have
+    different metadata"). Outside a cast model it changes nothing. A plain object, so a
+    model that holds it stays picklable and copyable."""
+
+    def __init__(self, checkpoint: Callable[..., Any]) -> None:
+        self.__wrapped__ = checkpoint
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__(_UnderDtype(function, torch.get_default_dtype()), *args, **kwargs)
+
+
+class _UnderDtype:
+    """`function` called under `dtype` as the default dtype (a no-op where it already is)."""
+
+    def __init__(self, function: Callable[..., Any], dtype: torch.dtype) -> None:
+        self.function, self.dtype = function, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.get_default_dtype() == self.dtype:
+            return self.function(*args, **kwargs)
+        with default_dtype(self.dtype):
+            return self.function(*args, **kwargs)

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["signature", "declare_as", "argument", "first_argument", "set_to_none", "closure", "takes", "zero_grad"]
+__all__ = ["signature", "declare_as", "argument", "first_argument", "set_to_none", "closure", "takes", "zero_grad",
+           "forwarding_method"]
 
 _MISSING = object()  # "no such argument in the call"
 # a function (a bound method's __func__: the same for every instance) -> its signature
@@ -160,3 +161,17 @@ def zero_grad(optimizer: Any, set_to_none: bool, params: Iterable[torch.Tensor])
             g.detach_()
             g.zero_()
             p.grad = g
+
+
+def forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
+    """A plain function (so LR schedulers can take `step.__func__`) calling func(inner, ...),
+    with `inner`'s signature (what this module reads: the patched method declares what the
+    optimizer's own does)."""
+    def method(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        return func(inner, *args, **kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"{cls.__name__}.{name}"
+    method.__doc__ = getattr(inner, "__doc__", None)
+    declare_as(method, inner)
+    return method

@@ -33,20 +33,6 @@ SKIP_WARNING_AFTER = 50  # skipped steps in a row before the first warning (then
 PATCHED = ("step", "zero_grad", "add_param_group", "state_dict", "load_state_dict")
 
 
-def _forwarding_method(func: Callable, inner: Callable, name: str, cls: type) -> Callable:
-    """A plain function (so LR schedulers can take `step.__func__`) calling func(inner, ...),
-    with `inner`'s signature (what `calls` reads: the patched method declares what the
-    optimizer's own does)."""
-    def method(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        return func(inner, *args, **kwargs)
-
-    method.__name__ = name
-    method.__qualname__ = f"{cls.__name__}.{name}"
-    method.__doc__ = getattr(inner, "__doc__", None)
-    calls.declare_as(method, inner)
-    return method
-
-
 class OptimizerHandle:
     """One optimizer under mixed precision: its masters, its grads through scale_loss, its step.
 
@@ -104,8 +90,7 @@ class OptimizerHandle:
 
     @property
     def states(self) -> StateStore:
-        """The optimizer's kept state (`states.StateStore`); at "float32" it keeps nothing, and is
-        made on first use (to read a checkpoint's kept state back into FP32 state)."""
+        """The kept state (`states.StateStore`); at "float32" made on first use (to read a checkpoint's back)."""
         if self._states is None:
             self._states = StateStore(self.optimizer, self._precision)
         return self._states
@@ -234,7 +219,7 @@ class OptimizerHandle:
         opt = self.optimizer
         for name in PATCHED:
             inner = getattr(opt, name)  # bound: the class method or an instance override
-            method = _forwarding_method(getattr(self, "_" + name), inner, name, type(opt))
+            method = calls.forwarding_method(getattr(self, "_" + name), inner, name, type(opt))
             if getattr(inner, "_wrapped_by_lr_sched", False):
                 # an LR scheduler made before initialize wrapped step (to see that it is called);
                 # the patched step calls that wrapper, so the scheduler must not think it was replaced

@@ -2,6 +2,9 @@
 models. Skipped where transformers is not installed (it is not a dependency of ampatch)."""
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -46,3 +49,45 @@ def test_o2_whisper_generate():
     with torch.no_grad():
         out = model.generate(input_features=torch.randn(2, 8, 16), max_new_tokens=3, do_sample=False)
     assert out.dtype == torch.long and out.shape[0] == 2
+
+
+def _t5():
+    torch.manual_seed(0)
+    config = transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=64,
+                                   decoder_start_token_id=0, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_o2_float16_gradient_checkpointing_recomputes_as_the_forward_ran(when):
+    """T5's float16 forward makes a clamp bound from Python numbers (`torch.where`): in the half
+    dtype while the cast forward runs, in FP32 when torch recomputes the checkpointed layer in
+    backward unless the recompute runs under the forward's default dtype too (torch then refuses
+    it: "Recomputed values ... have different metadata"). Enabled before or after initialize,
+    the checkpointed step gives the gradients of the step without checkpointing."""
+    ids, labels = torch.randint(3, 64, (2, 8)), torch.randint(3, 64, (2, 5))
+    grads = []
+    for checkpointing in (False, True):
+        model = _t5()
+        if checkpointing and when == "before":
+            model.gradient_checkpointing_enable()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=1.0,
+                                    verbosity=0)
+        if checkpointing and when == "after":
+            model.gradient_checkpointing_enable()
+        model.train()
+        loss = model(input_ids=ids, labels=labels).loss
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        grads.append([p.grad.clone() for p in amp.master_params(opt)])
+        if checkpointing:
+            funcs = [m._gradient_checkpointing_func for m in model.modules()
+                     if "_gradient_checkpointing_func" in vars(m)]
+            assert funcs
+            pickle.dumps(funcs[0])  # picklable, as transformers' own partial is
+            copy.deepcopy(model)
+        amp.deinitialize()
+    for plain, checkpointed in zip(*grads):  # the same within float16's rounding (checkpointing changes the
+        # order of some FP32 sums too: transformers turns use_cache off)
+        assert (plain - checkpointed).norm() <= 1e-2 * plain.norm()
