@@ -68,7 +68,8 @@ def normalize(text: Any, what: str = "opt_level") -> OptLevel:
         raise ConfigTypeError(f"{what} must be a string such as 'O1', got {type(text).__name__}.")
     level = text.strip().upper()
     if level not in LEVELS:
-        raise ConfigError(f"Unknown {what} {text!r}; valid levels are {', '.join(LEVELS)} ({DESCRIPTION}).")
+        zero = f" ({'O' + level[1:]!r}: the letter O, not the digit zero)" if "O" + level[1:] in LEVELS else ""
+        raise ConfigError(f"Unknown {what} {text!r}{zero}; valid levels are {', '.join(LEVELS)} ({DESCRIPTION}).")
     return cast("OptLevel", level)  # one of LEVELS' keys, checked above
 
 

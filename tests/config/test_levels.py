@@ -219,6 +219,12 @@ def test_unknown_level_names_the_valid_ones(bad):
         amp.initialize(bn_model(), opt_level=bad)
 
 
+@pytest.mark.parametrize("bad", ["02", "05"])
+def test_a_level_written_with_a_zero_says_it_is_the_letter_o(bad):
+    with pytest.raises(ValueError, match=f"'O{bad[1]}': the letter O, not the digit zero"):
+        props(bad)
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 0, -1.0, "abc", "-2"])
 def test_bad_loss_scale_values(value):
     with pytest.raises(ValueError, match="loss_scale"):
