@@ -39,6 +39,7 @@ RUNS = {  # name: amp.initialize keywords
     "O2/int8": {"opt_level": "O2", "half_dtype": torch.float16, "loss_scale": "dynamic", "optimizer_states": "int8"},
     "O3/bfloat16": {"opt_level": "O3", "optimizer_states": "bfloat16"},
     "stochastic/int8": {"opt_level": "O5", "master_weights": "stochastic", "optimizer_states": "int8"},
+    "kahan/bfloat16": {"opt_level": "O5", "master_weights": "kahan", "optimizer_states": "bfloat16"},
 }
 
 
@@ -67,7 +68,7 @@ def initialize(model: nn.Module, opt: torch.optim.Optimizer, run: str) -> tuple[
     model, opt = amp.initialize(model, opt, verbosity=0, **RUNS[run])
     h = current().optimizers[0]
     h.states.chunk_numel = 512
-    if "stochastic" in run:
+    if run.startswith(("stochastic", "kahan")):
         h.masters.chunk_numel = 512
     return model, opt
 
@@ -204,26 +205,38 @@ def overflow(rank: int, world: int, run: str) -> dict[str, Any]:
     return out
 
 
+HOWS = ("plain", "dcp_full", "dcp")
+
+
 def save(model: nn.Module, opt: torch.optim.Optimizer, how: str, where: str) -> Any:
-    if how == "plain":  # each rank its own shards: torch.save of state_dict()
+    """plain: each rank its own shards (torch.save of state_dict()); dcp_full: the full state
+    dicts of torch.distributed.checkpoint's helpers; dcp: dcp.save of its sharded ones."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    if how != "dcp":
         buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+        full = StateDictOptions(full_state_dict=True)
+        ckpt = ({"model": model.state_dict(), "optim": opt.state_dict()} if how == "plain" else
+                dict(zip(("model", "optim"), get_state_dict(model, opt, options=full))))
+        torch.save(ckpt, buf)
         return buf.getvalue()
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
     return where
 
 
 def load(model: nn.Module, opt: torch.optim.Optimizer, saved: Any, how: str) -> None:
-    if how == "plain":
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    if how != "dcp":
         ckpt = torch.load(io.BytesIO(saved), weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optim"])
+        if how == "plain":
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optim"])
+        else:
+            set_state_dict(model, opt, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
+                           options=StateDictOptions(full_state_dict=True))
         return
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     msd, osd = get_state_dict(model, opt)  # the template dcp.load fills in
     ckpt = {"model": msd, "optim": osd}
     dcp.load(ckpt, checkpoint_id=saved)
@@ -231,9 +244,9 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, saved: Any, how: str) -> 
 
 
 def resume(rank: int, world: int, run: str, where: str) -> dict[str, Any]:
-    """STEPS steps straight; then half of them, checkpointed (per-rank state dicts, and
-    torch.distributed.checkpoint), and the other half from each checkpoint, loaded into a
-    model of other weights after amp.initialize and before it (into the plain optimizer)."""
+    """STEPS steps straight; then half of them, checkpointed (`HOWS`), and the other half from
+    each checkpoint, loaded into a model of other weights after amp.initialize and before it
+    (into the plain optimizer)."""
     data = my_batches(STEPS, rank, world)
     half = STEPS // 2
     model, opt = build(run)
@@ -243,11 +256,10 @@ def resume(rank: int, world: int, run: str, where: str) -> dict[str, Any]:
     model, opt = build(run)
     train(model, opt, data[:half])
     at_save = kept(opt)
-    saved = {how: save(model, opt, how, os.path.join(where, f"resume-{run.replace('/', '-')}"))
-             for how in ("plain", "dcp")}
+    saved = {how: save(model, opt, how, os.path.join(where, f"resume-{run.replace('/', '-')}")) for how in HOWS}
     amp.deinitialize()
     out: dict[str, Any] = {}
-    for how in ("plain", "dcp"):
+    for how in HOWS:
         for order in ("after", "before"):
             if order == "after":
                 model, opt = build(run, seed=1)  # other weights: everything comes from the checkpoint
@@ -265,8 +277,8 @@ def resume(rank: int, world: int, run: str, where: str) -> dict[str, Any]:
 
 
 def refused(rank: int, world: int) -> dict[str, Any]:
-    """What optimizer_states cannot keep shard by shard: refused before anything changes;
-    forced from outside it applies."""
+    """What optimizer_states cannot keep shard by shard: refused before anything changes; a
+    malformed checkpoint on one rank: refused on every rank; forced from outside it applies."""
     out: dict[str, Any] = {}
     for name, make in (("adafactor", lambda ps: torch.optim.Adafactor(ps, lr=1e-2)),
                        ("lbfgs", lambda ps: torch.optim.LBFGS(ps))):
@@ -279,6 +291,19 @@ def refused(rank: int, world: int) -> dict[str, Any]:
             out[name] = str(e)
         out[name + "/untouched"] = all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state
         amp.deinitialize()
+    model, opt = build("O5/bfloat16")  # a malformed rounding count in rank 1's checkpoint: refused on every rank
+    train(model, opt, my_batches(1, rank, world))
+    sd = opt.state_dict()
+    if rank == 1:
+        sd["param_groups"][0]["ampatch_states_rounding"] = torch.tensor([5, -1])
+    before = kept(opt)
+    try:
+        opt.load_state_dict(sd)
+        out["malformed"] = None
+    except ValueError as e:
+        out["malformed"] = str(e)
+    out["malformed/untouched"] = same(before, kept(opt))
+    amp.deinitialize()
     os.environ["AMPATCH_OPTIMIZER_STATES"] = "int8"
     try:
         model, opt = plain()

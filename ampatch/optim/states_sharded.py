@@ -6,9 +6,11 @@ checkpoints carry it the way a plain FSDP2 optimizer's state travels.
 (made as it is asked for: a save copies what a plain FSDP2 optimizer holds all along), under
 the optimizer's own names (`exp_avg`, ...), so `torch.distributed.checkpoint` saves, loads
 and reshards it as any optimizer state; the bfloat16 rounding's seed and step count go into
-every param group (`SEED_KEY`, `ROUNDS_KEY`). A load, before `initialize` (into the plain
-optimizer) or after, keeps the loaded FP32 values again: bfloat16 values and int8 codes
-decoded are kept again bit for bit (`quant`), so a run resumes exactly. docs/fsdp.md.
+every param group (`COUNTS_KEY`: a tensor of two int64, which the full-state-dict load of
+torch.distributed.checkpoint carries into a plain optimizer, where a plain int would raise
+a KeyError). A load, before `initialize` (into the plain optimizer) or after, keeps the
+loaded FP32 values again: bfloat16 values and int8 codes decoded are kept again bit for bit
+(`quant`), so a run resumes exactly. docs/fsdp.md.
 """
 from __future__ import annotations
 
@@ -30,10 +32,10 @@ from .states import StateStore
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["SEED_KEY", "ROUNDS_KEY", "check_shardable", "kept_store", "add_entries", "take"]
+__all__ = ["COUNTS_KEY", "check_shardable", "kept_store", "add_entries", "take"]
 
-SEED_KEY, ROUNDS_KEY = "ampatch_states_seed", "ampatch_states_rounds"  # param group entries
-Counts = tuple[int, int] | None  # (seed, rounds) of the bfloat16 rounding, from a checkpoint
+COUNTS_KEY = "ampatch_states_rounding"  # a param group entry: tensor([seed, rounds]) of the bfloat16 rounding
+Counts = tuple[int, int] | None  # (seed, rounds), from a checkpoint
 
 
 def check_shardable(optimizer: torch.optim.Optimizer, precision: StatePrecision) -> None:
@@ -64,8 +66,7 @@ def kept_store(optimizer: torch.optim.Optimizer, precision: StatePrecision, proc
         raise ConfigError(f"{problem}; amp.initialize changed nothing.")
     store = StateStore(optimizer, precision)
     for group in optimizer.param_groups:
-        group.pop(SEED_KEY, None)
-        group.pop(ROUNDS_KEY, None)
+        group.pop(COUNTS_KEY, None)
     if counts is not None:
         store.seed, store.rounds = counts
     if store.active and distributed(process_group):
@@ -89,7 +90,8 @@ def add_entries(store: StateStore, params: Sequence[torch.Tensor], sd: dict) -> 
     for i, p in enumerate(params):
         for name, packed in store.kept.get(id(p), {}).items():
             sd["state"][i] = {**sd["state"].get(i, {}), name: store.as_float(p, packed)}  # a dict of its own
-    sd["param_groups"] = [{**g, SEED_KEY: store.seed, ROUNDS_KEY: store.rounds} for g in sd.get("param_groups", [])]
+    sd["param_groups"] = [{**g, COUNTS_KEY: torch.tensor([store.seed, store.rounds], dtype=torch.int64)}
+                          for g in sd.get("param_groups", [])]
 
 
 def take(store: StateStore, state_dict: dict, params: Sequence[torch.Tensor],
@@ -104,8 +106,7 @@ def take(store: StateStore, state_dict: dict, params: Sequence[torch.Tensor],
     if problem is not None:
         raise ConfigError(f"{problem}; nothing was loaded.")
     for g in state_dict["param_groups"]:
-        g.pop(SEED_KEY, None)
-        g.pop(ROUNDS_KEY, None)
+        g.pop(COUNTS_KEY, None)
     if not store.active or not isinstance(state_dict.get("state"), dict):
         return lambda: None
     state = state_dict["state"] = dict(state_dict["state"])
@@ -134,14 +135,15 @@ def take(store: StateStore, state_dict: dict, params: Sequence[torch.Tensor],
 
 
 def _counts(groups: Sequence[dict]) -> tuple[Counts, str | None]:
-    """The rounding's (seed, rounds) in `groups` (the first group's), and what is wrong with them."""
-    found = [(g.get(SEED_KEY), g.get(ROUNDS_KEY)) for g in groups if SEED_KEY in g or ROUNDS_KEY in g]
+    """The rounding's (seed, rounds) in `groups` (the first group's entry), and what is wrong with them."""
+    found = [g[COUNTS_KEY] for g in groups if COUNTS_KEY in g]
     if not found:
         return None, None
-    for key, value in zip(("seed", "rounds"), found[0]):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return None, (f"optimizer checkpoint: the optimizer state's rounding {key!r} (the param groups' "
-                          f"{SEED_KEY!r}, {ROUNDS_KEY!r}) must be an int >= 0, got {value!r}: it was not saved by "
-                          "ampatch's optimizer.state_dict(), or was changed since")
-    seed, rounds = found[0]
-    return (int(seed), int(rounds)), None  # type: ignore[arg-type]  # (checked above)
+    value = found[0]
+    counts = (value.tolist() if isinstance(value, torch.Tensor) and not value.is_floating_point()
+              and value.shape == (2,) else None)
+    if counts is None or any(c < 0 for c in counts):
+        return None, (f"optimizer checkpoint: the optimizer state's rounding (the param groups' {COUNTS_KEY!r}) must "
+                      f"be an integer tensor of its seed and step count, both >= 0, got {value!r}: it was not saved "
+                      "by ampatch's optimizer.state_dict(), or was changed since")
+    return (int(counts[0]), int(counts[1])), None

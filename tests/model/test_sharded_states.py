@@ -4,18 +4,20 @@ Two real processes (gloo on loopback, file rendezvous) run the scenarios of
 tests/_fsdp_states_worker.py once for the module (about 15 s); the tests compare what the
 ranks saved:
 
-- O5, O2 (float16, dynamic scale), O3 and master_weights "stochastic" train with their
+- O5, O2 (float16, dynamic scale), O3 and master_weights "stochastic"/"kahan" train with their
   state kept: each rank keeps bfloat16 values or int8 codes (a scale per block of its local
   shard) of its local shard only, `report()` counts those bytes, `optimizer.state_dict()`
   gives FP32 DTensors placed like each param, and after `deinitialize` the optimizer holds
   plain FP32 DTensor state, equal to what the state dict gave, and plain FSDP2 trains on;
 - HSDP replicas seeded apart round their bfloat16 state alike and stay bit-identical;
 - an inf in one rank's shard skips the step on every rank, the kept state bit for bit;
-- checkpoints (per-rank state dicts; torch.distributed.checkpoint's save/load) resume bit
-  for bit, loaded after `initialize` and before it (into the plain optimizer), but for the
-  bfloat16 state's rounding count in a dcp.load whose template a plain optimizer made;
-- optimizers that cannot keep their state shard by shard (Adafactor, LBFGS) are refused,
-  and the state precision forced from outside applies.
+- checkpoints (per-rank state dicts; torch.distributed.checkpoint's full state dicts, and
+  its save/load) resume bit for bit, loaded after `initialize` and before it (into the plain
+  optimizer), but for the bfloat16 state's rounding count in a dcp.load whose template a
+  plain optimizer made (the state itself loads exactly);
+- optimizers that cannot keep their state shard by shard (Adafactor, LBFGS) are refused, a
+  malformed checkpoint on one rank is refused on every rank, and the state precision
+  forced from outside applies.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def test_each_rank_keeps_its_shard_of_the_state_and_trains(ranks, run):
         # the state dict: FP32 state sharded like each param, under the optimizer's own names
         assert len(r["entries"]) == 12 and all(e == ("DTensor", "torch.float32", True, True)
                                                for e in r["entries"].values())
-        assert {"ampatch_states_seed", "ampatch_states_rounds"} <= set(r["groups"])
+        assert "ampatch_states_rounding" in r["groups"]
         # after deinitialize: plain FP32 state, sharded like the params, what the state dict gave
         assert r["after_deinit"].keys() == r["entries"].keys()
         assert all(e == ("DTensor", "torch.float32", True, True, True) for e in r["after_deinit"].values())
@@ -101,7 +103,7 @@ def test_an_overflow_on_one_rank_leaves_the_kept_state_on_every_rank(ranks, run)
 
 
 @pytest.mark.parametrize("order", ["after", "before"])
-@pytest.mark.parametrize("how", ["plain", "dcp"])
+@pytest.mark.parametrize("how", worker.HOWS)
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
 def test_a_checkpoint_resumes_bit_for_bit(ranks, precision, how, order):
     for r in scenario(ranks, f"resume/O5/{precision}"):
@@ -110,14 +112,16 @@ def test_a_checkpoint_resumes_bit_for_bit(ranks, precision, how, order):
         if precision == "bfloat16" and how == "dcp" and order == "before":
             # a plain optimizer's template has no place for the rounding's seed and count: the state is
             # exact, the rounding draws afresh (docs/fsdp.md)
-            assert not res["same"] and res["close"] < 0.01
+            assert res["close"] < 0.01
         else:
             assert res["same"], (how, order)
 
 
-def test_what_cannot_keep_its_state_shard_by_shard_is_refused(ranks):
+def test_what_cannot_keep_its_state_shard_by_shard_or_is_malformed_is_refused(ranks):
     for r in scenario(ranks, "refused"):
         assert "Adafactor is not one of torch.optim's elementwise optimizers" in r["adafactor"]
         assert "optimizer_states='float32'" in r["adafactor"] and r["adafactor/untouched"]
         assert "LBFGS" in r["lbfgs"] and "optimizer_states='float32'" in r["lbfgs"] and r["lbfgs/untouched"]
+        assert "'ampatch_states_rounding'" in r["malformed"] and "(in rank 1's part)" in r["malformed"]
+        assert "nothing was loaded" in r["malformed"] and r["malformed/untouched"]
         assert r["forced"] == "int8"  # AMPATCH_OPTIMIZER_STATES applies on FSDP2 (it used to be dropped)
