@@ -150,7 +150,7 @@ def trains(rank: int, world: int, run: str) -> dict[str, Any]:
     entries = {}
     for i, p in enumerate(params):
         for name, v in sd["state"][i].items():
-            if name != "step":
+            if name != "step" and not name.startswith("ampatch_"):  # (kahan: its compensation too)
                 entries[f"{i}/{name}"] = (type(v).__name__, str(v.dtype), tuple(v.shape) == tuple(p.shape),
                                                        v.placements == p.placements and v.device_mesh == p.device_mesh)
     saved = [{k: v.to_local().clone() for k, v in sd["state"][i].items() if k != "step"} for i in range(len(params))]
