@@ -117,6 +117,12 @@ def test_a_checkpoint_resumes_bit_for_bit(ranks, precision, how, order):
             assert res["same"], (how, order)
 
 
+@pytest.mark.parametrize("how", worker.HOWS)
+def test_a_checkpoint_of_stochastic_weights_and_int8_state_resumes_bit_for_bit(ranks, how):
+    for r in scenario(ranks, "resume/stochastic/int8"):
+        assert r[f"{how}/after"]["loaded"] and r[f"{how}/after"]["same"]
+
+
 def test_what_cannot_keep_its_state_shard_by_shard_or_is_malformed_is_refused(ranks):
     for r in scenario(ranks, "refused"):
         assert "Adafactor is not one of torch.optim's elementwise optimizers" in r["adafactor"]
