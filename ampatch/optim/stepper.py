@@ -84,6 +84,7 @@ class ShardLayout(Layout):
 PLAIN = Layout()  # plain tensor state: the default layout
 SHARDS = ShardLayout()  # FSDP2-sharded params: the rank steps its local shards
 
+
 class Rounding(NamedTuple):
     """How the new FP32 values go back into bfloat16 (or a param's own half dtype)."""
 
