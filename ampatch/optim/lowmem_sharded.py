@@ -14,17 +14,17 @@ entry) and the rounding's seed and step count (param group entries) travel in
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config.values import MasterMode
-from ..errors import ConfigError, NotSupportedError, PlatformError
+from ..errors import ConfigError, NotSupportedError
 from .chunks import Workspace, chunk_numel, is_elementwise, refuse_lbfgs
+from .dtensors import as_param, dtensor_class, local, local_part, shard_offset
 from .lowmem import (
     COMP_KEY,
     SUM_BLOCK,
@@ -35,11 +35,9 @@ from .lowmem import (
 )
 from .masters import Masters, cast_state
 from .rounding import rotation
-from .scaler import distributed, overflowed
-from .stepper import Layout, Rounding, Target, step_in_chunks
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
+from .scaler import distributed, first_problem
+from .states import StateStore
+from .stepper import SHARDS, Rounding, Target, step_in_chunks
 
 logger = logging.getLogger("ampatch")
 
@@ -47,18 +45,6 @@ __all__ = ["ShardedLowMem", "COMP_KEY", "SEED_KEY", "ROUNDS_KEY", "local", "loca
 
 F32, BF16 = torch.float32, torch.bfloat16
 SEED_KEY, ROUNDS_KEY = "ampatch_seed", "ampatch_rounds"  # stochastic: param group entries
-
-
-def _dtensor() -> type[DTensor] | None:
-    """DTensor, where torch.distributed.tensor was imported already (a sharded model): never imported here."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
-def local(t: Any) -> Any:
-    """A DTensor's local shard (a view: writing it writes the DTensor); anything else as it is."""
-    cls = _dtensor()
-    return t.to_local() if cls is not None and isinstance(t, cls) else t
 
 
 def local_footprint(params: Iterable[Any]) -> tuple[int, int]:
@@ -69,50 +55,6 @@ def local_footprint(params: Iterable[Any]) -> tuple[int, int]:
         count += mine.numel()
         size += mine.numel() * mine.element_size()
     return count, size
-
-
-def shard_offset(p: torch.Tensor) -> int:
-    """The index, in `p` flattened, of its local shard's first element: FSDP2 shards dim 0 as
-    `torch.chunk` does (each mesh coordinate a run of whole rows); replicated mesh dims hold
-    the same rows. Raises for any other placement."""
-    cls = _dtensor()
-    if cls is None or not isinstance(p, cls):
-        return 0
-    coordinate: Sequence[int] = p.device_mesh.get_coordinate() or ()
-    rows, start, sharded = (p.shape[0] if p.dim() else 1), 0, False
-    for dim, placement in enumerate(p.placements):
-        if placement.is_replicate():
-            continue
-        if not placement.is_shard(dim=0) or sharded:
-            raise ConfigError(f"master_weights 'stochastic'/'kahan' step FSDP2 shards of whole rows (Shard(0), "
-                              f"replicated or not); a parameter of shape {tuple(p.shape)} is placed {p.placements}: "
-                              "use master_weights=True.")
-        sharded = True
-        size = p.device_mesh.size(dim)
-        start = coordinate[dim] * -(-rows // size)
-    mine = local(p)
-    if mine.numel() and mine.shape[0] != min(rows, start + mine.shape[0]) - start:
-        raise PlatformError(f"ampatch: the local shard of a parameter of shape {tuple(p.shape)} is not the rows FSDP2 "
-                            "gives it (torch.chunk on dim 0); this torch shards otherwise.")
-    return min(start, rows) * (p.numel() // rows if rows else 0)
-
-
-class _ShardLayout(Layout):
-    """DTensor state: its local shard lines up with the local shard of the weight."""
-
-    def local(self, value: Any) -> Any:
-        return local(value)
-
-    def adopt(self, target: Target, values: torch.Tensor) -> torch.Tensor:
-        return as_param(target.key, values)
-
-
-def as_param(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """`values` (`p`'s local shape) as a tensor placed like `p` (a DTensor over its mesh), no copy."""
-    cls = _dtensor()
-    if cls is None or not isinstance(p, cls):
-        return values
-    return cls.from_local(values, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 class ShardedLowMem(Masters):
@@ -184,32 +126,35 @@ class ShardedLowMem(Masters):
         pass
 
     # ------------------------------------------------------------------ the step
-    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, states: Any = None) -> Any:
+    def step(self, call: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+             states: StateStore | None = None) -> Any:
         """One optimizer step over the local shards, a chunk at a time (`stepper.step_in_chunks`);
-        FP32 params (units kept FP32) step as they are, in a call of their own. (`states`: kept
-        optimizer state is not supported on sharded models: refused at `initialize`.)"""
+        FP32 params (units kept FP32) step as they are, in a call of their own, or, where
+        `states` keeps the optimizer's state (optimizer_states), in place with the chunks."""
         kwargs = kwargs or {}
         if args and callable(args[0]) or kwargs.get("closure") is not None:
             raise NotSupportedError(f"optimizer.step(closure) is not supported with master_weights="
                                     f"{self.mode.value!r}: the step runs a chunk of parameters at a time.")
+        kept = states is not None and states.active
         targets, own = [], []
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.dtype != BF16:
+                direct = kept and p.dtype == F32 == p.grad.dtype  # FP32, its state kept: stepped in place
+                if p.dtype != BF16 and not direct:
                     own.append((gi, p))
                     continue
                 w, g = local(p).detach(), local(p.grad)
                 split = not g.is_sparse and g.is_contiguous() and w.is_contiguous()
                 targets.append(Target(p, gi, w, g, self.comp.get(id(p)), self.ordinal[id(p)], self.offset[id(p)],
-                                      split))
+                                      split, direct))
         device = targets[0].weight.device if targets else torch.device("cpu")
         budget = self.chunk_numel or chunk_numel(device)
         rounding = Rounding(self.mode is MasterMode.STOCHASTIC, self.seed, rotation(self.rounds))
         self.loaded.clear()
         out = step_in_chunks(self.optimizer, call, args, kwargs, targets, own, budget, self.workspace, rounding,
-                             _ShardLayout(), own_apart=True)
+                             SHARDS, own_apart=True, store=states)
         # torch.distributed.checkpoint makes an optimizer's state with a step at lr 0 (nothing moves):
         # that is not a step of the rounding's
         if any(float(g.get("lr", 1.0)) != 0.0 for g in self.optimizer.param_groups):
@@ -292,13 +237,7 @@ class ShardedLowMem(Masters):
             problem = problem or _bad_count(key, value)
         for key, value in (("rounds", r) for _, r in seeds):
             problem = problem or _bad_count(key, value, missing_ok=True)
-        if distributed(process_group):  # one verdict for every rank: a rank that raised alone would hang the others
-            device = params[0].device if params else torch.device("cpu")
-            if overflowed(torch.tensor(float(problem is not None), device=device), process_group):
-                said: list[Any] = [None] * dist.get_world_size(process_group)
-                dist.all_gather_object(said, problem, group=process_group)
-                rank, problem = next((r, p) for r, p in enumerate(said) if p is not None)
-                problem = f"{problem} (in rank {rank}'s part)"
+        problem = first_problem(problem, process_group, params[0].device if params else "cpu")
         if problem is not None:
             raise ConfigError(f"optimizer checkpoint: {problem}; nothing was loaded.")
 
@@ -309,7 +248,7 @@ class ShardedLowMem(Masters):
                     for i, c in comps.items():
                         p = params[i]
                         if id(p) in self.comp:
-                            self.comp[id(p)].copy_(_local_part(c, p, self.offset[id(p)]))
+                            self.comp[id(p)].copy_(local_part(c, p, self.offset[id(p)]))
                             self.loaded.add(id(p))
             if (comps and not kahan) or (seeds and kahan):
                 logger.info("ampatch: the optimizer checkpoint was saved with master_weights=%r, this session uses "
@@ -338,7 +277,7 @@ class ShardedLowMem(Masters):
                 src, c = incoming.get(id(p)), self.comp.get(id(p))
                 if src is None or c is None:
                     continue
-                values = _local_part(src, p, self.offset[id(p)]).reshape(-1)
+                values = local_part(src, p, self.offset[id(p)]).reshape(-1)
                 if id(p) in self.loaded and not self._remainder(values, p, None):
                     continue
                 self._remainder(values, p, c.view(-1))
@@ -382,18 +321,6 @@ class _PlacedSum(WeightPlusCompensation):
             return as_param(p, local(p).detach().float().add_(comp))
 
 
-def _local_part(value: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tensor:
-    """The part of a saved tensor of `p`'s (global) shape that lines up with `p`'s local shard:
-    a DTensor's local shard where it is placed like `p`, else the rows from `offset` of the whole."""
-    cls = _dtensor()
-    mine = local(p)
-    if cls is not None and isinstance(value, cls):
-        if isinstance(p, cls) and value.placements == p.placements and value.device_mesh == p.device_mesh:
-            return value.to_local().to(mine.device)
-        value = value.full_tensor()
-    return value.reshape(-1)[offset:offset + mine.numel()].view(mine.shape).to(mine.device)
-
-
 def _state_value(p: torch.Tensor, key: Any, value: Any, fused: bool, offset: int) -> Any:
     """A saved state value of `p`'s, as the optimizer keeps it here: on p's device, floating
     tensors in FP32 (the step count as saved, FP32 for fused/capturable optimizers), a whole
@@ -402,9 +329,9 @@ def _state_value(p: torch.Tensor, key: Any, value: Any, fused: bool, offset: int
         return value
     if key == "step":
         return value.to(dtype=F32, device=p.device) if fused else value
-    cls = _dtensor()
+    cls = dtensor_class()
     if cls is not None and isinstance(p, cls) and not isinstance(value, cls) and value.shape == p.shape:
-        value = as_param(p, _local_part(value, p, offset).clone())
+        value = as_param(p, local_part(value, p, offset).clone())
     return value.to(device=p.device, dtype=F32) if value.is_floating_point() else value.to(device=p.device)
 
 

@@ -93,6 +93,8 @@ def dequantize_(out: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, si
         codes.bitwise_and_(_SIGN).bitwise_or_(scratch)
     else:
         codes.bitwise_left_shift_(_SHIFT)
-    values = codes.view(torch.float32).mul_(1.0 / _EXPONENT[signed]).view(-1, BLOCK)
-    torch.mul(values, (absmax / _MANTISSA).unsqueeze(1), out=out.view(-1, BLOCK))
+    # the top code reads as exactly 1.0 and then as exactly the block's largest: coding decoded
+    # values again gives the same codes and scales (a checkpoint's FP32 state kept again, bit for bit)
+    values = codes.view(torch.float32).mul_(1.0 / (_MANTISSA * _EXPONENT[signed])).view(-1, BLOCK)
+    torch.mul(values, absmax.unsqueeze(1), out=out.view(-1, BLOCK))
     return out

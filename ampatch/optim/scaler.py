@@ -255,6 +255,20 @@ def overflowed(found_inf: torch.Tensor, process_group=None) -> bool:
     return bool(found_inf.item())
 
 
+def first_problem(problem: str | None, process_group: Any = None, device: Any = "cpu") -> str | None:
+    """One verdict for every rank on a checkpoint each rank checked on its own (a rank that
+    raised alone would hang the others in their next collective): the first rank's problem,
+    naming the rank, or None where no rank found one."""
+    if not distributed(process_group):
+        return problem
+    if not overflowed(torch.tensor(float(problem is not None), device=device), process_group):
+        return None
+    said: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(said, problem, group=process_group)
+    rank, problem = next((r, p) for r, p in enumerate(said) if p is not None)
+    return f"{problem} (in rank {rank}'s part)"
+
+
 def abort(handles: Sequence[Any], scale: float) -> None:
     """A `scale_loss` block raised (a KeyboardInterrupt from a backward hook included):
     whatever its backward wrote is unscaled like on a normal exit, so the grads hold what

@@ -9,7 +9,10 @@ tensor of its parameter's shape but the step count, of parameters with a dimensi
 ("bfloat16"), and of those with at least `quant.MIN_NUMEL` elements ("int8"); everything else
 stays in `optimizer.state` as the optimizer made it. A skipped (overflowed) step never
 reaches here. Checkpoints carry the kept state in each parameter's entry of
-`optimizer.state_dict()["state"]` (`STATES_KEY`, `checkpoint`). docs/optimizer_states.md.
+`optimizer.state_dict()["state"]` (`STATES_KEY`, `state_checkpoint`). An FSDP2-sharded
+parameter (a DTensor) has its state kept over the rank's local shard (int8 blocks per local
+shard; which tensors are kept goes by the whole parameter, alike on every rank), and its
+checkpoints carry FP32 state sharded like it (`states_sharded`). docs/optimizer_states.md.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 from ..config.values import StatePrecision
 from ..errors import ConfigError, InternalError
 from .chunks import Workspace
+from .dtensors import as_param, is_dtensor, local, local_part, shard_offset
 from .quant import BLOCK, MIN_NUMEL, aligned, blocks, code_dtype, dequantize_, quantize_
 from .rounding import rotation, round_with_, stream, thresholds_
 
@@ -117,6 +121,7 @@ class Piece:
     a: int
     b: int
     ordinal: int  # the parameter's place: its stream of rounding draws
+    origin: int = 0  # the index, in the whole parameter, of the kept tensor's first element (a shard's)
     offset: int = 0  # where it starts in the chunk's buffers
 
 
@@ -150,6 +155,7 @@ class StateStore:
         self.rounds = 0  # steps that kept state: the stochastic rounding's shift (`rounding.rotation`)
         self.chunk_numel: int | None = None  # elements per chunk of a step; None: by device (`chunks.chunk_numel`)
         self.workspace = Workspace()  # the step's FP32 buffers (the low-memory masters bring their own)
+        self.origins: dict[int, int] = {}  # id(a sharded key) -> where its local shard starts (`origin`)
 
     @property
     def active(self) -> bool:
@@ -157,6 +163,16 @@ class StateStore:
 
     def names(self, key: torch.Tensor) -> list[str]:
         return list(self.kept.get(id(key), ()))
+
+    def origin(self, key: torch.Tensor) -> int:
+        """The index, in the whole of `key` flattened, of the first element this rank keeps: 0, or
+        where a sharded parameter's local shard starts (its rounding draws are its elements' own)."""
+        if not is_dtensor(key):
+            return 0
+        found = self.origins.get(id(key))
+        if found is None:
+            found = self.origins[id(key)] = shard_offset(key)
+        return found
 
     def keeps(self, key: torch.Tensor, name: str) -> bool:
         """Whether a per-element state tensor `name` of the parameter `key` is kept here."""
@@ -248,8 +264,8 @@ class StateStore:
         scratch = workspace.buffer(device, "scratch", n, torch.int32)
         shifted = 0
         if self.precision is StatePrecision.BFLOAT16:
-            thresholds_(codes, scratch, [(p.b - p.a, stream(self.seed, p.ordinal), p.a) for p in chunk.pieces],
-                        rotation(self.rounds))
+            thresholds_(codes, scratch, [(p.b - p.a, stream(self.seed, p.ordinal), p.origin + p.a)
+                                         for p in chunk.pieces], rotation(self.rounds))
         for j, ((name, signed), members) in enumerate(chunk.slots.items()):
             buf = workspace.buffer(device, f"state{j}", n)
             if self.precision is StatePrecision.BFLOAT16:
@@ -267,23 +283,25 @@ class StateStore:
                                  [absmax[p.offset // BLOCK:(p.offset + p.b - p.a - 1) // BLOCK + 1] for p in members])
 
     def write(self, key: torch.Tensor, name: str, a: int, b: int, value: torch.Tensor, ordinal: int) -> None:
-        """Elements a..b of the state `name` of `key`, which the optimizer has just made (`value`,
-        FP32), kept: the first time, the kept tensor of the whole parameter is made (zeros)."""
+        """Elements a..b (of its local shard, if sharded) of the state `name` of `key`, which the
+        optimizer has just made (`value`, FP32), kept: the first time, the kept tensor of the
+        whole parameter (its local shard) is made (zeros)."""
         kept = self.kept.setdefault(id(key), {})
         packed = kept.get(name)
         if packed is None:
             packed = kept[name] = self._empty(key, signed=name not in UNSIGNED or bool((value < 0).any()))
-        piece = Piece({name: packed}, a, b, ordinal)
+        piece = Piece({name: packed}, a, b, ordinal, self.origin(key))
         chunk = _Chunk(value.device, [piece], self._align())
         scratch = Workspace()  # buffers of this write's own: an optimizer makes its state once
         scratch.buffer(value.device, "state0", chunk.n).zero_()[:b - a].copy_(value.reshape(-1))
         self.lower(chunk, scratch)
 
     def _empty(self, key: torch.Tensor, signed: bool) -> Packed:
+        mine = local(key)  # a sharded parameter's state is kept over its local shard
         if self.precision is StatePrecision.BFLOAT16:
-            return Packed(torch.zeros(key.shape, dtype=BF16, device=key.device))
-        return Packed(torch.zeros(key.numel(), dtype=code_dtype(signed), device=key.device),
-                      torch.zeros(blocks(key.numel()), dtype=F32, device=key.device))
+            return Packed(torch.zeros(mine.shape, dtype=BF16, device=mine.device))
+        return Packed(torch.zeros(mine.numel(), dtype=code_dtype(signed), device=mine.device),
+                      torch.zeros(blocks(mine.numel()), dtype=F32, device=mine.device))
 
     # ------------------------------------------------------------------ whole tensors in and out
     def take_state(self, keys: Sequence[torch.Tensor], ordinals: dict[int, int]) -> None:
@@ -297,36 +315,46 @@ class StateStore:
             if not entries:
                 continue
             for name in kept_names(entries, key.shape):
-                if not self.keeps(key, name):
-                    continue
-                value = entries.pop(name).detach()
-                kept = self.kept.setdefault(id(key), {})
-                kept[name] = self._empty(key, signed=name not in UNSIGNED or bool((value < 0).any()))
-                flat = value.reshape(-1)
-                for a in range(0, flat.numel(), _CONVERT_BLOCK):
-                    b = min(a + _CONVERT_BLOCK, flat.numel())
-                    self.write(key, name, a, b, flat[a:b].to(F32), ordinals.get(id(key), 0))
-                del value, flat
+                if self.keeps(key, name):
+                    self.keep(key, name, entries.pop(name), ordinals.get(id(key), 0))
+
+    def keep(self, key: torch.Tensor, name: str, value: torch.Tensor, ordinal: int) -> None:
+        """The whole state tensor `name` of `key` (`value`: of its shape; a sharded one's, placed
+        like it or whole), kept now in place of what was kept, a part at a time."""
+        value = value.detach()
+        if is_dtensor(key) or is_dtensor(value):
+            value = local_part(value, key, self.origin(key))
+        flat = value.reshape(-1)
+        kept = self.kept.setdefault(id(key), {})
+        kept[name] = self._empty(key, signed=name not in UNSIGNED or bool((flat < 0).any()))
+        for a in range(0, flat.numel(), _CONVERT_BLOCK):
+            b = min(a + _CONVERT_BLOCK, flat.numel())
+            self.write(key, name, a, b, flat[a:b].to(F32), ordinal)
 
     def restore(self, keys: Iterable[torch.Tensor]) -> None:
         """Every kept tensor back into `optimizer.state` as FP32 of its parameter's shape (what
-        the optimizer made), one at a time; nothing is kept after (`deinitialize`)."""
+        the optimizer made; sharded like it, for a DTensor), one at a time; nothing is kept
+        after (`deinitialize`)."""
         for key in keys:
             kept = self.kept.pop(id(key), None)
             if not kept:
                 continue
             entries = self.optimizer.state.setdefault(key, {})
             for name in list(kept):
-                entries[name] = kept.pop(name).to_float(key.shape)  # each kept copy goes as its FP32 one comes
+                entries[name] = self.as_float(key, kept.pop(name))  # each kept copy goes as its FP32 one comes
         self.kept.clear()
+
+    def as_float(self, key: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """`packed` (a state tensor of `key`, as kept) in FP32 of `key`'s shape, placed like it."""
+        return as_param(key, packed.to_float(local(key).shape))
 
     def adopt(self, key: torch.Tensor, kept: dict[str, Packed], ordinal: int) -> None:
         """A parameter's kept state from a checkpoint (checked): kept as it is where it is in this
         store's precision, else read back to FP32 (into the optimizer's state) and kept anew."""
-        if self.active and all(p.precision is self.precision for p in kept.values()):
+        if self.active and all(p.precision is self.precision for p in kept.values()) and not is_dtensor(key):
             self.kept[id(key)] = kept
             return
-        entries = self.optimizer.state.setdefault(key, {})
+        entries = self.optimizer.state.setdefault(key, {})  # (a sharded one's: whole, kept by its local part)
         for name, packed in kept.items():
             entries[name] = packed.to_float(key.shape)
         self.take_state([key], {id(key): ordinal})
@@ -350,6 +378,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for t in state.values():
             if torch.is_tensor(t):
-                local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: the state is sharded too
-                total += local.numel() * local.element_size()
+                mine = local(t)  # FSDP2: the state is sharded too
+                total += mine.numel() * mine.element_size()
     return total

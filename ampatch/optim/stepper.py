@@ -35,10 +35,11 @@ from .chunks import (
     plan_pieces,
     step_hooks_once,
 )
+from .dtensors import as_param, local
 from .rounding import round_with_, stream, thresholds_
 from .states import Piece, StateStore
 
-__all__ = ["Target", "Layout", "Rounding", "step_in_chunks", "step_kept"]
+__all__ = ["Target", "Layout", "SHARDS", "Rounding", "step_in_chunks", "step_kept"]
 
 F32 = torch.float32
 
@@ -70,7 +71,19 @@ class Layout:
         return local
 
 
+class ShardLayout(Layout):
+    """DTensor state (FSDP2): its local shard lines up with the local shard of the weight."""
+
+    def local(self, value: Any) -> Any:
+        return local(value)
+
+    def adopt(self, target: Target, values: torch.Tensor) -> torch.Tensor:
+        return as_param(target.key, values)
+
+
 PLAIN = Layout()  # plain tensor state: the default layout
+SHARDS = ShardLayout()  # FSDP2-sharded params: the rank steps its local shards
+
 
 class Rounding(NamedTuple):
     """How the new FP32 values go back into bfloat16 (or a param's own half dtype)."""
@@ -132,7 +145,9 @@ def step_kept(opt: torch.optim.Optimizer, call: Callable[..., Any], args: tuple,
     """One step of `opt`'s params as they are (FP32 masters, or the params of a level without
     masters) with their state kept in `store`: FP32 params step in place, a chunk at a time
     (`direct`); half ones (O3) are lifted into FP32 and rounded back to nearest; any other
-    dtype steps as it is, with the first chunk. Where `store` keeps nothing, `call` as it is."""
+    dtype steps as it is, with the first chunk. FSDP2-sharded params (DTensors) step their
+    local shards, their unkept state sharded like them (`SHARDS`). Where `store` keeps
+    nothing, `call` as it is."""
     if not store.active:
         return call(*args, **kwargs)
     if args and callable(args[0]) or kwargs.get("closure") is not None:
@@ -141,18 +156,22 @@ def step_kept(opt: torch.optim.Optimizer, call: Callable[..., Any], args: tuple,
                                 "backward before step(), or use optimizer_states='float32'.")
     elementwise = is_elementwise(opt)
     targets, own = [], []
-    ordinal = 0
+    ordinal, layout = 0, PLAIN
     for gi, group in enumerate(opt.param_groups):
         for p in group["params"]:
             g = p.grad
             if g is not None and p.dtype in (F32, torch.bfloat16, torch.float16) and g.dtype == p.dtype:
-                split = elementwise and not g.is_sparse and g.is_contiguous() and p.is_contiguous()
-                targets.append(Target(p, gi, p, g, None, ordinal, 0, split, direct=p.dtype == F32))
+                w, lg = local(p), local(g)
+                if w is not p:  # a DTensor: its local shard (a view), its place in the whole parameter
+                    w, layout = w.detach(), SHARDS
+                split = elementwise and not lg.is_sparse and lg.is_contiguous() and w.is_contiguous()
+                targets.append(Target(p, gi, w, lg, None, ordinal, store.origin(p), split, direct=p.dtype == F32))
             elif g is not None:
                 own.append((gi, p))
             ordinal += 1
     budget = store.chunk_numel or chunk_numel(targets[0].weight.device if targets else torch.device("cpu"))
-    return step_in_chunks(opt, call, args, kwargs, targets, own, budget, store.workspace, Rounding(False), store=store)
+    return step_in_chunks(opt, call, args, kwargs, targets, own, budget, store.workspace, Rounding(False), layout,
+                          store=store)
 
 
 def _by_group(pairs: Sequence[tuple[int, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
@@ -308,7 +327,7 @@ class _PieceState:
         for i, a, b in chunk:
             if self.kept.get(i):
                 t = self.targets[i]
-                out.setdefault(t.weight.device, []).append(Piece(self.kept[i], a, b, t.ordinal))
+                out.setdefault(t.weight.device, []).append(Piece(self.kept[i], a, b, t.ordinal, t.offset))
         return out
 
     def lift(self, device: torch.device, pieces: list[_Piece]) -> dict[int, dict[str, torch.Tensor]]:
@@ -317,8 +336,8 @@ class _PieceState:
         store, workspace = self.store, self.workspace
         if not with_kept or store is None or workspace is None:  # kept only with a store
             return {}
-        chunk, views = store.lift(device, [Piece(self.kept[p.i], p.a, p.b, self.targets[p.i].ordinal)
-                                           for p in with_kept], workspace)
+        chunk, views = store.lift(device, [Piece(self.kept[p.i], p.a, p.b, self.targets[p.i].ordinal,
+                                                 self.targets[p.i].offset) for p in with_kept], workspace)
         self.lifted.append(chunk)
         return {id(p.proxy): {k: v.view(p.proxy.shape) for k, v in mine.items()} for p, mine in zip(with_kept, views)}
 

@@ -92,7 +92,8 @@ def _build_sharded(props: Properties, models: Sequence[nn.Module], optimizers: S
     handles: list[ShardedOptimizerHandle] = []
     try:
         for i, opt in enumerate(optimizers):
-            handles.append(ShardedOptimizerHandle(opt, i, masters, syncs_off, context, mode, cast_ids))
+            handles.append(ShardedOptimizerHandle(opt, i, masters, syncs_off, context, mode, cast_ids,
+                                                  props.optimizer_states))
     except BaseException:  # e.g. an optimizer the low-memory modes cannot step shard by shard
         for h in handles:
             h.unswap()

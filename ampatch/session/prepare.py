@@ -7,7 +7,6 @@ runs once the previous session let go of the models.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from ..base.notices import warn
 from ..config.env import Overrides
 from ..config.options import Options, Properties, resolve, warn_or_err
 from ..config.settings import SETTINGS
-from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE, StatePrecision
+from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE
 from ..errors import ConfigError, ConfigTypeError, OrderError
 from ..machine import hardware
 from ..model import fp8, sharded
@@ -83,15 +82,6 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
         check_fp8(props, opt_list)
     for o in opt_list:
         check_keepable(o, props.optimizer_states)
-    if props.optimizer_states.stored and sharded.is_sharded(model_list):
-        why = (f"optimizer_states={props.optimizer_states.value!r} is not supported on FSDP2-sharded models yet (the "
-               "kept state would have to be sharded like each parameter)")
-        if overrides.optimizer_states is None:
-            raise ConfigError(f"{why}; use optimizer_states='float32' with fully_shard, or master_weights='stochastic' "
-                              "for memory.")
-        notes.append(f"ampatch: dropping {overrides.quote('optimizer_states')}: {why}; the optimizer keeps its FP32 "
-                     "state.")  # from outside (a variable, a policy: tune's candidates), as a level it cannot apply to
-        props = dataclasses.replace(props, optimizer_states=StatePrecision.FLOAT32)
     return Prepared(options, props, overrides, model_list, opt_list, single_model, single_opt, optimizers is None,
                     notes)
 

@@ -145,7 +145,6 @@ def test_what_the_sharded_modes_refuse(ranks):
         assert "LBFGS needs all of them at once" in r["lbfgs"]
         assert r["adafactor/untouched"] and r["lbfgs/untouched"]
         assert "it was built before fully_shard" in r["optimizer_before_shard"]
-        assert "not supported on FSDP2-sharded models yet" in r["optimizer_states"] and r["optimizer_states/untouched"]
 
 
 @pytest.mark.parametrize("opt", sorted(worker.OPTIMIZERS))
@@ -201,8 +200,10 @@ def test_resume_on_another_world_size_is_within_tunes_tolerance(resharded, mode,
 @pytest.mark.slow
 def test_tune_for_memory_offers_the_sharded_modes(tmp_path):
     """`ampatch tune --objective memory -- torchrun ... examples/fsdp.py`: both low-memory modes
-    run sharded, each rank's bytes per parameter counted, and the fewest that train like FP32
-    win ("stochastic": bfloat16 shard + FP32 moments, 2 bytes fewer than sharded O5's FP32 shard)."""
+    run sharded, and so do the optimizer-state precisions (each rank keeps its shard of the
+    state), each rank's bytes per parameter counted, and the fewest that train like FP32 win
+    ("stochastic": bfloat16 shard, 2 bytes fewer than sharded O5's FP32 shard; with int8 state
+    where that trains like FP32)."""
     import json
     import os
     import subprocess
@@ -220,11 +221,15 @@ def test_tune_for_memory_offers_the_sharded_modes(tmp_path):
     data = json.loads(out.read_text())
     rows = {c.get("master_weights"): c for c in data["candidates"] if c.get("optimizer_states") is None}
     assert set(rows) == {None, "stochastic", "kahan"}
-    kept = [c for c in data["candidates"] if c.get("optimizer_states") is not None]  # not on FSDP2 yet: dropped
-    assert kept and all(not c["qualifies"] and "ran with optimizer_states='float32'" in c["reason"] for c in kept)
+    kept = {(c.get("master_weights"), c["optimizer_states"]): c for c in data["candidates"]
+            if c.get("optimizer_states") is not None}  # the optimizer state kept sharded, as each rank's shard
+    assert set(kept) == {(None, "bfloat16"), (None, "int8"), ("stochastic", "int8")}
+    assert all(c["finite"] and "ran with optimizer_states" not in c["reason"] for c in kept.values())
     for mode in MODES:
         assert rows[mode]["finite"] and rows[mode]["qualifies"], rows[mode]["reason"]
     per_param = {m: r["train_bytes_per_param"] for m, r in rows.items()}
     assert per_param["stochastic"] == pytest.approx(per_param[None] - 2, abs=0.05)  # bfloat16 shard, not FP32
     assert per_param["kahan"] == pytest.approx(per_param[None], abs=0.05)           # plus its compensation
-    assert data["chosen"]["master_weights"] == "stochastic"
+    assert kept[(None, "bfloat16")]["train_bytes_per_param"] == pytest.approx(per_param[None] - 4, abs=0.05)
+    assert kept[("stochastic", "int8")]["train_bytes_per_param"] < per_param["stochastic"] - 2
+    assert data["chosen"]["master_weights"] == "stochastic"  # with int8 state where that trains like FP32
