@@ -66,9 +66,8 @@ class OptimizerHandle:
         self.optimizer = optimizer
         self.index = index
         self._precision, self._keeps_state = states, states.stored
-        self._states: StateStore | None = None  # made where it keeps something, or reads a kept state back
-        if states.stored:
-            self._states = StateStore(optimizer, states)  # first: it refuses what it cannot keep
+        # made where it keeps something (first: it refuses what it cannot keep), or reads a kept state back
+        self._states = StateStore(optimizer, states) if states.stored else None
         self.masters = (LowMemMasters(optimizer, master_ids, mode) if mode.low_memory and master_ids is not None
                         else Masters(optimizer, master_ids))
         if states.stored or any(isinstance(s, dict) and STATES_KEY in s for s in optimizer.state.values()):
@@ -80,9 +79,7 @@ class OptimizerHandle:
         self._back = GradStage.READY  # where SCALED goes back to
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._deferred: list[Callable[[], None]] = []
-        self._steps = 0
-        self._skips = 0  # skipped steps in a row
-        self._warn_at = SKIP_WARNING_AFTER
+        self._steps, self._skips, self._warn_at = 0, 0, SKIP_WARNING_AFTER  # steps; skipped ones in a row
 
     @property
     def stage(self) -> GradStage:
@@ -91,9 +88,12 @@ class OptimizerHandle:
     @property
     def states(self) -> StateStore:
         """The kept state (`states.StateStore`); at "float32" made on first use (to read a checkpoint's back)."""
-        if self._states is None:
-            self._states = StateStore(self.optimizer, self._precision)
+        self._states = self._states or StateStore(self.optimizer, self._precision)
         return self._states
+
+    @states.setter
+    def states(self, store: StateStore) -> None:  # a subclass's own store (the sharded one) steps and saves
+        self._states, self._precision, self._keeps_state = store, store.precision, store.precision.stored
 
     def _move(self, call: StageCall) -> None:
         """The stage after `call`, as `STAGE_MOVES` says (checked first: `expect_stage`)."""
