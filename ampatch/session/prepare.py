@@ -80,8 +80,9 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
     props, notes = resolve(options, hardware.model_device(model_list), overrides)
     if props.fp8 is not None:
         check_fp8(props, opt_list)
-    for o in opt_list:
-        check_keepable(o, props.optimizer_states)
+    if props.optimizer_states.stored:  # (the optimizer's own state needs no check)
+        for o in opt_list:
+            check_keepable(o, props.optimizer_states)
     return Prepared(options, props, overrides, model_list, opt_list, single_model, single_opt, optimizers is None,
                     notes)
 
