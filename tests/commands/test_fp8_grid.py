@@ -2,7 +2,13 @@
 (scripts/fp8_grid.py, the table in docs/fp8.md): one block of a residual MLP sees inputs
 whose per-sample scale spans more decades than e4m3 holds under one tensorwise scale, or
 fewer. The right answer is set by the format: beyond e4m3's range the planted block, and only
-it, is named and its exclusion verified; within it no layer is named. Two cells, about a minute."""
+it, is named and its exclusion verified; within it no layer is named. Two cells, about a minute.
+
+The cells run diagnose for 20 steps, not the grid's 40 (half the time): on these two the
+figures barely move between 20 and 40 steps (at 6 decades 14% of blocks.4's inputs flush, 15%
+at 40, against e4m3's 6.25%; at 3 decades every layer's shares stay below 0.5%, its errors
+within rounding), and at 20 the fix is judged to follow O0 (0.2% off O0, learning all it
+learns) while FP8 everywhere learns 12% of it."""
 from __future__ import annotations
 
 import sys
@@ -27,7 +33,7 @@ def test_the_expected_verdict_comes_from_e4m3s_range():
                          ids=lambda c: f"depth{c.depth}-blocks.{c.position}-{c.decades:g}decades")
 def test_diagnose_names_the_planted_block_and_only_where_fp8_cannot_hold_it(case):
     pytest.importorskip("torchao")
-    cell = fp8_grid.cell(case)
+    cell = fp8_grid.cell(case, steps=20)
     assert not cell.error, cell.error
     assert cell.named == case.expected
     if case.expected:
