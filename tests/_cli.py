@@ -20,18 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def ampatch_main(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, *args: str,
-                 cwd: Path | None = None, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+                 cwd: Path | None = None, env: Mapping[str, str | None] | None = None) -> subprocess.CompletedProcess:
     """``ampatch ARGS`` through `cli.main` in this process, as the command would run it from
-    ``cwd`` with no inherited AMPATCH_* (plus ``env``) and this checkout importable by its
-    runs: its exit code and what it (and its runs) printed, as a `CompletedProcess`. The
-    environment and working directory are restored afterwards (monkeypatch)."""
+    ``cwd`` with no inherited AMPATCH_* (plus ``env``; None unsets a variable) and this checkout
+    importable by its runs: its exit code and what it (and its runs) printed, as a
+    `CompletedProcess`. The environment and working directory are restored afterwards
+    (monkeypatch)."""
     for name in [k for k in os.environ if k.startswith("AMPATCH_")]:
         monkeypatch.delenv(name)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(ROOT) not in paths:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), *paths]))
     for name, value in (env or {}).items():
-        monkeypatch.setenv(name, value)
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     if cwd is not None:
         monkeypatch.chdir(cwd)
     capfd.readouterr()  # what came before is not this command's
