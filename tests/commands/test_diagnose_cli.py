@@ -2,11 +2,10 @@
 script, verifies the fix by running again with it, and refuses bad input with a clear
 message and a non-zero exit. Each test runs real child processes (slow): the command itself
 through `cli.main` in this process (`in_process`, tests/_cli.py; one interpreter start less per
-test), its runs as children; test_bad_options_are_usage_errors runs ``python -m ampatch``."""
+test), its runs as children."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,17 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _ampatch(*args: str, cwd: Path | None = None, timeout: float = 600, **extra: str) -> subprocess.CompletedProcess:
-    variables = env.without_ampatch()
-    variables["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), variables.get("PYTHONPATH")) if p)
-    variables.update(extra)
-    return subprocess.run([sys.executable, "-m", "ampatch", *args], cwd=cwd or ROOT, env=variables,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture
 def in_process(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
-    """``ampatch ARGS`` through `cli.main` in this process, as `_ampatch` runs it (tests/_cli.py)."""
+    """``ampatch ARGS`` from the checkout's root (or ``cwd``) through `cli.main` in this process, what
+    ``python -m ampatch`` runs, with no AMPATCH_* inherited (tests/_cli.py)."""
     return lambda *args, cwd=None: ampatch_main(capfd, monkeypatch, *args, cwd=cwd or ROOT)
 
 
@@ -137,11 +129,10 @@ def test_nothing_to_diagnose_is_a_clear_message_and_exit_1(tmp_path, body, messa
 
 
 def test_bad_options_are_usage_errors(tmp_path, capfd):
-    """The first from the real command, the others through `cli.main` in this process (what
-    ``python -m ampatch`` runs: one interpreter start instead of four)."""
-    done = _ampatch("diagnose", "--steps", "0")
-    assert done.returncode == 2 and "positive integer" in done.stderr
-    for args, words in ((["--workload", "lm", "--", "python", "x.py"], "exclude each other"),
+    """Through `cli.main` in this process (what ``python -m ampatch`` runs; the real process's exit
+    status and line: test_cli.py's test_a_bad_argument_from_the_real_command)."""
+    for args, words in ((["--steps", "0"], "positive integer"),
+                        (["--workload", "lm", "--", "python", "x.py"], "exclude each other"),
                         (["--json", str(tmp_path / "no" / "d.json")], "does not exist"),
                         (["--opt-level", "O5", "--half-dtype", "float16"], "O5 is the bfloat16 variant of O2")):
         assert main(["diagnose", *args]) == 2, args
