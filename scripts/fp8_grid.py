@@ -136,14 +136,15 @@ def train(argv: list[str]) -> float:
     return loss.item()
 
 
-def cell(case: Case, timeout: float = 600) -> Cell:
-    """Diagnose one case in a child process, as a user runs it, and read its JSON."""
+def cell(case: Case, timeout: float = 600, steps: int = STEPS) -> Cell:
+    """Diagnose one case in a child process, as a user runs it (`diagnose --steps steps`), and
+    read its JSON."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "diagnosis.json"
-        proc = subprocess.run([sys.executable, "-m", "ampatch", "diagnose", "--fp8", "--steps", str(STEPS),
+        proc = subprocess.run([sys.executable, "-m", "ampatch", "diagnose", "--fp8", "--steps", str(steps),
                                "--json", str(out), "--", sys.executable, str(Path(__file__).resolve()), "train",
                                *case.args()],
                               env=env, capture_output=True, text=True, timeout=timeout)

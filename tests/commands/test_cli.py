@@ -1,6 +1,9 @@
 """The ``ampatch`` command: compare, run, failed rows, argument errors, Ctrl-C.
 
-Most tests run ``python -m ampatch`` in a subprocess, as a user would. The pieces of
+Most tests run the command through `cli.main` in this process (`in_process`, tests/_cli.py:
+what ``python -m ampatch`` runs, its runs real child processes, without a second interpreter
+start per command); those about the process itself (its exit status and one-line usage error,
+Ctrl-C) run ``python -m ampatch`` as a user would. The pieces of
 ``ampatch.runs`` and ``ampatch.compare`` have their own tests (tests/commands/test_runs_*.py, test_compare_*.py).
 """
 
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cli import ampatch_main
 
 from ampatch import cli
 from ampatch.cli import common
@@ -71,16 +75,22 @@ def ampatch(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Completed
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture
+def in_process(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``ampatch ARGS`` through `cli.main` in this process, as `ampatch` above runs it (tests/_cli.py)."""
+    return lambda *args, cwd, env=None: ampatch_main(capfd, monkeypatch, *args, cwd=cwd, env=env)
+
+
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
 
 
 @pytest.mark.slow
-def test_compare_default_workload(tmp_path: Path) -> None:
+def test_compare_default_workload(tmp_path: Path, in_process) -> None:
     out = tmp_path / "out.json"
-    proc = ampatch("compare", "--levels", "O0,O4,O5", "--steps", "4", "--size", "tiny", "--json", str(out),
-                   cwd=tmp_path)
+    proc = in_process("compare", "--levels", "O0,O4,O5", "--steps", "4", "--size", "tiny", "--json", str(out),
+                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["workload"] == "lm" and data["steps"] == 4
@@ -107,11 +117,11 @@ def test_compare_default_workload(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_compare_user_script_with_a_failing_level(tmp_path: Path) -> None:
+def test_compare_user_script_with_a_failing_level(tmp_path: Path, in_process) -> None:
     script = write(tmp_path / "train.py", AMP_SCRIPT)
     out, png = tmp_path / "out.json", tmp_path / "curves.png"
-    proc = ampatch("compare", "--levels", "O0,O2,O4", "--json", str(out), "--plot", str(png),
-                   "--", "python", str(script), cwd=tmp_path)
+    proc = in_process("compare", "--levels", "O0,O2,O4", "--json", str(out), "--plot", str(png),
+                      "--", "python", str(script), cwd=tmp_path)
     assert proc.returncode == 1
     rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["O0", "O2", "O4"]
@@ -125,46 +135,43 @@ def test_compare_user_script_with_a_failing_level(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_run_forces_the_level_and_passes_the_exit_code(tmp_path: Path) -> None:
+def test_run_forces_the_level_and_passes_the_exit_code(tmp_path: Path, in_process) -> None:
     script = write(tmp_path / "train.py", AMP_SCRIPT)
     seen, report = tmp_path / "seen.txt", tmp_path / "report.json"
-    proc = ampatch("run", "--opt-level", "O3", "--report", str(report), "--",
-                   "python", str(script), str(seen), cwd=tmp_path)
+    proc = in_process("run", "--opt-level", "O3", "--report", str(report), "--",
+                      "python", str(script), str(seen), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert seen.read_text() == "O3"                       # the script asked for O1
     assert json.loads(report.read_text())["opt_level"] == "O3"
-    failing = ampatch("run", "--opt-level", "O2", "--", "python", str(script), cwd=tmp_path)
+    failing = in_process("run", "--opt-level", "O2", "--", "python", str(script), cwd=tmp_path)
     assert failing.returncode == 1 and "boom at O2" in failing.stderr
 
 
-def test_apex_alias(tmp_path: Path) -> None:
+def test_apex_alias(tmp_path: Path, in_process) -> None:
     script = write(tmp_path / "apex_train.py",
                    "from apex import amp\nassert callable(amp.initialize)\n")
-    proc = ampatch("run", "--opt-level", "O1", "--apex-alias", "--", "python", str(script),
-                   cwd=tmp_path)
+    proc = in_process("run", "--opt-level", "O1", "--apex-alias", "--", "python", str(script),
+                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 
-def test_apex_alias_still_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
+def test_apex_alias_still_runs_the_sitecustomize_it_shadows(tmp_path: Path, in_process) -> None:
     """The alias is a sitecustomize first on the run's path: the user's own one runs too."""
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     write(site_dir / "sitecustomize.py", "import builtins\nbuiltins.USER_SITE_RAN = True\n")
     script = write(tmp_path / "both.py", "import builtins\nfrom apex import amp\n"
                                          "assert builtins.USER_SITE_RAN and callable(amp.initialize)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(site_dir), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "ampatch", "run", "--apex-alias", "--", "python", str(script)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    path = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), str(site_dir), os.environ.get("PYTHONPATH")) if p)}
+    proc = in_process("run", "--apex-alias", "--", "python", str(script), cwd=tmp_path, env=path)
     assert proc.returncode == 0, proc.stderr
-    plain = subprocess.run([sys.executable, "-m", "ampatch", "run", "--", "python", str(script)],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    plain = in_process("run", "--", "python", str(script), cwd=tmp_path, env=path)
     assert plain.returncode == 1 and "No module named 'apex'" in plain.stderr   # the alias did it
 
 
-def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path) -> None:
+def test_a_script_without_initialize_is_a_failed_row(tmp_path: Path, in_process) -> None:
     script = write(tmp_path / "plain.py", "print('no amp here')\n")
-    proc = ampatch("compare", "--levels", "O1", "--", "python", str(script), cwd=tmp_path)
+    proc = in_process("compare", "--levels", "O1", "--", "python", str(script), cwd=tmp_path)
     assert proc.returncode == 1
     assert "FAILED: script never called amp.initialize" in proc.stdout
 
@@ -202,14 +209,12 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_a_bad_argument_from_the_real_command(tmp_path: Path) -> None:
-    """``python -m ampatch`` itself: exit status 2 and the one line, for an argparse error and
-    for one of ampatch's own checks."""
-    for args, message in ((["compare", "--size", "enormous"], "argument --size: invalid choice: 'enormous'"),
-                          (["compare", "--levels", "O0,O9"], "unknown opt level 'O9'")):
-        proc = ampatch(*args, cwd=tmp_path, timeout=60)
-        assert proc.returncode == 2
-        assert proc.stderr.startswith("ampatch: error:") and message in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    """``python -m ampatch`` itself: exit status 2 and the one line (an argparse error; those and
+    ampatch's own checks alike are `cli.main`'s return value and line: test_bad_arguments_exit_2_with_one_line)."""
+    proc = ampatch("compare", "--size", "enormous", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("ampatch: error:") and "argument --size: invalid choice: 'enormous'" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 def test_table_without_matplotlib_still_prints_then_fails(
@@ -258,23 +263,23 @@ def test_run_and_compare_pass_keep_fp32_to_the_script(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.slow
-def test_run_keep_fp32_reaches_initialize(tmp_path: Path) -> None:
+def test_run_keep_fp32_reaches_initialize(tmp_path: Path, in_process) -> None:
     """An unmodified script rerun with a module kept in FP32; a name it lacks fails, naming the variable."""
     script = write(tmp_path / "train.py", AMP_SCRIPT)
     report = tmp_path / "report.json"
-    proc = ampatch("run", "--opt-level", "O3", "--keep-fp32", "2", "--report", str(report), "--",
-                   "python", str(script), cwd=tmp_path)
+    proc = in_process("run", "--opt-level", "O3", "--keep-fp32", "2", "--report", str(report), "--",
+                      "python", str(script), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(report.read_text())["keep_fp32"] == ["2"]
-    bad = ampatch("run", "--keep-fp32", "head", "--", "python", str(script), cwd=tmp_path)
+    bad = in_process("run", "--keep-fp32", "head", "--", "python", str(script), cwd=tmp_path)
     assert bad.returncode == 1 and "AMPATCH_KEEP_FP32: no module is named 'head'" in bad.stderr
 
 
 @pytest.mark.slow
-def test_compare_built_in_workload_with_keep_fp32(tmp_path: Path) -> None:
+def test_compare_built_in_workload_with_keep_fp32(tmp_path: Path, in_process) -> None:
     out = tmp_path / "out.json"
-    proc = ampatch("compare", "--levels", "O1,O2", "--steps", "2", "--size", "tiny", "--keep-fp32", "head",
-                   "--json", str(out), cwd=tmp_path)
+    proc = in_process("compare", "--levels", "O1,O2", "--steps", "2", "--size", "tiny", "--keep-fp32", "head",
+                      "--json", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["report"]["keep_fp32"] for r in rows] == [["head"], ["head"]]
@@ -303,8 +308,8 @@ def test_report_at_exit_is_the_last_session(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- budget, progress, Ctrl-C
 
-def test_help_says_what_each_size_is() -> None:
-    proc = ampatch("compare", "--help", cwd=ROOT, timeout=60)
+def test_help_says_what_each_size_is(in_process) -> None:
+    proc = in_process("compare", "--help", cwd=ROOT)
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     assert "--size SIZE" in text and "auto (default" in text and "small = d_model 128, seq 32" in text
@@ -319,13 +324,13 @@ def test_budget_values() -> None:
 
 
 @pytest.mark.slow
-def test_compare_within_a_budget(tmp_path: Path) -> None:
+def test_compare_within_a_budget(tmp_path: Path, in_process) -> None:
     """The default size is calibrated first, within the budget; the title says what it chose."""
     from ampatch.machine import hardware
     from ampatch.runs.builtin import FEW_STEPS
     out = tmp_path / "out.json"
-    proc = ampatch("compare", "--levels", "O0,O5", "--budget", "25s", "--device", "cpu",
-                   "--json", str(out), cwd=tmp_path)
+    proc = in_process("compare", "--levels", "O0,O5", "--budget", "25s", "--device", "cpu",
+                      "--json", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["budget_s"] == 25 and data["steps"] == 150 and data["interrupted"] is False
@@ -434,13 +439,13 @@ def test_ctrl_c_during_a_built_in_workload_leaves_no_process_behind(tmp_path: Pa
             os.kill(int(pid), 0)
 
 
-def test_compare_levels_with_a_low_memory_master_mode(tmp_path: Path) -> None:
+def test_compare_levels_with_a_low_memory_master_mode(tmp_path: Path, in_process) -> None:
     """`--levels O5+stochastic,O5+kahan` adds those rows beside O5, each run with that
     master_weights, and the B/param column shows what each holds per trained parameter; a
     mode on a level that does not cast the model is a usage error naming the levels."""
     out = tmp_path / "c.json"
-    proc = ampatch("compare", "--levels", "O0,O5,o5+Stochastic,O5+kahan", "--steps", "6", "--size", "tiny",
-                   "--json", str(out), cwd=tmp_path, timeout=300)
+    proc = in_process("compare", "--levels", "O0,O5,o5+Stochastic,O5+kahan", "--steps", "6", "--size", "tiny",
+                      "--json", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["O0", "O5", "O5+stochastic", "O5+kahan"]
@@ -449,11 +454,11 @@ def test_compare_levels_with_a_low_memory_master_mode(tmp_path: Path) -> None:
     assert per_param["O5+stochastic"] < per_param["O5+kahan"] < per_param["O5"]   # 0, 2 and 4 bytes of masters
     assert per_param["O5"] - per_param["O5+stochastic"] == pytest.approx(4.0, abs=0.01)
     assert "B/param" in proc.stdout and "O5+kahan" in proc.stdout
-    bad = ampatch("compare", "--levels", "O0,O1+kahan", cwd=tmp_path)
+    bad = in_process("compare", "--levels", "O0,O1+kahan", cwd=tmp_path)
     assert bad.returncode == 2 and "applies to the levels that cast the model to bfloat16 (O2, O3, O5)" in bad.stderr
 
 
-def test_run_forces_master_weights(tmp_path: Path) -> None:
+def test_run_forces_master_weights(tmp_path: Path, in_process) -> None:
     """`ampatch run --master-weights kahan` reaches every amp.initialize (AMPATCH_MASTER_WEIGHTS);
     a bad mode is a usage error naming the values."""
     script = write(tmp_path / "train.py", textwrap.dedent("""\
@@ -462,9 +467,10 @@ def test_run_forces_master_weights(tmp_path: Path) -> None:
         m, o = amp.initialize(m, o, opt_level="O2", verbosity=0)
         print(amp.report().master_weights)
     """))
-    done = ampatch("run", "--opt-level", "O5", "--master-weights", "kahan", "--", "python", str(script), cwd=tmp_path)
+    done = in_process("run", "--opt-level", "O5", "--master-weights", "kahan", "--", "python", str(script),
+                      cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "kahan", done.stderr
-    bad = ampatch("run", "--master-weights", "fp8", "--", "python", str(script), cwd=tmp_path)
+    bad = in_process("run", "--master-weights", "fp8", "--", "python", str(script), cwd=tmp_path)
     assert bad.returncode == 2 and "use True, False, 'stochastic' or 'kahan'" in bad.stderr
 
 
@@ -472,14 +478,14 @@ LONG_SCRIPT = AMP_SCRIPT.replace("range(5)", "range(10_000)")   # far longer tha
 
 
 @pytest.mark.slow
-def test_compare_steps_stop_a_script_as_tune_and_diagnose_do(tmp_path: Path) -> None:
+def test_compare_steps_stop_a_script_as_tune_and_diagnose_do(tmp_path: Path, in_process) -> None:
     """`compare --steps 20 -- python train.py`: each run stops after 20 optimizer steps
     (AMPATCH_MAX_STEPS), as tune's and diagnose's runs do; the table has the verdict and noise
     columns beside the deviation."""
     script = write(tmp_path / "train.py", LONG_SCRIPT)
     out = tmp_path / "out.json"
-    proc = ampatch("compare", "--steps", "20", "--levels", "O0,O4", "--json", str(out), "--", "python", str(script),
-                   cwd=tmp_path)
+    proc = in_process("compare", "--steps", "20", "--levels", "O0,O4", "--json", str(out), "--", "python", str(script),
+                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["O0"]["steps"] == rows["O4"]["steps"] == 20 and len(rows["O4"]["losses"]) == 20

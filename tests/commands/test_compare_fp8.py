@@ -5,13 +5,12 @@ would compute in float16 are usage errors with the reasons initialize gives."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from _cli import ampatch_main
 from _reports import REQUIRED
 
 from ampatch.config import env as envvars
@@ -20,14 +19,12 @@ from ampatch.model.fp8 import EMULATED
 from ampatch.runs import runner, sizing
 from ampatch.workloads.calibrate import step_kinds
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def ampatch(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "ampatch", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+@pytest.fixture
+def in_process(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``ampatch ARGS`` through `cli.main` in this process, what ``python -m ampatch`` runs, with its
+    runs as child processes and no AMPATCH_* inherited (tests/_cli.py)."""
+    return lambda *args, cwd=None: ampatch_main(capfd, monkeypatch, *args, cwd=cwd)
 
 
 @pytest.mark.parametrize("text, want, label", [
@@ -84,11 +81,11 @@ def test_emulated_fp8_is_a_step_kind_of_its_own():
                      "O5+fp8:rowwise": "bfloat16+fp8:rowwise"}
 
 
-def test_compare_o5_against_o5_fp8_marks_the_emulated_row(tmp_path):
+def test_compare_o5_against_o5_fp8_marks_the_emulated_row(tmp_path, in_process):
     pytest.importorskip("torchao")
     out = tmp_path / "c.json"
-    proc = ampatch("compare", "--levels", "O0,O5,O5+fp8", "--steps", "6", "--size", "tiny", "--json", str(out),
-                   cwd=tmp_path)
+    proc = in_process("compare", "--levels", "O0,O5,O5+fp8", "--steps", "6", "--size", "tiny", "--json", str(out),
+                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = {r["level"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["O0", "O5", "O5+fp8"]
@@ -104,11 +101,11 @@ def test_compare_o5_against_o5_fp8_marks_the_emulated_row(tmp_path):
     assert "the losses of O5+fp8 show FP8's numerics; its step time and speed-up say nothing of FP8's speed" in text
 
 
-def test_fp8_levels_are_refused_before_any_run(tmp_path):
-    bad = ampatch("compare", "--levels", "O5,O5+fp8:columnwise", cwd=tmp_path)
+def test_fp8_levels_are_refused_before_any_run(tmp_path, in_process):
+    bad = in_process("compare", "--levels", "O5,O5+fp8:columnwise", cwd=tmp_path)
     assert bad.returncode == 2
     assert "'columnwise' is not an fp8 recipe; use one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'" in bad.stderr
-    half = ampatch("compare", "--levels", "O0,O2+fp8", "--half-dtype", "float16", "--steps", "2", cwd=tmp_path)
+    half = in_process("compare", "--levels", "O0,O2+fp8", "--half-dtype", "float16", "--steps", "2", cwd=tmp_path)
     assert half.returncode == 2 and "running" not in half.stderr
     assert ("O2+fp8: fp8='tensorwise' runs where the layers compute in bfloat16 or FP32 (torchao's float8 training), "
             "but O2 here computes in float16. Use opt_level='O4' or 'O5' (bfloat16), or pass "

@@ -1,16 +1,18 @@
 """`ampatch diagnose` from the command line: it finds a planted problem in an unmodified
 script, verifies the fix by running again with it, and refuses bad input with a clear
-message and a non-zero exit. Each test runs real child processes (slow)."""
+message and a non-zero exit. Each test runs real child processes (slow): the command itself
+through `cli.main` in this process (`in_process`, tests/_cli.py; one interpreter start less per
+test), its runs as children."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _cli import ampatch_main
 
 from ampatch.cli import main
 from ampatch.config import env
@@ -19,12 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _ampatch(*args: str, cwd: Path | None = None, timeout: float = 600, **extra: str) -> subprocess.CompletedProcess:
-    variables = env.without_ampatch()
-    variables["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), variables.get("PYTHONPATH")) if p)
-    variables.update(extra)
-    return subprocess.run([sys.executable, "-m", "ampatch", *args], cwd=cwd or ROOT, env=variables,
-                          capture_output=True, text=True, timeout=timeout)
+@pytest.fixture
+def in_process(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``ampatch ARGS`` from the checkout's root (or ``cwd``) through `cli.main` in this process, what
+    ``python -m ampatch`` runs, with no AMPATCH_* inherited (tests/_cli.py)."""
+    return lambda *args, cwd=None: ampatch_main(capfd, monkeypatch, *args, cwd=cwd or ROOT)
 
 
 def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:
@@ -33,10 +34,10 @@ def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:
     return path
 
 
-def test_the_example_goes_nan_in_float16_and_the_fix_is_verified_finite(tmp_path):
+def test_the_example_goes_nan_in_float16_and_the_fix_is_verified_finite(tmp_path, in_process):
     out = tmp_path / "d.json"
-    done = _ampatch("diagnose", "--half-dtype", "float16", "--json", str(out), "--",
-                    "python", "examples/diagnose.py")
+    done = in_process("diagnose", "--half-dtype", "float16", "--json", str(out), "--",
+                      "python", "examples/diagnose.py")
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["first_nonfinite"]["module"] == "encoder.attn.scores"
@@ -81,10 +82,10 @@ UNDERFLOW = """
 """
 
 
-def test_gradient_underflow_at_o3_float16_is_fixed_by_a_dynamic_loss_scale(tmp_path):
+def test_gradient_underflow_at_o3_float16_is_fixed_by_a_dynamic_loss_scale(tmp_path, in_process):
     script = _script(tmp_path, UNDERFLOW)
     out = tmp_path / "d.json"
-    done = _ampatch("diagnose", "--steps", "30", "--json", str(out), "--", "python", str(script))
+    done = in_process("diagnose", "--steps", "30", "--json", str(out), "--", "python", str(script))
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     rec = result["recommendation"]
@@ -94,9 +95,9 @@ def test_gradient_underflow_at_o3_float16_is_fixed_by_a_dynamic_loss_scale(tmp_p
     assert v["max_dev_vs_O0"] < 0.5 * v["without"]["max_dev_vs_O0"]
 
 
-def test_a_built_in_workload_that_trains_fine_gets_no_recommendation(tmp_path):
+def test_a_built_in_workload_that_trains_fine_gets_no_recommendation(tmp_path, in_process):
     out = tmp_path / "d.json"
-    done = _ampatch("diagnose", "--workload", "lm", "--size", "tiny", "--steps", "3", "--json", str(out))
+    done = in_process("diagnose", "--workload", "lm", "--size", "tiny", "--steps", "3", "--json", str(out))
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["recommendation"]["keep_fp32"] == [] and result["verification"] is None
@@ -120,19 +121,18 @@ def test_a_built_in_workload_that_trains_fine_gets_no_recommendation(tmp_path):
      model, opt = amp.initialize(model, opt, opt_level="O1", keep_fp32=["1"])
      """, "no module is named '1'"),
 ])
-def test_nothing_to_diagnose_is_a_clear_message_and_exit_1(tmp_path, body, message):
+def test_nothing_to_diagnose_is_a_clear_message_and_exit_1(tmp_path, body, message, in_process):
     script = _script(tmp_path, body)
-    done = _ampatch("diagnose", "--", "python", str(script))
+    done = in_process("diagnose", "--", "python", str(script))
     assert done.returncode == 1
     assert message in done.stderr and "nothing to diagnose" in done.stderr
 
 
 def test_bad_options_are_usage_errors(tmp_path, capfd):
-    """The first from the real command, the others through `cli.main` in this process (what
-    ``python -m ampatch`` runs: one interpreter start instead of four)."""
-    done = _ampatch("diagnose", "--steps", "0")
-    assert done.returncode == 2 and "positive integer" in done.stderr
-    for args, words in ((["--workload", "lm", "--", "python", "x.py"], "exclude each other"),
+    """Through `cli.main` in this process (what ``python -m ampatch`` runs; the real process's exit
+    status and line: test_cli.py's test_a_bad_argument_from_the_real_command)."""
+    for args, words in ((["--steps", "0"], "positive integer"),
+                        (["--workload", "lm", "--", "python", "x.py"], "exclude each other"),
                         (["--json", str(tmp_path / "no" / "d.json")], "does not exist"),
                         (["--opt-level", "O5", "--half-dtype", "float16"], "O5 is the bfloat16 variant of O2")):
         assert main(["diagnose", *args]) == 2, args
@@ -149,15 +149,15 @@ def test_max_steps_ends_the_run_after_that_many_steps_with_its_report(tmp_path):
     assert json.loads(report.read_text())["steps"] == 7
 
 
-def test_a_step_fault_recommends_and_verifies_fp32_masters(tmp_path):
+def test_a_step_fault_recommends_and_verifies_fp32_masters(tmp_path, in_process):
     """A small CNN with AdamW (eps 1e-8) and OneCycleLR at O3 in float16: float16 rounds eps to 0
     and the optimizer's own step makes weights NaN. The notes say so; the recommendation follows
     them (FP32 master weights, not a loss scale or a module) and its verification follows O0; no
     note blames the data for the loss that goes NaN after that step."""
     plants = str(Path(__file__).resolve().parent / "_tune_plants.py")
     out = tmp_path / "d.json"
-    done = _ampatch("diagnose", "--half-dtype", "float16", "--opt-level", "O3", "--json", str(out), "--",
-                    "python", plants, "cnn")
+    done = in_process("diagnose", "--half-dtype", "float16", "--opt-level", "O3", "--json", str(out), "--",
+                      "python", plants, "cnn")
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     rec = result["recommendation"]

@@ -5,13 +5,11 @@ examples/fp8_outliers.py, must be found; the built-in LM must not be blamed."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _cli import ampatch_main
 
 from ampatch.diagnose import fp8
 from ampatch.diagnose.analysis import diagnosis
@@ -19,13 +17,6 @@ from ampatch.record.records import Fp8LayerRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
-
-
-def ampatch(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "ampatch", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def record(name: str, out: float, wgrad: float, flushed: float = 0.0, saturated: float = 0.0,
@@ -44,6 +35,13 @@ def record(name: str, out: float, wgrad: float, flushed: float = 0.0, saturated:
 def judged(*records: Fp8LayerRecord):
     entries, notes = fp8.judge(fp8.entries(records))
     return [e.name for e in entries if e.hurts], notes, entries
+
+
+@pytest.fixture
+def in_process(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``ampatch ARGS`` through `cli.main` in this process, what ``python -m ampatch`` runs, with its
+    runs as child processes and no AMPATCH_* inherited (tests/_cli.py)."""
+    return lambda *args, cwd=None: ampatch_main(capfd, monkeypatch, *args, cwd=cwd)
 
 
 def test_the_formats_rounding():
@@ -104,11 +102,11 @@ def test_the_recommendation_leaves_the_named_layers_out_and_no_loss_scale_for_th
     assert diagnosis(Recording.from_dict(rec.to_dict())).recommendation == r
 
 
-def test_diagnose_fp8_names_the_planted_layer_and_verifies_its_exclusion(tmp_path):
+def test_diagnose_fp8_names_the_planted_layer_and_verifies_its_exclusion(tmp_path, in_process):
     pytest.importorskip("torchao")
     out = tmp_path / "d.json"
-    done = ampatch("diagnose", "--fp8", "--opt-level", "O5", "--json", str(out), "--",
-                   "python", str(ROOT / "examples" / "fp8_outliers.py"), cwd=tmp_path)
+    done = in_process("diagnose", "--fp8", "--opt-level", "O5", "--json", str(out), "--",
+                      "python", str(ROOT / "examples" / "fp8_outliers.py"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     hurt = [e["name"] for e in doc["fp8"] if e["hurts"]]
@@ -126,10 +124,10 @@ def test_diagnose_fp8_names_the_planted_layer_and_verifies_its_exclusion(tmp_pat
     assert "ampatch run --opt-level O5 --fp8 tensorwise --fp8-modules hidden.0,hidden.1,hidden.2 -- python" in text
 
 
-def test_diagnose_fp8_blames_no_layer_of_the_builtin_lm(tmp_path):
+def test_diagnose_fp8_blames_no_layer_of_the_builtin_lm(tmp_path, in_process):
     pytest.importorskip("torchao")
     out = tmp_path / "d.json"
-    done = ampatch("diagnose", "--fp8", "--workload", "lm", "--steps", "4", "--json", str(out), cwd=tmp_path)
+    done = in_process("diagnose", "--fp8", "--workload", "lm", "--steps", "4", "--json", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["opt_level"] == "O5" and len(doc["fp8"]) == 4 and not any(e["hurts"] for e in doc["fp8"])
@@ -144,12 +142,12 @@ def test_diagnose_fp8_blames_no_layer_of_the_builtin_lm(tmp_path):
      "fp8='tensorwise' runs where the layers compute in bfloat16 or FP32 (torchao's float8 training), but O2 here "
      "computes in float16"),
 ])
-def test_bad_fp8_options_are_usage_errors(tmp_path, args, message):
-    done = ampatch("diagnose", *args, "--workload", "lm", cwd=tmp_path)
+def test_bad_fp8_options_are_usage_errors(tmp_path, args, message, in_process):
+    done = in_process("diagnose", *args, "--workload", "lm", cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr and "recording" not in done.stderr
 
 
-def test_run_fp8_modules_reaches_every_initialize(tmp_path):
+def test_run_fp8_modules_reaches_every_initialize(tmp_path, in_process):
     pytest.importorskip("torchao")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""\
@@ -159,7 +157,7 @@ def test_run_fp8_modules_reaches_every_initialize(tmp_path):
         m, o = amp.initialize(m, o, opt_level="O5", verbosity=0)
         print(" ".join(type(layer).__name__ for layer in m))
     """))
-    done = ampatch("run", "--fp8", "--fp8-modules", "1, 2", "--", "python", str(script), cwd=tmp_path)
+    done = in_process("run", "--fp8", "--fp8-modules", "1, 2", "--", "python", str(script), cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.split() == ["Linear", "Float8Linear", "Float8Linear"], done.stderr
-    bad = ampatch("run", "--fp8-modules", ",", "--", "python", str(script), cwd=tmp_path)
+    bad = in_process("run", "--fp8-modules", ",", "--", "python", str(script), cwd=tmp_path)
     assert bad.returncode == 2 and "--fp8-modules needs layer names or globs" in bad.stderr

@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _cli import ampatch_main
 
 from ampatch.cli.common import with_states
 from ampatch.config import env as envvars
@@ -62,7 +62,8 @@ def test_compare_gives_every_level_but_the_reference_the_precision():
     assert with_states(["O5", "O5+int8"], "int8") == ["O5+int8"]
 
 
-def test_run_keeps_a_scripts_state_in_the_precision_asked(tmp_path: Path):
+def test_run_keeps_a_scripts_state_in_the_precision_asked(tmp_path: Path, capfd: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""\
         import torch, ampatch as amp
@@ -76,11 +77,11 @@ def test_run_keeps_a_scripts_state_in_the_precision_asked(tmp_path: Path):
             opt.step()
     """))
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "ampatch", "run", "--optimizer-states", "int8", "--report",
-                           str(report), "--", sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True)
+    # the command through cli.main in this process (tests/_cli.py: what python -m ampatch runs; the script a child)
+    done = ampatch_main(capfd, monkeypatch, "run", "--optimizer-states", "int8", "--report", str(report), "--",
+                        sys.executable, str(script), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     data = json.loads(report.read_text())
     assert data["optimizer_states"] == "int8" and data["optimizer_state_bytes"] < 4 * 64 * 128
-    bad = subprocess.run([sys.executable, "-m", "ampatch", "run", "--optimizer-states", "fp16", "--", "true"],
-                         cwd=ROOT, capture_output=True, text=True)
+    bad = ampatch_main(capfd, monkeypatch, "run", "--optimizer-states", "fp16", "--", "true", cwd=ROOT)
     assert bad.returncode == 2 and "'float32'" in bad.stderr and "'int8'" in bad.stderr

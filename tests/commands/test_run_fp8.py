@@ -3,13 +3,11 @@ tensorwise without a recipe, `off` turning the script's own fp8 off; a bad recip
 error naming the valid ones."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _cli import ampatch_main
 
 pytest.importorskip("torchao")
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,11 +20,11 @@ SCRIPT = textwrap.dedent("""\
 """)
 
 
-def ampatch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "ampatch", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+@pytest.fixture
+def in_process(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``ampatch ARGS`` through `cli.main` in this process, what ``python -m ampatch`` runs, with its
+    runs as child processes and no AMPATCH_* inherited (tests/_cli.py)."""
+    return lambda *args, cwd=None: ampatch_main(capfd, monkeypatch, *args, cwd=cwd)
 
 
 @pytest.mark.parametrize("option, script_args, want", [
@@ -35,15 +33,15 @@ def ampatch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["--fp8", "off"], ["rowwise"], "off Linear"),
     ([], ["rowwise_with_gw_hp"], "rowwise_with_gw_hp Float8Linear"),
 ])
-def test_run_fp8_reaches_every_initialize(tmp_path, option, script_args, want):
+def test_run_fp8_reaches_every_initialize(tmp_path, option, script_args, want, in_process):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    done = ampatch("run", *option, "--", "python", str(script), *script_args, cwd=tmp_path)
+    done = in_process("run", *option, "--", "python", str(script), *script_args, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == want, done.stderr
 
 
-def test_a_bad_recipe_is_a_usage_error(tmp_path):
-    bad = ampatch("run", "--fp8", "columnwise", "--", "python", "x.py", cwd=tmp_path)
+def test_a_bad_recipe_is_a_usage_error(tmp_path, in_process):
+    bad = in_process("run", "--fp8", "columnwise", "--", "python", "x.py", cwd=tmp_path)
     assert bad.returncode == 2
     assert ("--fp8='columnwise' is not an fp8 recipe; use one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'"
             in bad.stderr)

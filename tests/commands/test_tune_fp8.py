@@ -9,12 +9,10 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _cli import ampatch_main
 from _reports import report
 
 from ampatch.config import levels
@@ -31,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 O0_LOSSES = [3.0 - 0.1 * i for i in range(10)]
 
 
-def ampatch(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "ampatch", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+@pytest.fixture
+def in_process(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``ampatch ARGS`` through `cli.main` in this process, what ``python -m ampatch`` runs, with its
+    runs as child processes and no AMPATCH_* inherited (tests/_cli.py)."""
+    return lambda *args, cwd=None: ampatch_main(capfd, monkeypatch, *args, cwd=cwd)
 
 
 def test_the_fp8_candidates_of_each_level_string():
@@ -137,12 +135,12 @@ def test_a_failing_fp8_candidate_is_repaired_without_the_layers_fp8_hurts(monkey
     assert "FP8 hurts every layer it ran" in repair.suggest(c, Job(lambda n: [], 1), None).why
 
 
-def test_tune_tries_fp8_repairs_the_planted_case_and_chooses_no_emulated_run(tmp_path):
+def test_tune_tries_fp8_repairs_the_planted_case_and_chooses_no_emulated_run(tmp_path, in_process):
     pytest.importorskip("torchao")
     out, js = tmp_path / "p.json", tmp_path / "t.json"
-    done = ampatch("tune", "--levels", "O5+fp8:tensorwise", "--steps", "30", "--rounds", "1", "--out", str(out),
-                   "--json", str(js), "--", "python", str(ROOT / "examples" / "fp8_outliers.py"), "--steps", "30",
-                   cwd=tmp_path)
+    done = in_process("tune", "--levels", "O5+fp8:tensorwise", "--steps", "30", "--rounds", "1", "--out", str(out),
+                      "--json", str(js), "--", "python", str(ROOT / "examples" / "fp8_outliers.py"), "--steps", "30",
+                      cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     data = json.loads(js.read_text())
     cands = {(c["fp8"], tuple(c["fp8_exclude"])): c for c in data["candidates"]}
@@ -154,8 +152,8 @@ def test_tune_tries_fp8_repairs_the_planted_case_and_chooses_no_emulated_run(tmp
     assert "O5 bfloat16, fp8='tensorwise' without ['embed']" in done.stdout and "never chosen for speed" in done.stdout
 
 
-def test_fp8_in_float16_is_a_usage_error(tmp_path):
-    done = ampatch("tune", "--levels", "O2+fp8", "--half-dtype", "float16", cwd=tmp_path)
+def test_fp8_in_float16_is_a_usage_error(tmp_path, in_process):
+    done = in_process("tune", "--levels", "O2+fp8", "--half-dtype", "float16", cwd=tmp_path)
     assert done.returncode == 2 and "O2 here computes in float16" in done.stderr
 
 

@@ -5,6 +5,7 @@ table in docs/tune.md): a wide MLP near a teacher, bfloat16 levels, searched as 
 its learnable loss against the noiseless teacher). In-process runs, about 20 s in all."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import tune_grid  # noqa: E402  (the grid's one definition of the case)
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _recording():
+    """Sessions in this process record their losses and weights witness (`tune_grid.recording()`
+    sets AMPATCH_REPORT and AMPATCH_WITNESS, as the command sets them for a run; `train` alone
+    needs it too), for this file only: unset again after it, or every later session in this
+    pytest worker would attach a report and a witness (test_session.py's observer tests failed
+    so, when they ran after this file on the same worker)."""
+    saved = dict(os.environ)
+    tune_grid.recording()
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(autouse=True)

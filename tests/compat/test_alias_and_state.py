@@ -6,7 +6,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cli import ampatch_main
 from torch import nn
 
 import ampatch
@@ -445,28 +445,29 @@ PROBE = textwrap.dedent('''\
 
 @pytest.mark.parametrize("forced, shadow, expected", [(None, True, "O3 torch.bfloat16 yes"),
                                                      ("O1", False, "O1 torch.float32 None")])
-def test_run_apex_alias_keeps_or_forces_the_level(tmp_path: Path, forced, shadow, expected) -> None:
+def test_run_apex_alias_keeps_or_forces_the_level(tmp_path: Path, forced, shadow, expected,
+                                                  capfd: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --opt-level the script's own level; with it, the forced one. The alias's
     sitecustomize completes its own import, and runs the sitecustomize it shadows if any."""
     script, seen = tmp_path / "probe.py", tmp_path / "seen.txt"
     script.write_text(PROBE)
-    env = dict(os.environ)
-    for name in ("AMPATCH_OPT_LEVEL", "AMPATCH_HALF_DTYPE", "PYTHONPATH"):
-        env.pop(name, None)
+    path: str | None = None
     if shadow:
         (tmp_path / "site").mkdir()
         (tmp_path / "site" / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = 'yes'\n")
-        env["PYTHONPATH"] = str(tmp_path / "site")
+        path = str(tmp_path / "site")
     args = ["run", "--apex-alias"] + (["--opt-level", forced] if forced else []) + ["--", "python", str(script),
                                                                                    str(seen)]
-    proc = subprocess.run([sys.executable, "-m", "ampatch", *args], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env=env)
+    # the command through cli.main in this process (tests/_cli.py; no AMPATCH_*), the script its child process
+    proc = ampatch_main(capfd, monkeypatch, *args, cwd=tmp_path, env={"PYTHONPATH": path})
     assert proc.returncode == 0, proc.stderr
     assert "Error in sitecustomize" not in proc.stderr
     assert seen.read_text() == expected
 
 
-def test_readme_commands_run_as_shown(tmp_path: Path) -> None:
+def test_readme_commands_run_as_shown(tmp_path: Path, capfd: pytest.CaptureFixture,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The "Coming from Apex" commands (docs/apex.md, and the one the README shows), and the
     CLI's usage line, agree."""
     apex = (ROOT / "docs" / "apex.md").read_text()
@@ -483,8 +484,8 @@ def test_readme_commands_run_as_shown(tmp_path: Path) -> None:
     usage = cli.build_parser()._subparsers._group_actions[0].choices["run"].format_usage()
     assert "[--opt-level LEVEL]" in usage and "[--apex-alias]" in usage
     report = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "ampatch", "run", "--apex-alias", "--report", str(report), "--",
-                           *command.split()[4:]], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    proc = ampatch_main(capfd, monkeypatch, *command.split()[1:3], "--report", str(report), "--",
+                        *command.split()[4:], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "final loss" in proc.stdout
     assert json.loads(report.read_text())["opt_level"] == "O2"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import copy
 import gc
 import io
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from _cli import ampatch_main
 from torch import nn
 
 import ampatch as amp
@@ -515,15 +515,21 @@ BERT_SQUAD_OLD = textwrap.dedent('''
 ''')
 
 
-def _run(script: Path, *args: str, cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "ampatch", "run", "--apex-alias", "--", sys.executable, str(script),
-                           *args], capture_output=True, text=True, timeout=300, cwd=cwd)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    return out
+@pytest.fixture
+def _run(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``ampatch run --apex-alias -- python SCRIPT ARGS`` from ``cwd``, the command through `cli.main`
+    in this process (tests/_cli.py: one interpreter start less; the script is a child process, as
+    from the command): what it printed, once it succeeded."""
+    def run(script: Path, *args: str, cwd: Path) -> str:
+        proc = ampatch_main(capfd, monkeypatch, "run", "--apex-alias", "--", sys.executable, str(script), *args,
+                            cwd=cwd)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out
+        return out
+    return run
 
 
-def test_a_convnets_style_script_resumes_bit_for_bit(tmp_path: Path) -> None:
+def test_a_convnets_style_script_resumes_bit_for_bit(tmp_path: Path, _run) -> None:
     scale = ["--dynamic-loss-scale"]
     script = tmp_path / "main.py"
     script.write_text(CONVNETS)
@@ -538,7 +544,7 @@ def test_a_convnets_style_script_resumes_bit_for_bit(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("loss_scale", ["0", "128"], ids=["dynamic", "static"])
-def test_a_bert_squad_old_style_script_trains(tmp_path: Path, loss_scale: str) -> None:
+def test_a_bert_squad_old_style_script_trains(tmp_path: Path, loss_scale: str, _run) -> None:
     script = tmp_path / "run_squad.py"
     script.write_text(BERT_SQUAD_OLD)
     out = _run(script, loss_scale, cwd=tmp_path)

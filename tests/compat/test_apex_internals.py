@@ -6,13 +6,13 @@ accumulation with its own all-reduce (`_loss_scale`, `loss_scale()`, `_overflow_
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from _cli import ampatch_main
 from torch import nn
 
 import ampatch as amp
@@ -309,11 +309,13 @@ BERT_PRETRAINING = textwrap.dedent('''
 ''')
 
 
-def test_a_bert_pretraining_style_script_runs_unmodified(tmp_path: Path) -> None:
+def test_a_bert_pretraining_style_script_runs_unmodified(tmp_path: Path, capfd: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "run_pretraining.py"
     script.write_text(BERT_PRETRAINING)
-    proc = subprocess.run([sys.executable, "-m", "ampatch", "run", "--apex-alias", "--", sys.executable,
-                           str(script), str(2 ** 8)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # `ampatch run` through cli.main in this process (tests/_cli.py); the script is its child process
+    proc = ampatch_main(capfd, monkeypatch, "run", "--apex-alias", "--", sys.executable, str(script), str(2 ** 8),
+                        cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "global_step 11 skipped 1 scale 128" in out and "overflow, loss scale 128" in out, out

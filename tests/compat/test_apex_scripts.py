@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _cli import ampatch_main
 
 from ampatch import compat
 from ampatch.compat import alias
@@ -135,11 +135,13 @@ BERT_STYLE = textwrap.dedent('''\
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_a_bert_style_script_runs_unmodified(tmp_path: Path, level: str) -> None:
+def test_a_bert_style_script_runs_unmodified(tmp_path: Path, level: str, capfd: pytest.CaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "run_pretraining.py"
     script.write_text(BERT_STYLE)
-    proc = subprocess.run([sys.executable, "-m", "ampatch", "run", "--apex-alias", "--", sys.executable, str(script),
-                           level], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # `ampatch run` through cli.main in this process (tests/_cli.py); the script is its child process
+    proc = ampatch_main(capfd, monkeypatch, "run", "--apex-alias", "--", sys.executable, str(script), level,
+                        cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "--- Logging error ---" not in out and "- 0 - ampatch:" in out  # ampatch's own lines, with the rank

@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _cli import ampatch_main
 
 import ampatch as amp
 
@@ -229,9 +229,10 @@ def test_the_example_runs(capsys: pytest.CaptureFixture) -> None:
 
 
 @pytest.mark.slow
-def test_diagnose_runs_the_unmodified_example() -> None:
-    done = subprocess.run([sys.executable, "-m", "ampatch", "diagnose", "--opt-level", "O2", "--steps", "2", "--",
-                           sys.executable, str(EXAMPLE), "--steps", "2"], capture_output=True, text=True, timeout=300)
+def test_diagnose_runs_the_unmodified_example(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the command through cli.main in this process (tests/_cli.py), the example its runs' child process
+    done = ampatch_main(capfd, monkeypatch, "diagnose", "--opt-level", "O2", "--steps", "2", "--", sys.executable,
+                        str(EXAMPLE), "--steps", "2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "level O2, half dtype bfloat16, 2 optimizer steps recorded" in done.stdout
     assert "transformer.h.0.mlp.c_fc" in done.stdout  # the GPT-2's own modules were diagnosed

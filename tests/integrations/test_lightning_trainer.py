@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cli import ampatch_main
 from torch import nn
 from torch.nn import functional as F
 
@@ -308,9 +309,11 @@ def test_the_example_runs(capsys: pytest.CaptureFixture) -> None:
 
 
 @pytest.mark.slow
-def test_compare_runs_the_unmodified_example_at_each_level() -> None:
-    done = subprocess.run([sys.executable, "-m", "ampatch", "compare", "--levels", "O0,O2", "--", sys.executable,
-                           str(EXAMPLE), "--steps", "4"], capture_output=True, text=True, timeout=300)
+def test_compare_runs_the_unmodified_example_at_each_level(capfd: pytest.CaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # the command through cli.main in this process (tests/_cli.py), the example its runs' child process
+    done = ampatch_main(capfd, monkeypatch, "compare", "--levels", "O0,O2", "--", sys.executable, str(EXAMPLE),
+                        "--steps", "4")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line[:2] in ("O0", "O2")}
     assert rows["O0"][1] == "-" and rows["O2"][1] == "bfloat16"  # the level forced from outside

@@ -32,8 +32,19 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def test_bench_quick_mlp_and_micro(tmp_path: Path) -> None:
-    data = _run(tmp_path, "mlp,micro")
+# The quick CPU sections, run once for the tests below (one bench process and its imports instead
+# of one per section); the memory section reads /proc (Linux), as its test says.
+QUICK = ["mlp", "micro", "o1"] + (["memory"] if Path("/proc/self/status").exists() else []) + ["gpu"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """`python scripts/bench --quick --only mlp,micro,o1,memory,gpu --json out/bench.json`'s JSON."""
+    return _run(tmp_path_factory.mktemp("bench"), ",".join(QUICK))
+
+
+def test_bench_quick_mlp_and_micro(quick: dict) -> None:
+    data = quick
     ratios = data["ratios"]
     for key in ("mlp.O1/autocast", "mlp.O2/autocast", "mlp.O2/O3", "mlp.autocast/fp32",
                 "micro.linear.O1/autocast", "micro.add.O1-unpatched_us", "micro.nocast.O1-unpatched_us",
@@ -51,9 +62,9 @@ def test_bench_quick_mlp_and_micro(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_quick_o1(tmp_path: Path) -> None:
+def test_bench_quick_o1(quick: dict) -> None:
     """Issue 44's section: F.linear calls and the 16-layer MLP step, eager and compiled."""
-    data = _run(tmp_path, "o1")
+    data = quick
     for case in ("linear_4x16", "linear_8x64", "mlp16", "mlp16_compiled"):
         assert _finite(data["ratios"][f"o1.{case}.O1/autocast"]), case
     for key in ("o1.linear_8x64.O1/autocast", "o1.mlp16.O1/autocast", "o1.mlp16_compiled.O1/autocast"):
@@ -62,10 +73,10 @@ def test_bench_quick_o1(tmp_path: Path) -> None:
     assert set(phases) == {"autocast", "O1"} and set(phases["O1"]) == {"zero_grad", "forward", "backward", "step"}
 
 
-def test_bench_quick_memory(tmp_path: Path) -> None:
-    if not Path("/proc/self/status").exists():
+def test_bench_quick_memory(quick: dict) -> None:
+    if "memory" not in QUICK:
         pytest.skip("the CPU memory measure reads /proc")
-    data = _run(tmp_path, "memory")
+    data = quick
     ratio = data["ratios"]["memory.cnn.O2/O0"]
     assert _finite(ratio) and 0 < ratio < 2
     mem = data["results"]["memory"]
@@ -129,9 +140,9 @@ def test_bench_files_stay_small() -> None:
     assert sizes and all(n <= 300 for n in sizes.values()), sizes
 
 
-def test_bench_quick_gpu_section(tmp_path: Path) -> None:
+def test_bench_quick_gpu_section(quick: dict) -> None:
     """The GPU-sized transformer section, shrunk by --quick so its code runs on any device."""
-    data = _run(tmp_path, "gpu")
+    data = quick
     gpu = data["results"]["gpu"]
     assert set(gpu["median_step_ms"]) == {"fp32", "autocast", "O1", "O2", "O3"}
     assert gpu["config"] == {"d_model": 64, "heads": 4, "layers": 2, "batch": 2, "seq": 16}
@@ -140,7 +151,7 @@ def test_bench_quick_gpu_section(tmp_path: Path) -> None:
         assert _finite(data["ratios"][key]), key
     assert set(data["targets"]) >= {"gpu.O1/autocast", "gpu.O2/autocast"}
     assert data["meta"]["machine"].startswith(data["meta"]["device"].split(":")[0] + ": ")
-    assert data["meta"]["sections"] == ["gpu"]
+    assert data["meta"]["sections"] == QUICK          # --only's sections, in the bench's order; no others
 
 
 def test_check_cost_runs() -> None:
