@@ -18,13 +18,13 @@ from __future__ import annotations
 import io
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ranks import same
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -213,8 +213,8 @@ def overflow(rank: int, world: int, mode: str) -> dict[str, Any]:
     train(model, opt, data[1:2], inject=0, rank=rank)
     after_skip = snapshot(model, opt)
     train(model, opt, data[2:])
-    out = {"skipped": amp.report().skipped_steps, "untouched": _same(before, after_skip),
-           "moved_on": not _same(after_skip["weights"], snapshot(model, opt)["weights"])}
+    out = {"skipped": amp.report().skipped_steps, "untouched": same(before, after_skip),
+           "moved_on": not same(after_skip["weights"], snapshot(model, opt)["weights"])}
     amp.deinitialize()
     return out
 
@@ -230,7 +230,7 @@ def clipping(rank: int, world: int, mode: str) -> dict[str, Any]:
     train(model, opt, my_batches(STEPS, rank, world))
     free = live(model)
     amp.deinitialize()
-    return {"norms": list(norms), "differs": not _same(clipped, free), "clipped": clipped}
+    return {"norms": list(norms), "differs": not same(clipped, free), "clipped": clipped}
 
 
 def param_group(rank: int, world: int, mode: str) -> dict[str, Any]:
@@ -308,7 +308,7 @@ def resume(rank: int, world: int, mode: str, how: str, where: str | None = None)
     amp.deinitialize()
     if mode == "kahan":  # no rounding state: the compensations carry what rounding dropped
         straight.pop("rounds"), resumed.pop("rounds")
-    return {"same": _same(straight, resumed), "state": fp32, "comp": resumed["comp"]}
+    return {"same": same(straight, resumed), "state": fp32, "comp": resumed["comp"]}
 
 
 def malformed(rank: int, world: int, mode: str) -> dict[str, Any]:
@@ -332,7 +332,7 @@ def malformed(rank: int, world: int, mode: str) -> dict[str, Any]:
         error = None
     except ValueError as e:
         error = str(e)
-    out = {"error": error, "untouched": _same(before, snapshot(model, opt))}
+    out = {"error": error, "untouched": same(before, snapshot(model, opt))}
     amp.deinitialize()
     return out
 
@@ -439,15 +439,6 @@ def finetune(rank: int, world: int, opt: str, runs: tuple[str, ...] = ("O0", "O3
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
-
 
 SCENARIOS: list[tuple[str, Callable, tuple]] = (
     [(f"trains/{mode}/{opt}", trains, (mode, opt)) for mode in MODES for opt in OPTIMIZERS]
@@ -463,22 +454,10 @@ SCENARIOS: list[tuple[str, Callable, tuple]] = (
 NEEDS_DIR = {resume, reshard_save, reshard_load}
 
 
-def run_all(rank: int, world: int, only: set[str] | None, where: str | None) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for name, fn, args in SCENARIOS:
-        if only and name not in only:
-            continue
-        try:
-            results[name] = fn(rank, world, *args, *((where,) if fn in NEEDS_DIR and where else ()))
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            amp.deinitialize()
-    return results
-
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _ranks import worker_main
+    from _ranks import run_scenarios, worker_main
 
-    worker_main(sys.argv, lambda rank, world, args: run_all(
-        rank, world, set(args[0].split(",")) if args and args[0] else None, args[1] if len(args) > 1 else None))
+    worker_main(sys.argv, lambda rank, world, args: run_scenarios(SCENARIOS, NEEDS_DIR, rank, world, args,
+                                                                  amp.deinitialize))

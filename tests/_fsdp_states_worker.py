@@ -18,13 +18,13 @@ from __future__ import annotations
 import io
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ranks import same
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -316,15 +316,6 @@ def refused(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
-
 
 SCENARIOS: list[tuple[str, Callable, tuple]] = (
     [(f"trains/{run}", trains, (run,)) for run in RUNS] + [("replicas", replicas, ())]
@@ -336,22 +327,10 @@ SCENARIOS: list[tuple[str, Callable, tuple]] = (
 NEEDS_DIR = {resume}
 
 
-def run_all(rank: int, world: int, only: set[str] | None, where: str) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for name, fn, args in SCENARIOS:
-        if only and name not in only:
-            continue
-        try:
-            results[name] = fn(rank, world, *args, *((where,) if fn in NEEDS_DIR else ()))
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            amp.deinitialize()
-    return results
-
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _ranks import worker_main
+    from _ranks import run_scenarios, worker_main
 
-    worker_main(sys.argv, lambda rank, world, args: run_all(
-        rank, world, set(args[0].split(",")) if args and args[0] else None, args[1] if len(args) > 1 else "."))
+    worker_main(sys.argv, lambda rank, world, args: run_scenarios(SCENARIOS, NEEDS_DIR, rank, world, args,
+                                                                  amp.deinitialize))

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +87,36 @@ def worker_main(argv: Sequence[str], run_all: Callable[[int, int, Sequence[str]]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-for-bit equality of nested results (dicts, lists, tensors of the same dtype and shape,
+    plain values): what a resumed run is compared with the run it resumes."""
+    import torch  # here: the rank launcher itself needs no torch
+
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def run_scenarios(scenarios: Sequence[tuple[str, Callable, tuple]], needs_dir: Collection[Callable], rank: int,
+                  world: int, args: Sequence[str], on_error: Callable[[], None]) -> dict[str, Any]:
+    """A worker's named scenarios, each `fn(rank, world, *its args)`, those in `needs_dir` with the
+    folder `args[1]` (where given) last; `args[0]`: the names to run, comma-separated (none: all).
+    A scenario that raises gives its traceback and `on_error()` cleans up for the next."""
+    only = set(args[0].split(",")) if args and args[0] else None
+    where = args[1] if len(args) > 1 else None
+    results: dict[str, Any] = {}
+    for name, fn, fn_args in scenarios:
+        if only and name not in only:
+            continue
+        try:
+            results[name] = fn(rank, world, *fn_args, *((where,) if fn in needs_dir and where else ()))
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            on_error()
+    return results

@@ -52,7 +52,7 @@ def scenario(ranks: list[dict], name: str) -> list[dict]:
     return out
 
 
-same = worker._same
+same = worker.same
 MODES = worker.MODES
 
 

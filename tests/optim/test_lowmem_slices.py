@@ -17,6 +17,7 @@ import copy
 
 import pytest
 import torch
+from _ranks import same
 from torch import nn
 
 import ampatch as amp
@@ -61,15 +62,6 @@ def train(net, opt, steps: int, start: int = 0, batch: int | None = None) -> lis
         opt.step()
     return losses
 
-
-def same(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
 
 
 class Recording:
