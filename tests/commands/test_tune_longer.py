@@ -44,7 +44,9 @@ def test_the_stall_plant_fails_O3_and_qualifies_O5_at_the_default_steps(tmp_path
     by = {c["opt_level"]: c for c in data["candidates"]}
     assert by["O3"]["outcome"] == "fails" and by["O5"]["outcome"] == "qualifies", (by["O3"]["reason"],
                                                                                   by["O5"]["reason"])
-    assert data["outcome"] == "chosen" and data["chosen"]["opt_level"] == "O5" and out.exists()
+    # the fastest that qualifies: O5, or O0 where O5's steps measured no faster (bfloat16 on an AVX2-only
+    # CPU, or a machine other work loads while the runs are timed)
+    assert data["outcome"] == "chosen" and data["chosen"]["opt_level"] in ("O5", "O0") and out.exists()
     assert all(c["steps"] <= script_steps for c in data["candidates"])
     command = f"python {GRID} train --lr 2e-5 --noise 9 --seed 7 --steps {script_steps}"
     assert f"AMPATCH_POLICY={out} {command}" in done.stdout          # the "apply it" line: the user's own command
