@@ -6,7 +6,7 @@
     optimizer.step()
 
 This module is the public API and nothing else: `initialize` turns its keywords into one
-checked `config.options.Options`, with the environment read once (`session.outside.outside`);
+checked `config.options.Options`, with the environment read once (`session.prepare.outside`);
 `session.prepare.prepare` checks the call as a whole before anything changes, and each
 function delegates to the live `Session` (`session.session.current()`).
 Apex's compatibility names (`_amp_state`, `init`, the optimizers' `_amp_stash`) are lent by
@@ -31,8 +31,7 @@ from .errors import OrderError
 from .frameworks import apex, hf_conventions, scheduler_guard  # noqa: F401 - they register with the core
 from .optim.scaler import check_loss_id as _check_loss_id
 from .session import addons
-from .session.outside import outside, takes_policy
-from .session.prepare import prepare
+from .session.prepare import outside, prepare, takes_policy
 from .session.report import Report
 from .session.session import Session
 from .session.session import current as _current

@@ -7,7 +7,7 @@
 - `values`: the one parser of each kind of value (dtypes, flags, loss scales, master modes,
   name lists), with the loss-scale range and defaults;
 - `env`: every ``AMPATCH_*`` variable, read once per `initialize` into `Overrides`;
-- `policy_file`: `ampatch tune`'s policy files, as data (applied by `session.outside`);
+- `policy_file`: `ampatch tune`'s policy files, as data (applied by `session.prepare.outside`);
 - `settings`: Apex's process-wide flags (`hard_override`, ...).
 
 Data and checks only: nothing here changes a model, an optimizer or torch, and nothing here

@@ -9,7 +9,7 @@ the rest, or a policy file through ``AMPATCH_POLICY``) beat the script by one ru
 once in `_outside_wins`. Property values mean what they meant in Apex (`frontend.py`); the
 overrides Apex refused raise `OverrideError` (a warning with `hard_override`). All of it
 runs before anything changes. A policy given as `policy=` is applied to the keywords first
-(`session.outside.takes_policy`).
+(`session.prepare.takes_policy`).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ run in FP8 (what ``tune`` writes once ``diagnose`` named layers FP8 hurts), as
 "int8", as ``AMPATCH_OPTIMIZER_STATES``. It is applied two ways:
 
 - in code, ``amp.initialize(..., policy="ampatch-policy.json")`` (a path or a dict;
-  `session.outside.takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
+  `session.prepare.takes_policy`, `apply_in_code`): a keyword the call gives explicitly beats the file's
   field, with a warning when they disagree;
 - from outside, ``AMPATCH_POLICY=path`` (what ``ampatch run --policy`` and ``ampatch compare
   --policy`` set) for an unmodified script (`from_outside`): the file's fields act as
@@ -30,7 +30,7 @@ run in FP8 (what ``tune`` writes once ``diagnose`` named layers FP8 hurts), as
   with it is dropped, with a warning. Its ``keep_fp32`` is added to the script's own (as
   ``tune`` measured it); those variables, when set as well, still win.
 
-Where it is applied (`session.outside`), a policy measured on another kind of machine (another
+Where it is applied (`session.prepare.outside`), a policy measured on another kind of machine (another
 device type, or its half dtype native there and emulated here) warns: its speed-up will not
 hold here (`machine.hardware.policy_warning`).
 """

@@ -7,20 +7,30 @@ one; `load_state_dict` hands every loaded tensor to its record.
 
 Everything done to a model is recorded in a `ModelHandle`, so `restore()` can put the
 model back to its original dtypes (from the exact copies where they exist).
+
+Which of the two casts a model gets is decided here too: `is_sharded` (FSDP2's `fully_shard`
+units, cast by `sharded.ShardedModel` instead), with `check_dtensors_sharded` refusing
+DTensor parameters outside every unit. FSDP2 is never imported for it: a model can only be
+sharded if torch.distributed's modules were.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
-from typing import Any
+import sys
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..errors import OrderError
+from ..errors import ConfigError, OrderError
 from .forwards import HalfForward, install_forward
 from .weight_table import DataWatch, Weights
 from .weights import Keeps, Weight, keep_exact
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("ampatch")
 
@@ -35,6 +45,54 @@ def add_convention(convention: Convention) -> None:
     """Run `convention` on every model a `ModelHandle` casts (see `CONVENTIONS`)."""
     if convention not in CONVENTIONS:
         CONVENTIONS.append(convention)
+
+
+def fsdp_module_class() -> type[FSDPModule] | None:
+    """`FSDPModule`, if FSDP2 was imported (a model can only be sharded if it was): no import cost otherwise."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None)
+
+
+def dtensor_class() -> type[DTensor] | None:
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return getattr(tensor, "DTensor", None)
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """The modules of `model` that `fully_shard` was applied to, as FSDP2 types them."""
+    cls = fsdp_module_class()
+    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
+
+
+def sharded_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that `fully_shard` was applied to."""
+    return [m for m in fsdp_units(model) if isinstance(m, nn.Module)]
+
+
+def is_sharded(models: Iterable[nn.Module]) -> bool:
+    """Whether any of `models` has FSDP2-sharded modules."""
+    return any(sharded_modules(m) for m in models)
+
+
+def check_dtensors_sharded(models: Sequence[nn.Module]) -> None:
+    """DTensor parameters outside every `fully_shard` unit (tensor parallelism with
+    `parallelize_module`, a DTensor made by hand) are refused: ampatch applies its levels to
+    FSDP2's units, and a cast or master of such a parameter would be made blind to its
+    placement."""
+    dtensor = dtensor_class()
+    if dtensor is None:
+        return
+    for model in models:
+        covered = {id(sub) for unit in sharded_modules(model) for sub in unit.modules()}
+        for name, module in model.named_modules():
+            for pname, p in module._parameters.items():
+                if isinstance(p, dtensor) and id(module) not in covered:
+                    full = f"{name}.{pname}" if name else pname
+                    raise ConfigError(f"amp.initialize: parameter {full!r} is a DTensor outside every fully_shard unit "
+                                      "(tensor parallelism, e.g. parallelize_module): ampatch applies its levels to "
+                                      "FSDP2's fully_shard units only. Shard with fully_shard alone (Lightning: "
+                                      "ModelParallelStrategy(tensor_parallel_size=1)), or train without ampatch's "
+                                      "casting on those layers.")
 
 
 def is_batchnorm(module: nn.Module) -> bool:

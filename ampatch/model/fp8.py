@@ -30,7 +30,7 @@ from torch import nn
 
 from ..config.values import is_fp8_config
 from ..errors import ConfigError, MissingDependencyError
-from . import sharded
+from . import cast, sharded
 from .fp8_choice import LayerChoice, choose
 
 logger = logging.getLogger("ampatch")
@@ -182,7 +182,7 @@ def convert(models: Sequence[nn.Module], fp8: Any, fp8_modules: Any = None, kept
     if fp8_modules is not None and not any(c.convert for c in choices):
         raise ConfigError("fp8_modules selects no layer that can run in FP8: " + "; ".join(map(str, choices)) + ". "
                           "Select nn.Linear (or Transformers Conv1D) layers whose in/out features are multiples of 16.")
-    return Fp8Layers(models, choices, config_for(fp8, device, sharded.is_sharded(models)))
+    return Fp8Layers(models, choices, config_for(fp8, device, cast.is_sharded(models)))
 
 
 class Fp8Layers:
@@ -249,7 +249,7 @@ class Fp8Layers:
         keeps its identity (the optimizer's parameter), its local shard wrapped so FSDP2
         all-gathers it in FP8; FSDP2 re-reads its parameters (`Units.refresh_params`)."""
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-        self._units = [sharded.Units(m) for m in self.models if sharded.is_sharded([m])]
+        self._units = [sharded.Units(m) for m in self.models if cast.is_sharded([m])]
         for u in self._units:
             u.check_all_gather_extensions()
         dtype = self.config.cast_config_weight.target_dtype

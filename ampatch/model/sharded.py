@@ -11,9 +11,8 @@ parameter dtype after `fully_shard`: the internals used for it are confined to `
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,12 +21,8 @@ from ..base.dtypes import LOW
 from ..config.options import Properties
 from ..config.values import MasterMode
 from ..errors import ConfigError, InternalError, OrderError, PlatformError
-from .cast import LoadHook, is_batchnorm, modules_to_cast, params_to_cast
+from .cast import LoadHook, dtensor_class, fsdp_units, is_batchnorm, modules_to_cast, params_to_cast
 from .forwards import wrap_outputs
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("ampatch")
 
@@ -36,40 +31,13 @@ ORDER = ("shard the model first (fully_shard on its blocks, then on the model), 
          "...)`")
 
 
-def _fsdp_module_class() -> type[FSDPModule] | None:
-    """`FSDPModule`, if FSDP2 was imported (a model can only be sharded if it was): no import cost otherwise."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return getattr(fsdp, "FSDPModule", None)
-
-
-def _dtensor_class() -> type[DTensor] | None:
-    tensor = sys.modules.get("torch.distributed.tensor")
-    return getattr(tensor, "DTensor", None)
-
-
-def _units_of(model: nn.Module) -> list[FSDPModule]:
-    """The modules of `model` that `fully_shard` was applied to, as FSDP2 types them."""
-    cls = _fsdp_module_class()
-    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
-
-
-def sharded_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of `model` that `fully_shard` was applied to."""
-    return [m for m in _units_of(model) if isinstance(m, nn.Module)]
-
-
-def is_sharded(models: Iterable[nn.Module]) -> bool:
-    """Whether any of `models` has FSDP2-sharded modules."""
-    return any(sharded_modules(m) for m in models)
-
-
 class Units:
     """The FSDP2 states (one per `fully_shard` call) of a model, and every access to FSDP2
     internals that ampatch needs: parameter groups, per-parameter state, policies."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.modules = _units_of(model)
+        self.modules = fsdp_units(model)
         try:
             states, seen = [], set()
             for m in self.modules:
@@ -162,7 +130,7 @@ class Units:
         when `fully_shard` meets a wrapped parameter. `refresh_params` afterwards."""
         fp = next(fp for fp in self.params if fp.sharded_param is param)
         dim = fp.fsdp_placement.dim
-        dtensor = _dtensor_class()
+        dtensor = dtensor_class()
         if dtensor is None or not isinstance(param, dtensor):
             raise InternalError("ampatch: internal error: replace_local takes a sharded (DTensor) parameter.")
         new = make(fp._sharded_param_data.view(fp.padded_sharded_param_size))
@@ -347,7 +315,7 @@ def _fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_met
 
 def check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """An optimizer built before fully_shard holds the replaced (unsharded) tensors."""
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     if dtensor is None or not optimizers:
         return
     model_params = {id(p): name for m in models for name, p in m.named_parameters()}
@@ -360,24 +328,3 @@ def check_order(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Op
         raise OrderError(f"amp.initialize: the optimizer holds {len(orphans)} tensors that are not the sharded "
                          f"model's parameters, and the model's sharded parameters ({', '.join(unheld[:3])}...) are "
                          f"in no optimizer: it was built before fully_shard. The order under FSDP2: {ORDER}.")
-
-
-def check_dtensors_sharded(models: Sequence[nn.Module]) -> None:
-    """DTensor parameters outside every `fully_shard` unit (tensor parallelism with
-    `parallelize_module`, a DTensor made by hand) are refused: ampatch applies its levels to
-    FSDP2's units, and a cast or master of such a parameter would be made blind to its
-    placement."""
-    dtensor = _dtensor_class()
-    if dtensor is None:
-        return
-    for model in models:
-        covered = {id(sub) for unit in sharded_modules(model) for sub in unit.modules()}
-        for name, module in model.named_modules():
-            for pname, p in module._parameters.items():
-                if isinstance(p, dtensor) and id(module) not in covered:
-                    full = f"{name}.{pname}" if name else pname
-                    raise ConfigError(f"amp.initialize: parameter {full!r} is a DTensor outside every fully_shard unit "
-                                      "(tensor parallelism, e.g. parallelize_module): ampatch applies its levels to "
-                                      "FSDP2's fully_shard units only. Shard with fully_shard alone (Lightning: "
-                                      "ModelParallelStrategy(tensor_parallel_size=1)), or train without ampatch's "
-                                      "casting on those layers.")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..base.exit_json import ExitJson
-from ..model.sharded import is_sharded
+from ..model.cast import is_sharded
 from .fp8_probe import probe
 from .recorder import Recorder
 from .records import FORMAT, Recording

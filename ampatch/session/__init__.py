@@ -2,8 +2,8 @@
 
 - `session`: the `Session` object (its one job: set up, step, close) and `current()`, the
   live session of the process;
-- `outside`: what the environment and a policy ask of the call, read once;
-- `prepare`: the call checked as a whole before anything changes;
+- `prepare`: what the environment and a policy ask of the call, read once, and the call
+  checked as a whole before anything changes;
 - `build`: the level built on plain or FSDP2-sharded models and optimizers, and the undo;
 - `param_guard`: at run time, that the model still holds what each optimizer steps;
 - `addons`: what the rooms above register (Apex's names, other libraries' checks);

@@ -17,7 +17,7 @@ from ..base.patcher import Patcher
 from ..config.options import Properties
 from ..config.values import MasterMode
 from ..errors import ConfigError
-from ..model import sharded
+from ..model import cast, sharded
 from ..model.cast import ModelHandle, params_to_cast
 from ..model.forwards import keep_in_fp32, wrap_outputs
 from ..model.keep import Kept, kept_module_ids
@@ -38,7 +38,7 @@ def build(props: Properties, models: Sequence[nn.Module], optimizers: Sequence[t
     `sharded.ShardedModel` for FSDP2-sharded models; none where the models are not cast) and
     the optimizers' handles. `kept`: the ids of the modules kept in FP32 and of those inside
     them; `first_index`: the first optimizer's index in its session."""
-    if sharded.is_sharded(models):
+    if cast.is_sharded(models):
         return _build_sharded(props, models, optimizers, patcher, context, kept)
     keep_bn = props.keep_batchnorm_fp32
     cast_ids = {id(p) for m in models for p in params_to_cast(m, keep_bn, kept)} if props.casts_model else set()

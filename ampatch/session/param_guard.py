@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import OrderError
-from ..model import sharded
+from ..model import cast, sharded
 from ..optim.handle import OptimizerHandle
 
 __all__ = ["ParamGuard"]
@@ -31,7 +31,7 @@ class ParamGuard:
     def __init__(self, models: Sequence[nn.Module], handles: Sequence[OptimizerHandle]) -> None:
         self.models = list(models)
         # FSDP2's parameter records of the models that were sharded at initialize
-        self._units = {id(m): sharded.Units(m) for m in self.models if sharded.is_sharded([m])}
+        self._units = {id(m): sharded.Units(m) for m in self.models if cast.is_sharded([m])}
         self._held = {id(h): h.model_params() for h in handles}
         where = self._registrations()
         self._watch = {hid: self._watched(hid, where) for hid in self._held}

@@ -4,11 +4,18 @@ overrides (`config.options.resolve`), what other libraries prepared (the checks 
 with `session.addons`), fp8 and the optimizer-state precision. A call it rejects leaves the
 previous session, the models and the "ampatch" logger as they were. `check_incoming_dtypes`
 runs once the previous session let go of the models.
+
+What the environment asks is read once per call (`outside`: the ``AMPATCH_*`` variables of
+`config.env`, with the policy file ``AMPATCH_POLICY`` names merged in); a policy given in
+code is `initialize`'s `policy=` (`takes_policy`). A policy measured on another kind of
+machine is warned about (`machine.hardware.policy_warning`).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,19 +23,53 @@ import torch
 from torch import nn
 
 from ..base.notices import warn
+from ..config import env, levels, policy_file
 from ..config.env import Overrides
 from ..config.options import Options, Properties, resolve, warn_or_err
 from ..config.settings import SETTINGS
 from ..config.values import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, INITIAL_LOSS_SCALE
 from ..errors import ConfigError, ConfigTypeError, OrderError
 from ..machine import hardware
-from ..model import fp8, sharded
+from ..model import cast, fp8
 from ..optim.states import check_keepable
 from . import addons
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Prepared", "prepare", "check_fp8", "as_list", "check_incoming_dtypes"]
+__all__ = ["takes_policy", "outside", "Prepared", "prepare", "check_fp8", "as_list", "check_incoming_dtypes"]
+
+
+def takes_policy(initialize: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate `initialize` so that `policy=` (a policy file `ampatch tune` wrote, or its
+    dict) sets the keywords the call does not give; a keyword given explicitly beats the
+    policy's field, with a warning when they disagree (`policy_file.apply_in_code`)."""
+    signature = inspect.signature(initialize)
+
+    @functools.wraps(initialize)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("policy") is None:
+            return initialize(*args, **kwargs)
+        given = dict(signature.bind(*args, **kwargs).arguments)
+        policy = policy_file.load(given.pop("policy"))
+        _warn_measured_elsewhere(policy, given.get("verbosity", 1))
+        return initialize(**policy_file.apply_in_code(given, policy, set(given) - {"models", "optimizers"}))
+    return wrapper
+
+
+def outside(verbosity: int = 1) -> Overrides:
+    """What the environment asks of this `initialize`, read once, with the policy file
+    ``AMPATCH_POLICY`` names merged in (`policy_file.from_outside`)."""
+    overrides = env.read()
+    if overrides.policy is None:
+        return overrides
+    _warn_measured_elsewhere(policy_file.load(overrides.policy), verbosity)
+    return policy_file.from_outside(overrides)
+
+
+def _warn_measured_elsewhere(policy: policy_file.Policy, verbosity: int) -> None:
+    why = hardware.policy_warning(policy.measured, levels.half_name(policy.opt_level, policy.half_dtype))
+    if why:
+        warn(f"ampatch: {why}", verbosity if isinstance(verbosity, int) else 1)
 
 
 @dataclass(frozen=True)
@@ -76,7 +117,7 @@ def prepare(options: Options, models: Any, optimizers: Any, overrides: Overrides
     opt_list, single_opt = ([], True) if optimizers is None else as_list(optimizers, "optimizers",
                                                                           torch.optim.Optimizer)
     addons.run_checks(model_list, opt_list)  # what other libraries prepared (frameworks/)
-    sharded.check_dtensors_sharded(model_list)
+    cast.check_dtensors_sharded(model_list)
     props, notes = resolve(options, hardware.model_device(model_list), overrides)
     if props.fp8 is not None:
         check_fp8(props, opt_list)
