@@ -4,5 +4,6 @@
 - `tree`: the one walk over nested arguments (lists, tuples, dicts, batch objects);
 - `notices`: warnings that point at the user's line, and the "ampatch" logger's guard;
 - `counters`: thread-safe call counters (the hot path's only bookkeeping);
-- `patcher`: the undo registry every patch goes through, and the per-thread cast switch.
+- `patcher`: the undo registry every patch goes through, the per-thread cast switch, and the
+  watch on `Tensor.data` (writes no version counter sees).
 """

@@ -7,6 +7,11 @@ record says which, so a restore deletes what was not there instead of setting it
 `disable_casts()` turns casting off for a block in the calling thread only. A patch someone
 else replaced is restored with a warning, unless a registered `tolerate` predicate expects
 that replacement (what other libraries do to patched attributes, registered from above).
+
+Writes through `Tensor.data` (`p.data.clamp_(...)`, `p.data = ...`) move no version counter,
+so whoever keeps a second copy of a tensor cannot see them: `watch_data` patches
+`torch.Tensor.data` to call back with the tensor each time it is read or assigned.
+`raw_data` / `set_data` are torch's own access, for ampatch's reads and writes.
 """
 from __future__ import annotations
 
@@ -18,11 +23,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ampatch.errors import OrderError
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["Patcher", "resolve_owner", "tolerate", "CastSwitch", "cast_switch", "disable_casts"]
+__all__ = ["Patcher", "resolve_owner", "tolerate", "CastSwitch", "cast_switch", "disable_casts", "TENSOR_DATA",
+           "raw_data", "set_data", "watch_data"]
 
 # Predicates on what replaced a patch: True where the replacement is expected, not news.
 _tolerated: list[Callable[[Any], bool]] = []
@@ -123,3 +131,32 @@ def disable_casts() -> Iterator[None]:
         yield
     finally:
         cast_switch.enabled = previous
+
+
+TENSOR_DATA = vars(torch._C.TensorBase)["data"]  # the C getset `Tensor.data`
+
+
+def raw_data(t: torch.Tensor) -> torch.Tensor:
+    """`t.data` as torch gives it, past any watch."""
+    return TENSOR_DATA.__get__(t)
+
+
+def set_data(t: torch.Tensor, value: torch.Tensor) -> None:
+    """`t.data = value` as torch does it, past any watch."""
+    TENSOR_DATA.__set__(t, value)
+
+
+def watch_data(patcher: Patcher, touched: Callable[[torch.Tensor], None]) -> None:
+    """From now until `patcher` restores torch, `touched(t)` runs before each read or
+    assignment of `t.data` (any tensor: `touched` picks its own)."""
+    get, put = TENSOR_DATA.__get__, TENSOR_DATA.__set__
+
+    def data(self: torch.Tensor) -> torch.Tensor:
+        touched(self)
+        return get(self)
+
+    def assign(self: torch.Tensor, value: torch.Tensor) -> None:
+        touched(self)
+        put(self, value)
+
+    patcher.patch(torch.Tensor, "data", property(data, assign, doc=TENSOR_DATA.__doc__))

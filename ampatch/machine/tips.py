@@ -1,12 +1,6 @@
-"""Advice that mixed-precision guides give in prose, given by ampatch where it applies.
+"""Advice that mixed-precision guides give in prose, given by ampatch where a run meets the
+problem (the advice `initialize` gives up front is `hardware`'s).
 
-- `dims_not_multiple_of_8(models)`: Linear and convolution layers whose feature or channel
-  counts are not multiples of 8, which half-precision matmul units (Tensor Cores) prefer;
-  `log_dims_tip` logs that list once, at `initialize`.
-- `eps_lost_in_float16(optimizers)`: optimizer groups that step float16 parameters in
-  float16 with an `eps` that float16 rounds to 0 (Adam's 1e-8): every weight whose
-  gradient is 0 becomes 0/0 = NaN at the first step. The session warns at `initialize`
-  (`eps_lost_warning`).
 - `skipping_warning(...)`: why many optimizer steps in a row were skipped (the session's
   warning when they pile up).
 - `explain_dtype_error(exc, op_name, model_dtype)`: when a dtype-mismatch error escapes a call
@@ -19,103 +13,17 @@ Pure helpers: nothing here patches anything or keeps session state.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.parameter import is_lazy
 
 logger = logging.getLogger("ampatch")
 
-__all__ = ["dims_not_multiple_of_8", "log_dims_tip", "eps_lost_in_float16", "eps_lost_warning", "skipping_warning",
-           "explain_dtype_error", "attach_hint", "add_note", "changed_model_hint", "hint_dtype_error", "qualified_name"]
-
-_MULTIPLE = 8
-
-
-def _as_models(models: Any) -> list[nn.Module]:
-    return list(models) if isinstance(models, (list, tuple)) else [models]
-
-
-def _uninitialized(module: nn.Module) -> bool:
-    """Whether `module` is a lazy layer still waiting for its first input (its own parameters or
-    buffers are uninitialized): what `LazyModuleMixin.has_uninitialized_params` asks, without its
-    protocol-typed `self` that a plain module does not satisfy for mypy."""
-    own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
-    return isinstance(module, nn.modules.lazy.LazyModuleMixin) and any(is_lazy(t) for t in own)
-
-
-def dims_not_multiple_of_8(models: nn.Module | Iterable[nn.Module]) -> list[str]:
-    """One line per Linear/Conv layer with an in/out feature or channel count that is not a
-    multiple of 8, e.g. ``"fc (Linear): in_features=30"``; names are prefixed ``model1.``
-    and so on when several models are given. Uninitialized lazy layers are skipped."""
-    models = _as_models(models)
-    out = []
-    for i, model in enumerate(models):
-        prefix = f"model{i}." if len(models) > 1 else ""
-        for name, m in model.named_modules():
-            if isinstance(m, nn.Linear):
-                dims = (("in_features", m.in_features), ("out_features", m.out_features))
-            elif isinstance(m, nn.modules.conv._ConvNd):
-                dims = (("in_channels", m.in_channels), ("out_channels", m.out_channels))
-            else:
-                continue
-            if _uninitialized(m):
-                continue
-            bad = [f"{k}={v}" for k, v in dims if v % _MULTIPLE]
-            if bad:
-                out.append(f"{prefix}{name or '<model>'} ({type(m).__name__}): {', '.join(bad)}")
-    return out
-
-
-_logged: set[tuple[str, ...]] = set()
-
-
-def log_dims_tip(models: nn.Module | Iterable[nn.Module], verbosity: int = 1, limit: int = 10) -> list[str]:
-    """Log (info, once per process for a given list) the layers `dims_not_multiple_of_8`
-    finds; nothing at verbosity 0 (the session asks only at the levels that run in half).
-    Returns what it found."""
-    if verbosity < 1:
-        return []
-    found = dims_not_multiple_of_8(models)
-    key = tuple(found)
-    if found and key not in _logged:
-        _logged.add(key)
-        more = f"; and {len(found) - limit} more" if len(found) > limit else ""
-        logger.info("ampatch: tip: half-precision matmul units are fastest when feature and channel counts "
-                    "are multiples of 8; these layers are not (pad or resize them where you can; an input "
-                    "layer with 3 colour channels is expected): %s%s", "; ".join(found[:limit]), more)
-    return found
-
-
-def eps_lost_in_float16(optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
-    """One line per optimizer param group that holds float16 parameters (stepped in float16:
-    no FP32 master weights, as at O3) and an `eps` that is 0 in float16, unless the group is
-    `fused` (a fused kernel adds eps in FP32). torch's Adam, AdamW, RMSprop, Adagrad, ...
-    then divide by sqrt(0) + 0 for any weight whose gradient is 0, and the weights turn NaN
-    at the first step (plain `model.half()` training does the same)."""
-    out = []
-    for i, opt in enumerate(optimizers):
-        for j, group in enumerate(opt.param_groups):
-            eps = group.get("eps")
-            if (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0
-                    or torch.tensor(eps, dtype=torch.float16).item() != 0 or group.get("fused")):
-                continue
-            if any(isinstance(p, torch.Tensor) and p.dtype == torch.float16 for p in group["params"]):
-                out.append(f"optimizers[{i}] ({type(opt).__name__}) param group {j}: eps={eps:g}")
-    return out
-
-
-def eps_lost_warning(lost: Iterable[str], opt_level: str) -> str:
-    """The warning `initialize` gives for the groups `eps_lost_in_float16` found."""
-    return (f"ampatch: {'; '.join(lost)}: float16 rounds that eps to 0, and at {opt_level} these float16 "
-            "parameters are stepped in float16 (no FP32 master weights), so every weight whose gradient is 0 "
-            "(an embedding row missing from the batch) becomes 0/0 = NaN at the first step. Use O2 (FP32 master "
-            "weights), bfloat16, or an eps float16 can hold (1e-4 is usual for float16 Adam).")
+__all__ = ["skipping_warning", "explain_dtype_error", "attach_hint", "add_note", "changed_model_hint",
+           "hint_dtype_error", "qualified_name"]
 
 
 def skipping_warning(count: int, loss: torch.Tensor | None, scalers: Sequence[Any], optimizer: int | None) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.data_watch import watch_data
+from ..base.patcher import watch_data
 from .weights import Keeps, Sync, Weight, rounds_to
 
 __all__ = ["Weights", "DataWatch"]

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..base.data_watch import raw_data, set_data
+from ..base.patcher import raw_data, set_data
 
 __all__ = ["Keeps", "Sync", "Weight", "keep_exact", "rounds_to", "settle_all", "note_all"]
 

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..base import data_watch
+from ..base import patcher as torch_patches
 from ..base.counters import count_value
 
 __all__ = ["ParamCastCache", "Inline", "converter", "watch_data"]
@@ -198,7 +198,7 @@ def watch_data(cache: ParamCastCache, patcher: Any) -> None:
     `p.data` is the one common way to change a parameter that autograd does not see:
     `p.data.copy_(ema)` or `p.data = ...` (as `vector_to_parameters` and `Module._apply`
     do) leave `p._version` as it was, so the cache could not tell. Reading `.data` is
-    where each of them starts (`base.data_watch`). (A `.data` alias kept from before the
+    where each of them starts (`base.patcher.watch_data`). (A `.data` alias kept from before the
     cast, or writes through numpy, stay invisible.)
     """
     forget = weakref.WeakMethod(cache.forget)  # the watch must not keep a closed session alive
@@ -208,4 +208,4 @@ def watch_data(cache: ParamCastCache, patcher: Any) -> None:
         if f is not None:
             f(t)
 
-    data_watch.watch_data(patcher, touched)
+    torch_patches.watch_data(patcher, touched)

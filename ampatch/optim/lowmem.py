@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base.data_watch import raw_data, set_data
+from ..base.patcher import raw_data, set_data
 from ..config.values import MasterMode
 from ..errors import ConfigError, NotSupportedError
 from ..model.weights import Keeps, Weight, note_all, settle_all

@@ -68,7 +68,7 @@ def _masters(session: Any) -> dict[int, torch.Tensor]:
 def attach(session: Any, models: Sequence[nn.Module], path: str, eps_lost: Sequence[str] = ()) -> Recorder:
     """Start recording `models` of `session` for `ampatch diagnose`; returns the recorder,
     which the session feeds its losses and steps (`on_loss`, `on_step`) and closes. `eps_lost`:
-    the optimizers whose Adam eps float16 rounds to 0 (`tips.eps_lost_in_float16`)."""
+    the optimizers whose Adam eps float16 rounds to 0 (`hardware.eps_lost_in_float16`)."""
     props = session.properties
     masters = _masters(session)
     sharded = is_sharded(models)
@@ -77,7 +77,7 @@ def attach(session: Any, models: Sequence[nn.Module], path: str, eps_lost: Seque
                         on_done=lambda r: _output.write(tracked), fp8=probe(getattr(session, "fp8", None)))
     notes = [f"{line}: float16 rounds that eps to 0; with float16 parameters stepped in float16, any weight "
              "whose gradient is 0 becomes NaN. Use O2 (FP32 masters), bfloat16, or eps=1e-4."
-             for line in eps_lost]  # (what the session found with tips.eps_lost_in_float16)
+             for line in eps_lost]  # (what the session found with hardware.eps_lost_in_float16)
     if sharded:
         notes.append("FSDP-sharded model: no FP32 shadows (local errors are not measured); inf/NaN and "
                      "underflow are.")

@@ -92,7 +92,7 @@ def attach(session: Any, models: Sequence[nn.Module], overrides: Overrides, reco
            eps_lost: Sequence[str] = ()) -> list[Observer]:
     """Attach the observers `overrides` ask for to `session.observers`, in the order they are
     told of each step; each is there as soon as it exists, so that `Session.close` releases it
-    even when a later one fails to attach. `eps_lost`: `tips.eps_lost_in_float16`'s findings."""
+    even when a later one fails to attach. `eps_lost`: `hardware.eps_lost_in_float16`'s findings."""
     observers: list[Observer] = session.observers
     for path, variable in ((overrides.report, REPORT), (overrides.diagnose, DIAGNOSE), (overrides.witness, WITNESS)):
         if path:

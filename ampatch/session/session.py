@@ -113,7 +113,7 @@ class Session:
         if not props.enabled:
             return
         if levels.uses_half(props.opt_level):
-            tips.log_dims_tip(models, self.verbosity)
+            hardware.log_dims_tip(models, self.verbosity)
         kept = build.keep_forwards(self.kept, props, self.patcher) if self.kept else frozenset()
         self.models, self.optimizers = build.build(props, models, optimizers, self.patcher, self._handle_context(),
                                                    kept)
@@ -129,9 +129,9 @@ class Session:
         self.guard = ParamGuard(models, self.optimizers)
         for h in self.optimizers:
             h.install(self.patcher, self.guard)
-        lost = tips.eps_lost_in_float16(optimizers) if props.half_dtype == torch.float16 else []
+        lost = hardware.eps_lost_in_float16(optimizers) if props.half_dtype == torch.float16 else []
         if lost:
-            self.warn(tips.eps_lost_warning(lost, props.opt_level))
+            self.warn(hardware.eps_lost_warning(lost, props.opt_level))
         if props.patch_torch_functions:
             self.o1.install(user_policy.REGISTERED, lists.NAMESPACES, EAGER_UNDER_COMPILE)
         if self.overrides.report or self.overrides.diagnose or self.overrides.max_steps is not None:

@@ -10,7 +10,7 @@ from _config import props
 from torch import nn
 from torch.nn import functional as F
 
-from ampatch.machine import tips
+from ampatch.machine import hardware, tips
 
 
 class Net(nn.Module):
@@ -25,25 +25,25 @@ class Net(nn.Module):
 
 
 def test_dims_not_multiple_of_8_lists_exactly_the_odd_layers() -> None:
-    assert tips.dims_not_multiple_of_8(Net()) == [
+    assert hardware.dims_not_multiple_of_8(Net()) == [
         "stem (Conv2d): in_channels=3",
         "block.0 (Conv2d): out_channels=20",
         "fc (Linear): in_features=30",
         "head (Linear): out_features=10",
     ]
-    assert tips.dims_not_multiple_of_8(nn.Linear(5, 8)) == ["<model> (Linear): in_features=5"]
-    assert tips.dims_not_multiple_of_8([nn.Linear(8, 8), nn.Sequential(nn.ConvTranspose2d(8, 9, 2))]) == [
+    assert hardware.dims_not_multiple_of_8(nn.Linear(5, 8)) == ["<model> (Linear): in_features=5"]
+    assert hardware.dims_not_multiple_of_8([nn.Linear(8, 8), nn.Sequential(nn.ConvTranspose2d(8, 9, 2))]) == [
         "model1.0 (ConvTranspose2d): out_channels=9"]
-    assert tips.dims_not_multiple_of_8(nn.Sequential(nn.Linear(16, 32), nn.Embedding(3, 5))) == []
+    assert hardware.dims_not_multiple_of_8(nn.Sequential(nn.Linear(16, 32), nn.Embedding(3, 5))) == []
 
 
 def test_log_dims_tip_logs_once_at_info(caplog) -> None:
     model = nn.Linear(13, 8)  # a listing no other test logs
     with caplog.at_level(logging.INFO, logger="ampatch"):
-        assert tips.log_dims_tip(model, verbosity=0) == []
+        assert hardware.log_dims_tip(model, verbosity=0) == []
         assert not caplog.records
-        assert tips.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
-        assert tips.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
+        assert hardware.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
+        assert hardware.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
     records = [r for r in caplog.records if "multiples of 8" in r.getMessage()]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     assert "in_features=13" in records[0].getMessage()
@@ -312,7 +312,7 @@ def test_float16_steps_with_an_eps_float16_rounds_to_zero_warn() -> None:
     finite, warned = _first_step("O3", torch.float16)
     assert not finite and len(warned) == 1
     assert "eps=1e-08" in warned[0] and "O2" in warned[0] and "1e-4" in warned[0]
-    assert tips.eps_lost_in_float16([torch.optim.AdamW(Tagger().half().parameters())]) == [
+    assert hardware.eps_lost_in_float16([torch.optim.AdamW(Tagger().half().parameters())]) == [
         "optimizers[0] (AdamW) param group 0: eps=1e-08"]
 
 
