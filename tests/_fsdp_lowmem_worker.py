@@ -287,9 +287,11 @@ def _load(model: nn.Module, opt: torch.optim.Optimizer, saved: Any, how: str) ->
     set_state_dict(model, opt, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"])
 
 
-def resume(rank: int, world: int, mode: str, how: str, where: str | None = None) -> dict[str, Any]:
+def resume(rank: int, world: int, mode: str, how: str, where: str | None = None,
+           before: bool = False) -> dict[str, Any]:
     """STEPS steps straight, or half of them, a checkpoint, a restart from other weights, the
-    checkpoint loaded, the other half: the same bits."""
+    checkpoint loaded (`before`: into the plain model and optimizer, then amp.initialize),
+    the other half: the same bits."""
     data = my_batches(STEPS, rank, world)
     model, opt = build(mode)
     train(model, opt, data)
@@ -299,8 +301,16 @@ def resume(rank: int, world: int, mode: str, how: str, where: str | None = None)
     train(model, opt, data[:STEPS // 2])
     saved = _save(model, opt, how, os.path.join(where or ".", f"resume-{mode}") if how == "dcp" else None)
     amp.deinitialize()
-    model, opt = build(mode, seed=1)  # other weights: everything must come from the checkpoint
-    _load(model, opt, saved, how)
+    if before:
+        torch.manual_seed(1)  # other weights: everything must come from the checkpoint
+        model = shard(Net())
+        opt = OPTIMIZERS["adamw"](model.parameters())
+        _load(model, opt, saved, how)
+        model, opt = amp.initialize(model, opt, opt_level="O5", master_weights=mode, verbosity=0)
+        current().optimizers[0].masters.chunk_numel = 512
+    else:
+        model, opt = build(mode, seed=1)
+        _load(model, opt, saved, how)
     train(model, opt, data[STEPS // 2:])
     resumed = {"live": live(model), "comp": [c.clone() for c in lowmem().comp.values()], "rounds": lowmem().rounds}
     fp32 = sorted({f"{type(v).__name__}:{v.dtype}" for st in opt.state.values() for k, v in st.items()
@@ -309,6 +319,11 @@ def resume(rank: int, world: int, mode: str, how: str, where: str | None = None)
     if mode == "kahan":  # no rounding state: the compensations carry what rounding dropped
         straight.pop("rounds"), resumed.pop("rounds")
     return {"same": same(straight, resumed), "state": fp32, "comp": resumed["comp"]}
+
+
+def resume_before(rank: int, world: int, how: str, where: str | None = None) -> dict[str, Any]:
+    """`resume` with the checkpoint loaded into the plain model and optimizer before initialize."""
+    return resume(rank, world, "stochastic", how, where, before=True)
 
 
 def malformed(rank: int, world: int, mode: str) -> dict[str, Any]:
@@ -333,6 +348,11 @@ def malformed(rank: int, world: int, mode: str) -> dict[str, Any]:
     except ValueError as e:
         error = str(e)
     out = {"error": error, "untouched": same(before, snapshot(model, opt))}
+    if mode != "kahan":  # a checkpoint of an older ampatch, whose seed and count were plain ints, loads
+        sd["param_groups"][0]["ampatch_rounds"] = 2
+        sd["param_groups"] = [{**g, "ampatch_seed": int(g["ampatch_seed"])} for g in sd["param_groups"]]
+        opt.load_state_dict(sd)
+        out["old_format"] = (lowmem().rounds, lowmem().seed == int(sd["param_groups"][0]["ampatch_seed"]))
     amp.deinitialize()
     return out
 
@@ -447,11 +467,14 @@ SCENARIOS: list[tuple[str, Callable, tuple]] = (
                                                        ("param_group", param_group), ("malformed", malformed))
        for mode in MODES]
     + [(f"resume/{mode}/{how}", resume, (mode, how)) for mode in MODES for how in ("plain", "dcp_full", "dcp")]
+    # a plain optimizer loads the checkpoint before initialize: the rounding's seed and count pass through it
+    # (not dcp.load's: it fills only the keys of the plain optimizer's own state dict)
+    + [(f"resume_before/stochastic/{how}", resume_before, (how,)) for how in ("plain", "dcp_full")]
     + [("refused", refused, ())] + [(f"finetune/{opt}", finetune, (opt,)) for opt in OPTIMIZERS]
     + [(f"{name}/{mode}", fn, (mode,)) for name, fn in (("reshard_save", reshard_save),
                                                        ("reshard_load", reshard_load)) for mode in MODES]
 )
-NEEDS_DIR = {resume, reshard_save, reshard_load}
+NEEDS_DIR = {resume, resume_before, reshard_save, reshard_load}
 
 
 

@@ -8,8 +8,11 @@ optimizer's own step() on FP32 views of each rank's local shard, a chunk at a ti
 (`stepper`), and rounds back stochastically (each threshold a function of the element's
 index in the whole parameter: the same on every rank that holds it) or to nearest, the
 remainder kept in a compensation sharded like its parameter. The compensation (a state
-entry) and the rounding's seed and step count (param group entries) travel in
-`optimizer.state_dict()`. docs/fsdp.md tells the whole story.
+entry) and the rounding's seed and step count (param group entries, one-element int64
+tensors: what `torch.distributed.checkpoint`'s full-state-dict load into a plain optimizer
+keeps; plain ints from older checkpoints are read too) travel in `optimizer.state_dict()`;
+a plain optimizer that loaded them before `initialize` hands them over. docs/fsdp.md tells
+the whole story.
 """
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ class ShardedLowMem(Masters):
         self.offset: dict[int, int] = {}
         self.seed = rounding_seed(seed)
         self.rounds = 0
+        self._adopt_counts(optimizer)
         self.loaded: set[int] = set()  # params whose compensation an optimizer checkpoint set (until a step)
         self.names: dict[int, str] = {}  # id(param) -> its name in the model, for messages (`build` fills it)
         self.workspace = Workspace()
@@ -90,6 +94,22 @@ class ShardedLowMem(Masters):
         for p in self.params():
             self.make(p)
         self._hook = optimizer.register_state_dict_post_hook(self._add_entries)
+
+    def _adopt_counts(self, optimizer: torch.optim.Optimizer) -> None:
+        """The seed and step count a checkpoint put in the param groups of the plain optimizer
+        before `initialize` (checked, then taken out); a malformed one raises."""
+        found = [(g.get(SEED_KEY), g.get(ROUNDS_KEY)) for g in optimizer.param_groups if SEED_KEY in g]
+        if not found:
+            return
+        seed, rounds = found[0]
+        problem = _bad_count("seed", seed) or _bad_count("rounds", rounds, missing_ok=True)
+        if problem is not None:
+            raise ConfigError(f"optimizer checkpoint: {problem}; amp.initialize changed nothing.")
+        for g in optimizer.param_groups:
+            g.pop(SEED_KEY, None)
+            g.pop(ROUNDS_KEY, None)
+        if self.mode is MasterMode.STOCHASTIC:
+            self.seed, self.rounds = _count(seed), _count(rounds) or 0
 
     # ------------------------------------------------------------------ params
     def make(self, p: torch.Tensor) -> torch.Tensor:
@@ -185,7 +205,10 @@ class ShardedLowMem(Masters):
                 if c is not None:  # a dict of its own: torch's entries are the live state's dicts
                     sd["state"][i] = {**sd["state"].get(i, {}), COMP_KEY: as_param(p, c.detach().clone())}
         else:
-            sd["param_groups"] = [{**g, SEED_KEY: self.seed, ROUNDS_KEY: self.rounds} for g in sd["param_groups"]]
+            # one-element tensors, not 0-d ones: torch's full-state-dict load keeps those only
+            counts = {SEED_KEY: torch.tensor([self.seed], dtype=torch.int64),
+                      ROUNDS_KEY: torch.tensor([self.rounds], dtype=torch.int64)}
+            sd["param_groups"] = [{**g, **counts} for g in sd["param_groups"]]
         return sd
 
     def load(self, state_dict: dict, inner: Callable, process_group: Any = None) -> None:
@@ -256,8 +279,8 @@ class ShardedLowMem(Masters):
                             "compensation is" if comps else "rounding seed is")
             if seeds and not kahan:
                 seed, rounds = seeds[0]
-                self.seed = int(seed) if seed is not None else self.seed
-                self.rounds = int(rounds) if rounds is not None else 0
+                self.seed = _count(seed)
+                self.rounds = _count(rounds) or 0
                 if rounds is None:
                     logger.info("ampatch: the optimizer checkpoint has no stochastic rounding step count: rounding "
                                 "goes on from step 0, unbiased as before, but not bit for bit.")
@@ -335,9 +358,19 @@ def _state_value(p: torch.Tensor, key: Any, value: Any, fused: bool, offset: int
     return value.to(device=p.device, dtype=F32) if value.is_floating_point() else value.to(device=p.device)
 
 
+def _count(value: Any) -> int | None:
+    """A seed or step count as saved: an integer tensor of one element, or (older
+    checkpoints) a plain int; None for anything else."""
+    if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool \
+            and value.numel() == 1:
+        return int(value.item())
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _bad_count(key: str, value: Any, missing_ok: bool = False) -> str | None:
     if value is None and missing_ok:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        return f"the stochastic rounding's {key!r} must be an int >= 0, got {value!r}"
+    count = _count(value)
+    if count is None or count < 0:
+        return f"the stochastic rounding's {key!r} must be an integer >= 0, got {value!r}"
     return None

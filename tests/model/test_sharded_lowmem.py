@@ -129,13 +129,23 @@ def test_resume_on_the_same_world_size_is_bit_for_bit(ranks, mode, how):
         assert r["state"] == ["DTensor:torch.float32"]  # loaded as saved: torch would have cast it to bfloat16
 
 
+@pytest.mark.parametrize("how", ["plain", "dcp_full"])
+def test_stochastic_checkpoint_loaded_before_initialize_resumes_bit_for_bit(ranks, how):
+    # the seed and step count are int64 tensors in the param groups: the plain optimizer keeps them
+    # (a full state dict of plain ints raised KeyError there) and initialize takes them over
+    for r in scenario(ranks, f"resume_before/stochastic/{how}"):
+        assert r["same"], how
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_malformed_entry_on_one_rank_is_refused_on_every_rank(ranks, mode):
     what = ("the compensation of fc2.weight (shape (48, 48)) holds NaN or inf" if mode == "kahan"
-            else "the stochastic rounding's 'rounds' must be an int >= 0, got -1")
+            else "the stochastic rounding's 'rounds' must be an integer >= 0, got -1")
     for r in scenario(ranks, f"malformed/{mode}"):
         assert r["error"] is not None and what in r["error"] and "nothing was loaded" in r["error"]
         assert r["untouched"]
+        if mode == "stochastic":  # plain ints (older checkpoints) still load
+            assert tuple(r["old_format"]) == (2, True)
 
 
 def test_what_the_sharded_modes_refuse(ranks):
