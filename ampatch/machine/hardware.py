@@ -350,7 +350,7 @@ def dims_not_multiple_of_8(models: nn.Module | Iterable[nn.Module]) -> list[str]
     return out
 
 
-_logged: set[tuple[str, ...]] = set()
+_dims_logged: set[tuple[str, ...]] = set()  # the layer lists log_dims_tip logged
 
 
 def log_dims_tip(models: nn.Module | Iterable[nn.Module], verbosity: int = 1, limit: int = 10) -> list[str]:
@@ -361,8 +361,8 @@ def log_dims_tip(models: nn.Module | Iterable[nn.Module], verbosity: int = 1, li
         return []
     found = dims_not_multiple_of_8(models)
     key = tuple(found)
-    if found and key not in _logged:
-        _logged.add(key)
+    if found and key not in _dims_logged:
+        _dims_logged.add(key)
         more = f"; and {len(found) - limit} more" if len(found) > limit else ""
         logger.info("ampatch: tip: half-precision matmul units are fastest when feature and channel counts "
                     "are multiples of 8; these layers are not (pad or resize them where you can; an input "

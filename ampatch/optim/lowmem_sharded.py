@@ -109,7 +109,7 @@ class ShardedLowMem(Masters):
             g.pop(SEED_KEY, None)
             g.pop(ROUNDS_KEY, None)
         if self.mode is MasterMode.STOCHASTIC:
-            self.seed, self.rounds = _count(seed), _count(rounds) or 0
+            self.seed, self.rounds = _count(seed) or 0, _count(rounds) or 0  # (checked: seed is a count)
 
     # ------------------------------------------------------------------ params
     def make(self, p: torch.Tensor) -> torch.Tensor:
@@ -279,7 +279,7 @@ class ShardedLowMem(Masters):
                             "compensation is" if comps else "rounding seed is")
             if seeds and not kahan:
                 seed, rounds = seeds[0]
-                self.seed = _count(seed)
+                self.seed = _count(seed) or 0  # (checked: a count)
                 self.rounds = _count(rounds) or 0
                 if rounds is None:
                     logger.info("ampatch: the optimizer checkpoint has no stochastic rounding step count: rounding "
