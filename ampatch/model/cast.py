@@ -277,7 +277,8 @@ class StateDictHook:
                 continue
             record = self.weights.get(module, name)
             if record is not None:
-                record.settle()
+                record = self.weights.settle_one(record)  # None: a copy made FP32 again let it go
+            if record is not None:
                 value = record.value()
                 if value is not None:
                     state_dict[key] = value

@@ -80,6 +80,16 @@ class Weights:
                 if r.touched() and r.settle() is Sync.RETIRED:
                     self._retired(r)
 
+    def settle_one(self, record: Weight) -> Weight | None:
+        """`settle` for one record (a `state_dict` hook's sync point): the record, or None where
+        it went (a copy's tensor left the half dtype, `ema.to(torch.float32)` as timm's
+        `ModelEmaV3(dtype=...)` does: the tensor took the exact value and is the truth from now
+        on, so an EMA written through `state_dict()` reaches the weights its forward uses)."""
+        with self._lock:
+            if record.settle() is Sync.RETIRED:
+                self._retired(record)
+        return self.get(record.module, record.name)
+
     def _retired(self, r: Weight) -> None:
         """A live model's record whose tensor went or left the half dtype: nothing to sync (the
         forward then fails on the dtypes, and `changes` says why); a copy's lets it go."""
