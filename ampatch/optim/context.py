@@ -79,11 +79,17 @@ STAGE_MOVES: Mapping[StageCall, Mapping[GradStage, GradStage | None]] = {
 }
 
 
+@torch._disable_dynamo  # torch.compiler.disable, Dynamo imported at the first call, not with ampatch
 def expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
     """The stage `call` leaves a handle in `stage` in (BACK: the one SCALED was entered from),
     after checking that `stage` is one `call` is allowed in; else RuntimeError naming both (as
     FSDP2's `_assert_in_states`): a driver called the handle out of order, a bug in it, caught
-    before anything changed. Two dict lookups: it runs at every step, zero_grad and scale_loss."""
+    before anything changed. Two dict lookups: it runs at every step, zero_grad and scale_loss.
+
+    Never traced: where a compiled function calls scale_loss and step() (mmengine's compiled
+    train_step), Dynamo compiles the handle's frames, and it guards no enum read from an
+    object's attribute that only keys a dict (torch 2.13): a traced look-up kept the stage it
+    first saw (after one overflow, every later step was skipped). A graph break instead."""
     try:
         return STAGE_MOVES[call][stage]
     except KeyError:
