@@ -169,8 +169,10 @@ def _outliers(leaves: list[ModuleEntry], half: str | None, keep: list[str], note
     for e in leaves:
         if e.rel_error is not None and e.rel_error > bar and not _is_within(e.name, keep):
             keep.append(e.name)
+            than = (f"{e.rel_error / typical:.0f}x the typical module's {typical:.2g}" if typical > 0 else
+                    f"above {bar:.2g} ({EPS_MULTIPLE:g} machine epsilons of {half}; the typical module's is 0)")
             notes.append(f"{e.name or '(model)'} ({e.type}): local error {e.rel_error:.3g} against its FP32 shadow, "
-                         f"{e.rel_error / max(typical, 1e-30):.0f}x the typical module's {typical:.2g}.")
+                         f"{than}.")
 
 
 def _underflow(leaves: list[ModuleEntry], steps: list[StepRecord], half: str | None, level: str | None,

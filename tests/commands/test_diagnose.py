@@ -383,3 +383,17 @@ def test_the_growth_rule_diagnose_and_tune_share():
     assert grow(["a", ""], found("a")) is None
     fault = StepFault(*[None] * len(StepFault.__dataclass_fields__))
     assert grow(["a.b"], found("c", fault)) is None
+
+
+def test_an_outlier_among_exact_modules_is_named_in_plain_numbers():
+    """Most leaves exact in half (norms run in FP32, identities): the typical module's error is 0,
+    so the note names the floor the outlier cleared, not a ratio to 0."""
+    from ampatch.record.records import ModuleRecord, Recording, StepRecord
+    steps = [StepRecord(i, 2.0, True, 1.0, False) for i in range(4)]
+    modules = [ModuleRecord("fc", "Linear", True, 4, 1.0, rel_errors=[0.003]),
+               *(ModuleRecord(f"norm{i}", "LayerNorm", True, 4, 1.0, rel_errors=[0.0]) for i in range(3)),
+               ModuleRecord("shift", "Shift", True, 4, 1.0, rel_errors=[0.7])]
+    r = diagnosis(Recording("O4", "bfloat16", 1.0, "none", [], [], True, 4, steps, modules, [])).recommendation
+    assert r.keep_fp32 == ("shift",)
+    note = next(n for n in r.notes if n.startswith("shift"))
+    assert "the typical module's is 0" in note and "e+" not in note, note
