@@ -15,7 +15,8 @@ or its JSON) into a typed `Diagnosis` (`result.py`); `analyse` is its JSON:
   non-finite module; leaves whose local error stands far above the rest) as `keep_fp32`,
   settings that are not modules (a dynamic loss scale against gradient underflow: when most
   layers underflow, or when one layer's gradient underflows whole, so that it never learns;
-  FP32 master weights against stalled updates, `stalls.py`), and notes in words;
+  FP32 master weights against stalled updates, `stalls.py`; never for bfloat16, whose range
+  is FP32's: its zero gradients are O0's too), and notes in words;
 - `step_fault`: an optimizer step that turned finite weights inf/NaN from finite gradients (a
   float16-rounded Adam eps at O3): not a module's precision, so no module is recommended for
   what follows from it (the next forward's inf/NaN, a loss gone non-finite); the recommendation
@@ -168,13 +169,21 @@ def _outliers(leaves: list[ModuleEntry], half: str | None, keep: list[str], note
     for e in leaves:
         if e.rel_error is not None and e.rel_error > bar and not _is_within(e.name, keep):
             keep.append(e.name)
+            than = (f"{e.rel_error / typical:.0f}x the typical module's {typical:.2g}" if typical > 0 else
+                    f"above {bar:.2g} ({EPS_MULTIPLE:g} machine epsilons of {half}; the typical module's is 0)")
             notes.append(f"{e.name or '(model)'} ({e.type}): local error {e.rel_error:.3g} against its FP32 shadow, "
-                         f"{e.rel_error / max(typical, 1e-30):.0f}x the typical module's {typical:.2g}.")
+                         f"{than}.")
 
 
 def _underflow(leaves: list[ModuleEntry], steps: list[StepRecord], half: str | None, level: str | None,
                notes: list[str]) -> str | None:
-    """"dynamic" when the gradients underflow without a loss scale (see the module docstring)."""
+    """"dynamic" when the gradients underflow without a loss scale (see the module docstring).
+    Never for a half dtype whose normal range reaches as low as FP32's (bfloat16): its zero or
+    subnormal gradients are FP32's too (a saturated softmax, dead units), so O0 has them and no
+    loss scale brings them back; a loss scale recovers only what a narrower range loses."""
+    dtype = _half(half)
+    if dtype is None or torch.finfo(dtype).tiny <= torch.finfo(torch.float32).tiny:
+        return None
     static_one = bool(steps) and all(s.loss_scale == 1.0 for s in steps)
     with_params = [(e, e.grad_underflow) for e in leaves if e.grad_underflow is not None]  # (layer, share)
     underflowing = [e for e, share in with_params if share >= UNDERFLOW_SHARE]

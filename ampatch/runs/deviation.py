@@ -36,7 +36,8 @@ batch-to-batch noise that both losses share. From them:
 - the *noise* of the deviation: how far a window mean of D strays by D's own noise alone, at
   `CONFIDENCE` over every compared step (Bonferroni), relative to P; `beyond`: how far the
   deviation goes past that allowance (at each step, for the losses in its window). ``tune``
-  holds `beyond` to the tolerance, and cannot judge a run whose noise alone exceeds it.
+  holds `beyond` to the tolerance, and cannot qualify a run whose noise alone exceeds it (one
+  that goes beyond that noise by more than the tolerance fails all the same).
 - `unresolved`: why the run's own loss cannot witness P (its values are computed in a dtype
   whose rounding at that level is as large as P: a bfloat16 loss cannot show a fall of 3e-7).
 

@@ -15,7 +15,8 @@ doing its job). Then two witnesses, the loss first:
   straddling a bound, the loss cannot tell yet. Its paired differences from O0 must be quiet
   enough to resolve the tolerance (their noise allowance within it; else the loss cannot tell,
   and names the tolerance it could decide at), and the deviation of its curve from O0's may
-  go no further than the tolerance beyond that allowance (else it fails).
+  go no further than the tolerance beyond that allowance (else it fails, however noisy: the
+  allowance already grants the noise its due).
 - **The weights** (`ampatch.runs.weights`), where the loss cannot tell: how far the run's
   weights went O0's way (the same band as the loss's share, at the same confidence: a stalled
   run fails even where the loss is flat) and, to qualify on them, how close they stay to O0's
@@ -217,7 +218,7 @@ def _by_loss(c: Comparison, rule: Rule, reference: Reference, steps: int | None)
         return _Loss(None, f"{learns}: too uncertain to say whether it is {band.replace(' needed', '')}; "
                            f"deviation {dev:.2%}", Decider(_more_steps(steps, 2.0)))
     noise, beyond = c.noise or 0.0, c.beyond if c.beyond is not None else dev
-    if noise > rule.tolerance:
+    if noise > rule.tolerance and beyond <= rule.tolerance:  # beyond its noise by more than the tolerance: it fails
         return _Loss(None, f"too noisy to judge at this tolerance ({rule.tolerance:.2%}): its per-step differences "
                            f"from O0 stray {noise:.2%} of O0's progress by noise alone ({rule.confidence:.0%} "
                            f"confidence); it could decide at a tolerance of {noise:.2%}; deviation {dev:.2%}",

@@ -297,6 +297,30 @@ def test_one_layer_whose_gradient_underflows_whole_is_a_finding(tmp_path, monkey
     assert any("mid.lin" in n and "never learns" in n for n in rec["notes"])
 
 
+class Dead(nn.Module):
+    """A layer behind a ReLU that never fires: its weights' gradients are exactly 0 in FP32 too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        with torch.no_grad():
+            self.lin.bias.fill_(-1e3)
+
+    def forward(self, x):
+        return x + torch.relu(self.lin(x))
+
+
+def test_zero_gradients_in_bfloat16_are_not_underflow(tmp_path, monkeypatch):
+    """bfloat16's range is FP32's: a gradient that is 0 in it is 0 at O0 too (a dead layer, a
+    saturated softmax) and no loss scale brings it back, so no loss scale is recommended."""
+    torch.manual_seed(0)
+    result = _diagnose(tmp_path, monkeypatch, Net(mid=Dead()), "O4", None)
+    under = {m["name"]: m["grad_underflow"] for m in result["modules"] if m["grad_underflow"] is not None}
+    assert under["mid.lin"] >= 0.99
+    assert result["recommendation"]["settings"] == {}
+    assert not any("underflow" in n for n in result["recommendation"]["notes"])
+
+
 def test_an_optimizer_step_that_makes_weights_nan_is_a_step_fault_not_a_module(tmp_path, monkeypatch):
     """O3 float16 with Adam's eps=1e-8 (0 in float16): a weight whose gradient is 0 becomes
     0/0 = NaN at the step. No module's precision causes it, so none is recommended: FP32 master
@@ -359,3 +383,17 @@ def test_the_growth_rule_diagnose_and_tune_share():
     assert grow(["a", ""], found("a")) is None
     fault = StepFault(*[None] * len(StepFault.__dataclass_fields__))
     assert grow(["a.b"], found("c", fault)) is None
+
+
+def test_an_outlier_among_exact_modules_is_named_in_plain_numbers():
+    """Most leaves exact in half (norms run in FP32, identities): the typical module's error is 0,
+    so the note names the floor the outlier cleared, not a ratio to 0."""
+    from ampatch.record.records import ModuleRecord, Recording, StepRecord
+    steps = [StepRecord(i, 2.0, True, 1.0, False) for i in range(4)]
+    modules = [ModuleRecord("fc", "Linear", True, 4, 1.0, rel_errors=[0.003]),
+               *(ModuleRecord(f"norm{i}", "LayerNorm", True, 4, 1.0, rel_errors=[0.0]) for i in range(3)),
+               ModuleRecord("shift", "Shift", True, 4, 1.0, rel_errors=[0.7])]
+    r = diagnosis(Recording("O4", "bfloat16", 1.0, "none", [], [], True, 4, steps, modules, [])).recommendation
+    assert r.keep_fp32 == ("shift",)
+    note = next(n for n in r.notes if n.startswith("shift"))
+    assert "the typical module's is 0" in note and "e+" not in note, note

@@ -220,3 +220,17 @@ def test_a_loss_curve_that_strays_where_the_weights_do_not_is_the_loss_arithmeti
     apart = _witness([[x * (k + 1) + 0.3 * (k + 1) * rng.gauss(0, 1) for x in way] for k in range(8)])
     w = judge(_row("O4", offset, base, apart), Rule(0.02), ref, o0_witness=o0w)
     assert w.outcome is Outcome.FAILS and w.evidence is Evidence.LOSS and "> tolerance 2.00%" in w.reason
+
+
+def test_a_deviation_beyond_its_noise_by_more_than_the_tolerance_fails_however_noisy():
+    """Differences too noisy to qualify a run at the tolerance, but a curve that strays from O0's
+    by more than the tolerance past that noise: the loss decides, it fails (before, every level
+    of a planted bfloat16 cancellation read "can't tell" and tune wrote no policy)."""
+    rng = random.Random(5)
+    o0 = [3.0 - 0.005 * i + rng.gauss(0, 0.01) for i in range(200)]
+    base = _row("O0", o0)
+    strays = [x + rng.gauss(0, 0.05) + (0.2 if i >= 100 else 0.0) for i, x in enumerate(o0)]
+    v = judge(_row("O1", strays, base), Rule(0.02), base.reference())
+    assert v.noise > 0.02 and v.beyond > 0.02
+    assert v.outcome is Outcome.FAILS and v.judged and not v.qualifies
+    assert "beyond its noise of" in v.reason and "> tolerance 2.00%" in v.reason
