@@ -8,6 +8,7 @@ test_cli.py's test_a_bad_argument_from_the_real_command and Ctrl-C tests, test_r
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,3 +43,12 @@ def ampatch_main(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, 
     code = cli.main(list(args))
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(["ampatch", *args], code, out, err)
+
+
+def as_from_a_terminal() -> None:
+    """A `preexec_fn` for a real ``python -m ampatch`` whose signals a test sends: SIGINT,
+    SIGHUP and SIGTERM at their defaults, as in a command typed at a terminal. A suite started
+    in the background (``cmd &``, ``nohup``) hands its children SIGINT and SIGHUP ignored, and
+    the command rightly leaves an ignored signal ignored."""
+    for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli import ampatch_main
+from _cli import ampatch_main, as_from_a_terminal
 
 from ampatch import cli
 from ampatch.cli import common
@@ -375,7 +375,7 @@ def test_ctrl_c_prints_the_levels_that_finished(tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "ampatch", "compare", "--levels", "O0,O1,O2", "--",
                              "python", str(script), str(pids)], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=as_from_a_terminal)
     try:
         seen = []
         for line in proc.stderr:  # wait until O1 runs (and has started its script)
@@ -414,7 +414,7 @@ def test_ctrl_c_during_a_built_in_workload_leaves_no_process_behind(tmp_path: Pa
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "ampatch", "compare", "--levels", "O0,O1", "--size", "tiny",
                              "--steps", "150"], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=as_from_a_terminal)
     try:
         seen = []
         for line in proc.stderr:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _cli import as_from_a_terminal
 
 from ampatch.runs import process, runner
 
@@ -69,7 +70,7 @@ def start_ampatch(*args: str, cwd: Path, output: int = subprocess.PIPE) -> subpr
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPATCH_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, "-m", "ampatch", *args], cwd=cwd, env=env, text=True,
-                            stdout=output, stderr=output)
+                            stdout=output, stderr=output, preexec_fn=as_from_a_terminal)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, within_s: float = 120.0) -> list[int]:
