@@ -12,6 +12,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from _idioms import ema_v3_update
 from torch import nn
 
 F32 = torch.float32
@@ -43,19 +44,6 @@ def apex_scaler_step(amp, model, optimizer, x, y) -> None:
     torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
     optimizer.step()
     optimizer.zero_grad()
-
-
-def ema_v3_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    """timm's ModelEmaV3.apply_update_ (foreach path), as timm writes it."""
-    with torch.no_grad():
-        ema_values, model_values = [], []
-        for ema_v, model_v in zip(ema.state_dict().values(), model.state_dict().values()):
-            if ema_v.is_floating_point():
-                ema_values.append(ema_v)
-                model_values.append(model_v)
-            else:
-                ema_v.copy_(model_v)
-        torch._foreach_lerp_(ema_values, model_values, weight=1.0 - decay)
 
 
 @pytest.mark.parametrize("level", ["O2", "O5"])

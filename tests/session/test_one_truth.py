@@ -12,6 +12,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from _idioms import ema_v3_update
 from torch import nn
 
 import ampatch as amp
@@ -95,19 +96,6 @@ def _end_session():
 
 
 # ------------------------------------------------------------------ 1. EMA copies
-def ema_v3_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    """timm's ModelEmaV3.apply_update_ (foreach path), as timm writes it."""
-    with torch.no_grad():
-        ema_values, model_values = [], []
-        for ema_v, model_v in zip(ema.state_dict().values(), model.state_dict().values()):
-            if ema_v.is_floating_point():
-                ema_values.append(ema_v)
-                model_values.append(model_v)
-            else:
-                ema_v.copy_(model_v)
-        torch._foreach_lerp_(ema_values, model_values, weight=1.0 - decay)
-
-
 def ema_v2_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
     """timm's ModelEmaV2._update, as timm writes it."""
     with torch.no_grad():
