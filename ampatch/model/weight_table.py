@@ -77,8 +77,8 @@ class Weights:
                 self.unwatched = False
                 self.watch.watch(self)
             for r in list(self.records):
-                if r.touched() and r.settle() is Sync.RETIRED:
-                    self._retired(r)
+                if r.touched():
+                    self._settle(r)
 
     def settle_one(self, record: Weight) -> Weight | None:
         """`settle` for one record (a `state_dict` hook's sync point): the record, or None where
@@ -86,9 +86,14 @@ class Weights:
         `ModelEmaV3(dtype=...)` does: the tensor took the exact value and is the truth from now
         on, so an EMA written through `state_dict()` reaches the weights its forward uses)."""
         with self._lock:
-            if record.settle() is Sync.RETIRED:
-                self._retired(record)
-        return self.get(record.module, record.name)
+            return self._settle(record)
+
+    def _settle(self, r: Weight) -> Weight | None:
+        """`r` re-synced (the lock held); a retired one handled: None where it went."""
+        if r.settle() is not Sync.RETIRED:
+            return r
+        self._retired(r)
+        return self.get(r.module, r.name)
 
     def _retired(self, r: Weight) -> None:
         """A live model's record whose tensor went or left the half dtype: nothing to sync (the
