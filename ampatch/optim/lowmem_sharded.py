@@ -17,7 +17,7 @@ the whole story.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -98,18 +98,13 @@ class ShardedLowMem(Masters):
     def _adopt_counts(self, optimizer: torch.optim.Optimizer) -> None:
         """The seed and step count a checkpoint put in the param groups of the plain optimizer
         before `initialize` (checked, then taken out); a malformed one raises."""
-        found = [(g.get(SEED_KEY), g.get(ROUNDS_KEY)) for g in optimizer.param_groups if SEED_KEY in g]
-        if not found:
-            return
-        seed, rounds = found[0]
-        problem = _bad_count("seed", seed) or _bad_count("rounds", rounds, missing_ok=True)
+        counts, problem = _counts(optimizer.param_groups)
         if problem is not None:
             raise ConfigError(f"optimizer checkpoint: {problem}; amp.initialize changed nothing.")
-        for g in optimizer.param_groups:
-            g.pop(SEED_KEY, None)
-            g.pop(ROUNDS_KEY, None)
-        if self.mode is MasterMode.STOCHASTIC:
-            self.seed, self.rounds = _count(seed) or 0, _count(rounds) or 0  # (checked: seed is a count)
+        _drop_counts(optimizer.param_groups)
+        if counts is not None and self.mode is MasterMode.STOCHASTIC:
+            self.seed, rounds = counts
+            self.rounds = rounds or 0
 
     # ------------------------------------------------------------------ params
     def make(self, p: torch.Tensor) -> torch.Tensor:
@@ -252,15 +247,9 @@ class ShardedLowMem(Masters):
                 name = self.names.get(id(params[i]), f"param {i}")
                 problem = problem or bad_compensation(c, params[i], name, exact_dtype=True)
                 comps[i] = c
-        seeds = []
-        for g in state_dict["param_groups"]:
-            if SEED_KEY in g or ROUNDS_KEY in g:
-                seeds.append((g.pop(SEED_KEY, None), g.pop(ROUNDS_KEY, None)))
-        for key, value in (("seed", s) for s, _ in seeds):
-            problem = problem or _bad_count(key, value)
-        for key, value in (("rounds", r) for _, r in seeds):
-            problem = problem or _bad_count(key, value, missing_ok=True)
-        problem = first_problem(problem, process_group, params[0].device if params else "cpu")
+        counts, bad = _counts(state_dict["param_groups"])
+        _drop_counts(state_dict["param_groups"])  # (the caller's groups were copied above)
+        problem = first_problem(problem or bad, process_group, params[0].device if params else "cpu")
         if problem is not None:
             raise ConfigError(f"optimizer checkpoint: {problem}; nothing was loaded.")
 
@@ -273,14 +262,13 @@ class ShardedLowMem(Masters):
                         if id(p) in self.comp:
                             self.comp[id(p)].copy_(local_part(c, p, self.offset[id(p)]))
                             self.loaded.add(id(p))
-            if (comps and not kahan) or (seeds and kahan):
+            if (comps and not kahan) or (counts and kahan):
                 logger.info("ampatch: the optimizer checkpoint was saved with master_weights=%r, this session uses "
                             "%r: its %s not loaded.", "kahan" if comps else "stochastic", self.mode.value,
                             "compensation is" if comps else "rounding seed is")
-            if seeds and not kahan:
-                seed, rounds = seeds[0]
-                self.seed = _count(seed) or 0  # (checked: a count)
-                self.rounds = _count(rounds) or 0
+            if counts and not kahan:
+                self.seed, rounds = counts
+                self.rounds = rounds or 0
                 if rounds is None:
                     logger.info("ampatch: the optimizer checkpoint has no stochastic rounding step count: rounding "
                                 "goes on from step 0, unbiased as before, but not bit for bit.")
@@ -365,6 +353,25 @@ def _count(value: Any) -> int | None:
             and value.numel() == 1:
         return int(value.item())
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _counts(groups: Sequence[dict]) -> tuple[tuple[int, int | None] | None, str | None]:
+    """The stochastic rounding's (seed, step count) that param `groups` carry (the first
+    group's; the count None where it was not saved) and what is wrong with any group's:
+    (None, None) where no group carries them."""
+    found = [(g.get(SEED_KEY), g.get(ROUNDS_KEY)) for g in groups if SEED_KEY in g or ROUNDS_KEY in g]
+    problem = next((p for seed, rounds in found
+                    if (p := _bad_count("seed", seed) or _bad_count("rounds", rounds, missing_ok=True))), None)
+    if not found or problem is not None:
+        return None, problem
+    seed, rounds = found[0]
+    return (_count(seed) or 0, _count(rounds)), None
+
+
+def _drop_counts(groups: Sequence[dict]) -> None:
+    for g in groups:
+        g.pop(SEED_KEY, None)
+        g.pop(ROUNDS_KEY, None)
 
 
 def _bad_count(key: str, value: Any, missing_ok: bool = False) -> str | None:
