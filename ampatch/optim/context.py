@@ -79,7 +79,6 @@ STAGE_MOVES: Mapping[StageCall, Mapping[GradStage, GradStage | None]] = {
 }
 
 
-@torch._disable_dynamo  # torch.compiler.disable, Dynamo imported at the first call, not with ampatch
 def expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
     """The stage `call` leaves a handle in `stage` in (BACK: the one SCALED was entered from),
     after checking that `stage` is one `call` is allowed in; else RuntimeError naming both (as
@@ -89,7 +88,14 @@ def expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
     Never traced: where a compiled function calls scale_loss and step() (mmengine's compiled
     train_step), Dynamo compiles the handle's frames, and it guards no enum read from an
     object's attribute that only keys a dict (torch 2.13): a traced look-up kept the stage it
-    first saw (after one overflow, every later step was skipped). A graph break instead."""
+    first saw (after one overflow, every later step was skipped). There the look-up is a
+    graph break and runs eagerly; an eager call pays nothing for it."""
+    if torch.compiler.is_compiling():
+        return _expect_stage_eagerly(call, stage)
+    return _expect_stage(call, stage)
+
+
+def _expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
     try:
         return STAGE_MOVES[call][stage]
     except KeyError:
@@ -98,6 +104,10 @@ def expect_stage(call: StageCall, stage: GradStage) -> GradStage | None:
                             f"it is allowed only in {allowed}. Whatever drives this handle called it out of order "
                             "(before_backward comes before after_backward): please report it with the "
                             "traceback.") from None
+
+
+# torch.compiler.disable, with Dynamo imported at the first call (never by `import ampatch`)
+_expect_stage_eagerly = torch._disable_dynamo(_expect_stage)
 
 
 class StepGuard(Protocol):
