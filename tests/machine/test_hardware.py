@@ -1,5 +1,5 @@
 """ampatch.machine.hardware: device detection, the once-only slow-half warning at initialize, the
-device in report(), and the lines `ampatch compare` prints. Fake devices make every branch
+device in report(), the lines `ampatch compare` prints, and the layer-size tip. Fake devices make every branch
 run on any machine; the real-device checks compare with torch's own probes."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from torch import nn
 
 import ampatch as amp
 from ampatch.machine import hardware
@@ -162,3 +163,40 @@ def test_float16_on_a_cpu_without_it_warns_at_the_users_line_once(monkeypatch, f
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O3",
                        half_dtype=torch.float16)             # once: no second warning
     amp.deinitialize()
+
+
+# ------------------------------------------------------------------ the layer-size tip
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3)
+        self.block = nn.Sequential(nn.Conv2d(16, 20, 1, groups=4), nn.ReLU(), nn.Conv1d(8, 8, 1))
+        self.fc = nn.Linear(30, 64)
+        self.head = nn.Linear(64, 10)
+        self.ok = nn.Linear(64, 64)
+        self.lazy = nn.LazyLinear(7)  # not initialized: no in_features yet
+
+
+def test_dims_not_multiple_of_8_lists_exactly_the_odd_layers() -> None:
+    assert hardware.dims_not_multiple_of_8(Net()) == [
+        "stem (Conv2d): in_channels=3",
+        "block.0 (Conv2d): out_channels=20",
+        "fc (Linear): in_features=30",
+        "head (Linear): out_features=10",
+    ]
+    assert hardware.dims_not_multiple_of_8(nn.Linear(5, 8)) == ["<model> (Linear): in_features=5"]
+    assert hardware.dims_not_multiple_of_8([nn.Linear(8, 8), nn.Sequential(nn.ConvTranspose2d(8, 9, 2))]) == [
+        "model1.0 (ConvTranspose2d): out_channels=9"]
+    assert hardware.dims_not_multiple_of_8(nn.Sequential(nn.Linear(16, 32), nn.Embedding(3, 5))) == []
+
+
+def test_log_dims_tip_logs_once_at_info(caplog) -> None:
+    model = nn.Linear(13, 8)  # a listing no other test logs
+    with caplog.at_level(logging.INFO, logger="ampatch"):
+        assert hardware.log_dims_tip(model, verbosity=0) == []
+        assert not caplog.records
+        assert hardware.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
+        assert hardware.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
+    records = [r for r in caplog.records if "multiples of 8" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert "in_features=13" in records[0].getMessage()

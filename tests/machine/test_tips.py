@@ -1,8 +1,6 @@
-"""ampatch.machine.tips: the multiple-of-8 layer listing and the dtype-mismatch hint, checked
-against real torch error messages."""
+"""ampatch.machine.tips: the dtype-mismatch hint, checked against real torch error messages,
+and the float16 eps warning initialize gives (`hardware.eps_lost_in_float16`)."""
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -11,42 +9,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from ampatch.machine import hardware, tips
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 16, 3)
-        self.block = nn.Sequential(nn.Conv2d(16, 20, 1, groups=4), nn.ReLU(), nn.Conv1d(8, 8, 1))
-        self.fc = nn.Linear(30, 64)
-        self.head = nn.Linear(64, 10)
-        self.ok = nn.Linear(64, 64)
-        self.lazy = nn.LazyLinear(7)  # not initialized: no in_features yet
-
-
-def test_dims_not_multiple_of_8_lists_exactly_the_odd_layers() -> None:
-    assert hardware.dims_not_multiple_of_8(Net()) == [
-        "stem (Conv2d): in_channels=3",
-        "block.0 (Conv2d): out_channels=20",
-        "fc (Linear): in_features=30",
-        "head (Linear): out_features=10",
-    ]
-    assert hardware.dims_not_multiple_of_8(nn.Linear(5, 8)) == ["<model> (Linear): in_features=5"]
-    assert hardware.dims_not_multiple_of_8([nn.Linear(8, 8), nn.Sequential(nn.ConvTranspose2d(8, 9, 2))]) == [
-        "model1.0 (ConvTranspose2d): out_channels=9"]
-    assert hardware.dims_not_multiple_of_8(nn.Sequential(nn.Linear(16, 32), nn.Embedding(3, 5))) == []
-
-
-def test_log_dims_tip_logs_once_at_info(caplog) -> None:
-    model = nn.Linear(13, 8)  # a listing no other test logs
-    with caplog.at_level(logging.INFO, logger="ampatch"):
-        assert hardware.log_dims_tip(model, verbosity=0) == []
-        assert not caplog.records
-        assert hardware.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
-        assert hardware.log_dims_tip(model) == ["<model> (Linear): in_features=13"]
-    records = [r for r in caplog.records if "multiples of 8" in r.getMessage()]
-    assert len(records) == 1 and records[0].levelno == logging.INFO
-    assert "in_features=13" in records[0].getMessage()
 
 
 def _error(fn) -> BaseException:
